@@ -1,0 +1,217 @@
+"""One description of every parameter (shape, format, logical axes, init rule).
+
+Random init, abstract shapes (`jax.eval_shape`-free: ShapeDtypeStructs straight from the
+description), checkpoint restore targets, shardings and parameter counts all derive from
+`describe(cfg)`.
+
+Parameter tree: a flat dict keyed by the OFFICIAL checkpoint names. Linears that may be
+quantised are keyed by module path (`layers.3.attn.wq_a`) and hold a quant type from
+`quant.py` (checkpoint tensors `<key>.weight` / `<key>.scale`); plain tensors keep the full
+name (`layers.3.attn_norm.weight`). Routed experts are stacked along a leading expert axis:
+`layers.N.ffn.experts.w1` holds all E experts' w1 ([E, out, in] logical).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import Config
+from . import quant as Q
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]  # logical (dequantised) shape
+    fmt: str  # "bf16" | "f32" | "i32" | "fp8" | "fp4" | "nvfp4"
+    axes: tuple[str | None, ...]  # logical axis names, one per logical dim
+    init: str = "linear"  # linear | norm | embed | hc_fn | hc_scale | normal | small | ape | tid2eid
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt in ("fp8", "fp4", "nvfp4")
+
+
+def _block_specs(cfg: Config, p: str, layer: int) -> dict[str, ParamSpec]:
+    d, H, hd, ql = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    G, ol, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    lin, exp_fmt = cfg.linear_dtype, cfg.expert_dtype
+    hc = cfg.hc_mult
+    nmix = (2 + hc) * hc
+    s: dict[str, ParamSpec] = {}
+    s[p + "attn_norm.weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
+    s[p + "ffn_norm.weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
+    for w in ("attn", "ffn"):
+        s[p + f"hc_{w}_fn"] = ParamSpec((nmix, hc * d), "f32", (None, "embed_hc"), "hc_fn")
+        s[p + f"hc_{w}_base"] = ParamSpec((nmix,), "f32", (None,), "normal")
+        s[p + f"hc_{w}_scale"] = ParamSpec((3,), "f32", (None,), "hc_scale")
+    a = p + "attn."
+    s[a + "attn_sink"] = ParamSpec((H,), "f32", ("heads",), "normal")
+    s[a + "wq_a"] = ParamSpec((ql, d), lin, ("q_lora", "embed"))
+    s[a + "q_norm.weight"] = ParamSpec((ql,), "bf16", ("q_lora",), "norm")
+    s[a + "wq_b"] = ParamSpec((H * hd, ql), lin, ("heads_hd", "q_lora"))
+    s[a + "wkv"] = ParamSpec((hd, d), lin, ("head_dim", "embed"))
+    s[a + "kv_norm.weight"] = ParamSpec((hd,), "bf16", ("head_dim",), "norm")
+    s[a + "wo_a"] = ParamSpec((G * ol, H * hd // G), lin, ("o_groups_lora", "group_hd"))
+    s[a + "wo_b"] = ParamSpec((d, G * ol), lin, ("embed", "o_groups_lora"))
+    r = cfg.layer_ratio(layer)
+    if r > 0:
+        coff = 2 if r == 4 else 1
+        c = a + "compressor."
+        s[c + "wkv.weight"] = ParamSpec((coff * hd, d), "bf16", ("cmp_hd", "embed"))
+        s[c + "wgate.weight"] = ParamSpec((coff * hd, d), "bf16", ("cmp_hd", "embed"))
+        s[c + "ape"] = ParamSpec((r, coff * hd), "f32", (None, "cmp_hd"), "ape")
+        s[c + "norm.weight"] = ParamSpec((hd,), "bf16", ("head_dim",), "norm")
+    if r == 4:
+        ix, nI, ihd = a + "indexer.", cfg.index_n_heads, cfg.index_head_dim
+        s[ix + "wq_b"] = ParamSpec((nI * ihd, ql), lin, ("idx_heads_hd", "q_lora"))
+        s[ix + "weights_proj.weight"] = ParamSpec((nI, d), "bf16", ("idx_heads", "embed"))
+        c = ix + "compressor."
+        s[c + "wkv.weight"] = ParamSpec((2 * ihd, d), "bf16", (None, "embed"))
+        s[c + "wgate.weight"] = ParamSpec((2 * ihd, d), "bf16", (None, "embed"))
+        s[c + "ape"] = ParamSpec((r, 2 * ihd), "f32", (None, None), "ape")
+        s[c + "norm.weight"] = ParamSpec((ihd,), "bf16", (None,), "norm")
+    f = p + "ffn."
+    s[f + "gate.weight"] = ParamSpec((E, d), "bf16", ("experts_r", "embed"))
+    if cfg.is_hash_layer(layer):
+        s[f + "gate.tid2eid"] = ParamSpec((cfg.vocab_size, cfg.num_experts_per_tok), "i32",
+                                          ("vocab", None), "tid2eid")
+    else:
+        s[f + "gate.bias"] = ParamSpec((E,), "f32", ("experts_r",), "small")
+    s[f + "experts.w1"] = ParamSpec((E, I, d), exp_fmt, ("experts", "mlp", "embed"))
+    s[f + "experts.w3"] = ParamSpec((E, I, d), exp_fmt, ("experts", "mlp", "embed"))
+    s[f + "experts.w2"] = ParamSpec((E, d, I), exp_fmt, ("experts", "embed", "mlp"))
+    if cfg.n_shared_experts:
+        s[f + "shared_experts.w1"] = ParamSpec((I, d), lin, ("mlp", "embed"))
+        s[f + "shared_experts.w3"] = ParamSpec((I, d), lin, ("mlp", "embed"))
+        s[f + "shared_experts.w2"] = ParamSpec((d, I), lin, ("embed", "mlp"))
+    return s
+
+
+def describe(cfg: Config, include_mtp: bool = True) -> dict[str, ParamSpec]:
+    d, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    s: dict[str, ParamSpec] = {}
+    s["embed.weight"] = ParamSpec((V, d), "bf16", ("vocab", "embed"), "embed")
+    for i in range(cfg.num_hidden_layers):
+        s.update(_block_specs(cfg, f"layers.{i}.", i))
+    s["norm.weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
+    s["hc_head_fn"] = ParamSpec((hc, hc * d), "f32", (None, "embed_hc"), "hc_fn")
+    s["hc_head_base"] = ParamSpec((hc,), "f32", (None,), "normal")
+    s["hc_head_scale"] = ParamSpec((1,), "f32", (None,), "hc_scale")
+    s["head.weight"] = ParamSpec((V, d), "bf16", ("vocab", "embed"), "linear")
+    if include_mtp:
+        for j in range(cfg.num_nextn_predict_layers):
+            p = f"mtp.{j}."
+            s.update(_block_specs(cfg, p, cfg.num_hidden_layers + j))
+            s[p + "e_proj"] = ParamSpec((d, d), cfg.linear_dtype, ("embed", "embed_in"))
+            s[p + "h_proj"] = ParamSpec((d, d), cfg.linear_dtype, ("embed", "embed_in"))
+            for n in ("enorm", "hnorm", "norm"):
+                s[p + n + ".weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
+            s[p + "hc_head_fn"] = ParamSpec((hc, hc * d), "f32", (None, "embed_hc"), "hc_fn")
+            s[p + "hc_head_base"] = ParamSpec((hc,), "f32", (None,), "normal")
+            s[p + "hc_head_scale"] = ParamSpec((1,), "f32", (None,), "hc_scale")
+    return s
+
+
+# ---------------------------------------------------------------------------------------
+# Storage layout of each format: the arrays a leaf is made of
+# ---------------------------------------------------------------------------------------
+def storage_structs(spec: ParamSpec):
+    """The leaf as ShapeDtypeStructs (a quant type, or one struct)."""
+    *lead, o, i = spec.shape if len(spec.shape) >= 2 else (None, *spec.shape)
+    S = jax.ShapeDtypeStruct
+    if spec.fmt == "fp8":
+        return Q.Fp8Weight(S(spec.shape, jnp.float8_e4m3fn),
+                           S((*lead, -(-o // 128), -(-i // 128)), jnp.float8_e8m0fnu))
+    if spec.fmt == "fp4":
+        return Q.Fp4Weight(S((*lead, o, i // 2), jnp.int8), S((*lead, o, i // 32), jnp.float8_e8m0fnu))
+    if spec.fmt == "nvfp4":
+        return Q.NvFp4Weight(S((*lead, o, i // 2), jnp.uint8), S((*lead, o, i // 16), jnp.float8_e4m3fn),
+                             S(tuple(lead), jnp.float32))
+    dt = {"bf16": jnp.bfloat16, "f32": jnp.float32, "i32": jnp.int32}[spec.fmt]
+    return S(spec.shape, dt)
+
+
+def abstract_params(cfg: Config, include_mtp: bool = True) -> dict:
+    """Parameter tree of ShapeDtypeStructs; no memory is allocated."""
+    return {k: storage_structs(v) for k, v in describe(cfg, include_mtp).items()}
+
+
+def count_params(cfg: Config, include_mtp: bool = True) -> int:
+    """Logical parameter count (a packed FP4 byte counts as two parameters)."""
+    return sum(int(np.prod(s.shape)) for s in describe(cfg, include_mtp).values())
+
+
+def nbytes(cfg: Config, include_mtp: bool = True) -> int:
+    leaves = jax.tree.leaves(abstract_params(cfg, include_mtp))
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+# ---------------------------------------------------------------------------------------
+# Random, well-conditioned initialisation (numpy on the host, deterministic per name)
+# ---------------------------------------------------------------------------------------
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def init_dense(name: str, spec: ParamSpec, cfg: Config, seed: int) -> np.ndarray:
+    """The logical float32 (or int32) value of one parameter."""
+    g = _rng(seed, name)
+    shp = spec.shape
+    if spec.init == "tid2eid":
+        E, k = cfg.n_routed_experts, shp[-1]
+        return np.argsort(g.random((shp[0], E)), axis=-1)[:, :k].astype(np.int32)
+    if spec.init == "linear":
+        return (g.standard_normal(shp) / np.sqrt(shp[-1])).astype(np.float32)
+    if spec.init == "norm":
+        return (1.0 + 0.1 * g.standard_normal(shp)).astype(np.float32)
+    if spec.init == "embed":
+        return g.standard_normal(shp).astype(np.float32)
+    if spec.init == "hc_fn":
+        return (g.standard_normal(shp) / np.sqrt(shp[-1])).astype(np.float32)
+    if spec.init == "hc_scale":
+        return g.uniform(0.2, 1.0, shp).astype(np.float32)
+    if spec.init == "normal":
+        return g.standard_normal(shp).astype(np.float32)
+    if spec.init == "small":
+        return (0.1 * g.standard_normal(shp)).astype(np.float32)
+    if spec.init == "ape":
+        return (0.5 * g.standard_normal(shp)).astype(np.float32)
+    raise ValueError(f"unknown init rule {spec.init!r} for {name}")
+
+
+def encode(spec: ParamSpec, value: np.ndarray):
+    """Logical float32 value -> stored leaf (numpy arrays) in the spec's format."""
+    import ml_dtypes
+    if spec.fmt == "fp8":
+        return Q.Fp8Weight(*Q.encode_fp8_np(value))
+    if spec.fmt == "fp4":
+        return Q.Fp4Weight(*Q.encode_fp4_np(value))
+    if spec.fmt == "nvfp4":
+        return Q.NvFp4Weight(*Q.encode_nvfp4_np(value))
+    if spec.fmt == "bf16":
+        return value.astype(ml_dtypes.bfloat16)
+    if spec.fmt == "f32":
+        return value.astype(np.float32)
+    if spec.fmt == "i32":
+        return value.astype(np.int32)
+    raise ValueError(f"unknown format {spec.fmt!r}")
+
+
+def init_leaf(name: str, spec: ParamSpec, cfg: Config, seed: int):
+    return encode(spec, init_dense(name, spec, cfg, seed))
+
+
+def init_params(cfg: Config, seed: int = 0, include_mtp: bool = True) -> dict:
+    """Random parameters for any preset (materialised: use only for models that fit)."""
+    return {k: jax.tree.map(jnp.asarray, init_leaf(k, v, cfg, seed))
+            for k, v in describe(cfg, include_mtp).items()}
+
+
+def block_params(params: dict, prefix: str) -> dict:
+    """The sub-dict of one block with the prefix stripped: block_params(p, 'layers.3.')."""
+    n = len(prefix)
+    return {k[n:]: v for k, v in params.items() if k.startswith(prefix)}
