@@ -1,0 +1,195 @@
+"""The cached step: T new tokens for each of B batch rows (prefill chunk: B=1, T=chunk;
+decode: B=max_requests, T=1), each row at its own position, compiled as one XLA program
+with the cache donated.
+
+Batch row b writes cache slot slots[b]; its tokens sit at positions pos[b] .. pos[b]+T-1,
+of which the first nvalid[b] are real (the rest is padding: never written, never read).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .cache import BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv
+from .config import Config
+from .quant import Numerics
+from . import layers as L
+from . import model as M
+
+F32 = jnp.float32
+
+
+def _rows(tree, slots):
+    return jax.tree.map(lambda a: a[slots], tree)
+
+
+def _set_rows(tree, slots, new):
+    return jax.tree.map(lambda a, n: a.at[slots].set(n.astype(a.dtype)), tree, new)
+
+
+def _scatter(tree, idx, new):
+    """tree leaves [N0, N1, ...]; idx a tuple of index arrays (out of range -> dropped)."""
+    return jax.tree.map(lambda a, n: a.at[idx].set(n.astype(a.dtype), mode="drop"), tree, new)
+
+
+def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, c, freqs,
+                     cfg: Config, nm: Numerics, kind: str):
+    """Advance one compressor over a chunk.
+    x [B, T, D]; state st_a/st_z [B, r, coff*c] (rows of the current incomplete block);
+    pv_a/pv_z [B, r, c] (CSA: the previous complete block's [:c] half) ->
+    entries [B, nb, c], entry index [B, nb], complete [B, nb], new state."""
+    B, T, _ = x.shape
+    r = ratio
+    a, z = L.compressor_project(p, x, r, tok_pos)  # [B, T, coff*c]
+    off = pos % r
+    nb = -(-(r + T) // r)  # virtual blocks covering the state rows and the chunk
+    VL = (nb + 1) * r  # one spare block so the trailing partial block always exists
+    t = jnp.arange(T)
+    dst = jnp.where(t[None, :] < nvalid[:, None], off[:, None] + t[None, :], VL)  # [B, T]
+    b_ix = jnp.arange(B)[:, None]
+    va = jnp.zeros((B, VL, a.shape[-1]), F32).at[:, :r].set(st_a)
+    vz = jnp.zeros((B, VL, z.shape[-1]), F32).at[:, :r].set(st_z)
+    va = va.at[b_ix, dst].set(a, mode="drop")
+    vz = vz.at[b_ix, dst].set(z, mode="drop")
+    blockstart = pos - off
+    end = pos + nvalid
+    k = jnp.arange(nb)
+    complete = blockstart[:, None] + (k[None, :] + 1) * r <= end[:, None]  # [B, nb]
+    a_blk = va[:, :nb * r].reshape(B, nb, r, -1)
+    z_blk = vz[:, :nb * r].reshape(B, nb, r, -1)
+    if r == 4:
+        has_prev = (blockstart > 0)[:, None, None]
+        prev_a = jnp.where(has_prev, pv_a, 0.0)
+        prev_z = jnp.where(has_prev, pv_z, -jnp.inf)
+        pooled = L.pool_blocks(a_blk, z_blk, r, c, prev_a, prev_z)
+    else:
+        pooled = L.pool_blocks(a_blk, z_blk, r, c)
+    first = blockstart[:, None] + k[None, :] * r
+    entries = L.finish_entries(p, pooled, first, freqs, cfg, nm, kind)
+    eidx = blockstart[:, None] // r + k[None, :]
+    # new state: the block holding `end` becomes current; the one before it previous
+    ncomp = (end - blockstart) // r  # complete blocks this step, <= nb
+    allb_a = va.reshape(B, nb + 1, r, -1)
+    allb_z = vz.reshape(B, nb + 1, r, -1)
+    new_st_a = allb_a[jnp.arange(B), ncomp]
+    new_st_z = allb_z[jnp.arange(B), ncomp]
+    new_pv_a = new_pv_z = None
+    if r == 4:
+        last = jnp.maximum(ncomp - 1, 0)
+        got = (ncomp > 0)[:, None, None]
+        new_pv_a = jnp.where(got, allb_a[jnp.arange(B), last][..., :c], pv_a)
+        new_pv_z = jnp.where(got, allb_z[jnp.arange(B), last][..., :c], pv_z)
+    return entries, eidx, complete, (new_st_a, new_st_z, new_pv_a, new_pv_z)
+
+
+def _pool_addr(eidx, complete, bt_rows, epb, nb_total):
+    """Pool (block, slot) of entries; incomplete ones -> out of range (dropped)."""
+    blk = jnp.take_along_axis(bt_rows, jnp.clip(eidx // epb, 0, bt_rows.shape[1] - 1), 1)
+    ok = complete & (blk >= 0) & (eidx // epb < bt_rows.shape[1])
+    return jnp.where(ok, blk, nb_total), eidx % epb
+
+
+def _gather_entries(pool, bt_rows, epb):
+    """All entry slots of each request: pool leaves [NB, epb, ...] -> [B, MAXB*epb, ...]."""
+    blk = jnp.maximum(bt_rows, 0)  # unused blocks read block 0, masked by visibility
+    return jax.tree.map(lambda a: a[blk].reshape(blk.shape[0], -1, *a.shape[2:]), pool)
+
+
+def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg: Config,
+                     cs: CacheSpec, nm: Numerics, ratio: int):
+    """Attention for a chunk with the paged cache. Returns (out [B, T, D], new layer cache)."""
+    B, T, _ = x.shape
+    W = cfg.sliding_window
+    freqs = L.rope_freqs(cfg, ratio)
+    q, kv, cq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm)
+    lc = dict(lc)
+    # ---- window: ring contents before this step + the chunk's own rows
+    ring = decode_kv(cs, _rows(lc["win"], slots), nm.jdtype)  # [B, W, K]
+    ring_pos = _rows(lc["win_pos"], slots)
+    ring_pos = jnp.where(ring_pos < pos[:, None], ring_pos, -1)  # stale slots of a new request
+    new_pos = jnp.where(valid, tok_pos, -1)
+    kpos = jnp.concatenate([ring_pos, new_pos], 1)  # [B, W+T]
+    keys = jnp.concatenate([ring, kv], 1)
+    p_t = tok_pos[:, :, None]
+    mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= p_t) & (kpos[:, None, :] > p_t - W)
+    # write the chunk's last W valid rows into the ring (unique slots)
+    end = pos + nvalid
+    keep = valid & (tok_pos >= (end - W)[:, None])
+    rslot = jnp.where(keep, tok_pos % W, W)
+    srow = jnp.broadcast_to(slots[:, None], (B, T))
+    lc["win"] = _scatter(lc["win"], (srow, rslot), encode_kv(cs, kv))
+    lc["win_pos"] = lc["win_pos"].at[srow, rslot].set(tok_pos, mode="drop")
+    if ratio > 0:
+        epb = BLOCK_TOKENS // ratio
+        NB = cs.num_blocks
+        cp = L.block_params(ap, "compressor.")
+        st = (lc["st_a"][slots], lc["st_z"][slots],
+              lc["pv_a"][slots] if ratio == 4 else None, lc["pv_z"][slots] if ratio == 4 else None)
+        ent, eidx, comp, (sa, sz, pa, pz) = compressor_chunk(
+            cp, x, tok_pos, pos, nvalid, *st, ratio, cfg.head_dim, freqs, cfg, nm, "main")
+        lc["st_a"] = lc["st_a"].at[slots].set(sa)
+        lc["st_z"] = lc["st_z"].at[slots].set(sz)
+        if ratio == 4:
+            lc["pv_a"] = lc["pv_a"].at[slots].set(pa)
+            lc["pv_z"] = lc["pv_z"].at[slots].set(pz)
+        blk, sl = _pool_addr(eidx, comp, bt_rows, epb, NB)
+        lc["cmp"] = _scatter(lc["cmp"], (blk, sl), encode_kv(cs, ent))
+        cents = decode_kv(cs, _gather_entries(lc["cmp"], bt_rows, epb), nm.jdtype)  # [B, NE, K]
+        NE = cents.shape[1]
+        visible = (jnp.arange(NE)[None, None, :] < ((tok_pos + 1) // ratio)[:, :, None])
+        if ratio == 4:
+            ip = L.block_params(ap, "indexer.")
+            icp = L.block_params(ip, "compressor.")
+            ic = cfg.index_head_dim
+            ist = (lc["ist_a"][slots], lc["ist_z"][slots], lc["ipv_a"][slots], lc["ipv_z"][slots])
+            kI, _, _, (sa, sz, pa, pz) = compressor_chunk(
+                icp, x, tok_pos, pos, nvalid, *ist, ratio, ic, freqs, cfg, nm, "indexer")
+            lc["ist_a"] = lc["ist_a"].at[slots].set(sa)
+            lc["ist_z"] = lc["ist_z"].at[slots].set(sz)
+            lc["ipv_a"] = lc["ipv_a"].at[slots].set(pa)
+            lc["ipv_z"] = lc["ipv_z"].at[slots].set(pz)
+            lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
+            keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
+            qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm)
+            scores = L.indexer_scores(qI, wI, keysI)
+            visible, _ = L.topk_mask(scores, visible, cfg.index_topk)
+        keys = jnp.concatenate([keys, cents], 1)
+        mask = jnp.concatenate([mask, visible], -1)
+    o = L.attend(q, keys[:, None], mask, ap["attn_sink"], nm)
+    return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
+
+
+def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs: CacheSpec,
+         nm: Numerics):
+    """tokens [B, T] int32, slots/pos/nvalid [B] int32, block_table [R, MAXB] int32 ->
+    (logits [B, V] f32 at each row's last valid token, new cache)."""
+    B, T = tokens.shape
+    tok_pos = pos[:, None] + jnp.arange(T)[None, :]
+    valid = jnp.arange(T)[None, :] < nvalid[:, None]
+    bt_rows = block_table[slots]
+    X = M.embed(params, tokens, cfg, nm)
+    new_cache = {}
+    for i in range(cfg.num_hidden_layers):
+        bp = L.block_params(params, f"layers.{i}.")
+        ratio = cfg.layer_ratio(i)
+        holder = {}
+
+        def attn(ap, x, i=i, ratio=ratio, holder=holder):
+            out, holder["lc"] = attention_cached(ap, cache[f"L{i}"], x, tok_pos, valid, slots,
+                                                 pos, nvalid, bt_rows, cfg, cs, nm, ratio)
+            return out
+
+        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
+            X = M.block(bp, X, tokens, i, cfg, nm, attn)
+        new_cache[f"L{i}"] = holder["lc"]
+    last = jnp.maximum(nvalid - 1, 0)
+    X_last = X[jnp.arange(B), last]  # [B, N, D]
+    return M.head(params, X_last, cfg, nm), new_cache
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
+    """jit(step) with the cache donated; one compilation per (B, T) shape."""
+    return jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))

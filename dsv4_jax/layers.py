@@ -1,0 +1,369 @@
+"""DeepSeek-V4 building blocks as pure functions over parameter dicts.
+
+Every function takes the block's params (official names with the block prefix stripped,
+see params.block_params), activations, and a static `Numerics`. Shapes: B batch, T tokens,
+D hidden, H heads, K head_dim (512), R rope dims (64), N hc streams (4), E experts.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import Config
+from .quant import Numerics, fp8_block_sim, fp4_block_sim, linear, dequant
+from . import kvformat
+
+F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------------------
+# Norms
+# ---------------------------------------------------------------------------------------
+def rms_norm(x, w, eps, out_dtype):
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
+    if w is not None:
+        y = y * w.astype(F32)
+    return y.astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Rotary embedding: interleaved pairs on the last R dims; per-layer base / YaRN
+# ---------------------------------------------------------------------------------------
+def rope_freqs(cfg: Config, ratio: int) -> np.ndarray:
+    """[R/2] inverse frequencies of a layer (ratio 0: base rope_theta, no YaRN;
+    ratio > 0: compress_rope_theta with YaRN)."""
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope_theta if ratio == 0 else cfg.compress_rope_theta
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if ratio == 0:
+        return freqs.astype(np.float32)
+    orig = cfg.rope_original_max_position
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(corr_dim(cfg.rope_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    smooth = 1 - ramp
+    freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
+    return freqs.astype(np.float32)
+
+
+def apply_rope(x, pos, freqs, inverse=False):
+    """Rotate the last 2*len(freqs) dims of x [..., T, (heads,) dim] at positions pos
+    [..., T] (broadcast over any head axis between T and dim)."""
+    R = 2 * freqs.shape[0]
+    ang = pos.astype(F32)[..., None] * jnp.asarray(freqs)  # [..., T, R/2]
+    while ang.ndim < x.ndim:  # insert head axes
+        ang = ang[..., None, :]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if inverse:
+        sin = -sin
+    r = x[..., -R:].astype(F32).reshape(*x.shape[:-1], R // 2, 2)
+    re, im = r[..., 0], r[..., 1]
+    out = jnp.stack([re * cos - im * sin, re * sin + im * cos], -1).reshape(*x.shape[:-1], R)
+    return jnp.concatenate([x[..., :-R], out.astype(x.dtype)], -1)
+
+
+# ---------------------------------------------------------------------------------------
+# mHC: manifold-constrained hyper-connections
+# ---------------------------------------------------------------------------------------
+def hc_weights(X, fn, scale, base, cfg: Config):
+    """X [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all f32)."""
+    N = cfg.hc_mult
+    flat = X.reshape(*X.shape[:-2], -1).astype(F32)
+    r = jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + cfg.rms_norm_eps)
+    m = jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision="highest") * r
+    pre = jax.nn.sigmoid(m[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
+    post = 2 * jax.nn.sigmoid(m[..., N:2 * N] * scale[1] + base[N:2 * N])
+    C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
+    C = jax.nn.softmax(C, -1) + cfg.hc_eps
+    C = C / (C.sum(-2, keepdims=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        C = C / (C.sum(-1, keepdims=True) + cfg.hc_eps)
+        C = C / (C.sum(-2, keepdims=True) + cfg.hc_eps)
+    return pre, post, C
+
+
+def hc_collapse(X, pre, dtype):
+    """sum_i pre[i] X[i]: [..., N, D] -> [..., D]."""
+    return jnp.einsum("...n,...nd->...d", pre, X.astype(F32)).astype(dtype)
+
+
+def hc_expand(f, X, post, C, dtype):
+    """X_new[j] = post[j] f + sum_i C[i, j] X[i]."""
+    y = post[..., :, None] * f.astype(F32)[..., None, :] + jnp.einsum(
+        "...ij,...id->...jd", C, X.astype(F32))
+    return y.astype(dtype)
+
+
+def hc_head(X, fn, scale, base, cfg: Config, dtype):
+    flat = X.reshape(*X.shape[:-2], -1).astype(F32)
+    r = jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + cfg.rms_norm_eps)
+    m = jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision="highest") * r
+    pre = jax.nn.sigmoid(m * scale[0] + base) + cfg.hc_eps
+    return hc_collapse(X, pre, dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Compressor (ratio r: CSA r=4 with overlap, HCA r=128) and Hadamard
+# ---------------------------------------------------------------------------------------
+def hadamard(x):
+    """Orthonormal Walsh-Hadamard transform over the last dim (Sylvester order)."""
+    n = x.shape[-1]
+    h = np.array([[1.0]], np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return jnp.einsum("...i,ij->...j", x.astype(F32), jnp.asarray(h / math.sqrt(n)),
+                      precision="highest")
+
+
+def compressor_project(p, x, ratio, pos):
+    """Per-token compressor rows: a = wkv x, z = wgate x + ape[pos mod r] (fp32).
+    x [B, T, D], pos [B, T] -> a, z [B, T, coff*c]."""
+    xf = x.astype(F32)
+    a = jnp.einsum("btd,od->bto", xf, p["wkv.weight"].astype(F32), precision="highest")
+    z = jnp.einsum("btd,od->bto", xf, p["wgate.weight"].astype(F32), precision="highest")
+    z = z + p["ape"].astype(F32)[pos % ratio]
+    return a, z
+
+
+def pool_blocks(a_blk, z_blk, ratio, c, prev_a=None, prev_z=None):
+    """Softmax-gated pooling of complete blocks.
+    a_blk, z_blk [B, n, r, coff*c]. CSA (ratio 4): entry i pools block i-1 (channels [:c])
+    and block i (channels [c:]); prev_a/prev_z [B, r, c] are the block before the first
+    one (None: a = 0, z = -inf). Returns [B, n, c] f32."""
+    if ratio != 4:
+        w = jax.nn.softmax(z_blk, axis=2)
+        return jnp.sum(w * a_blk, axis=2)
+    B, n = a_blk.shape[:2]
+    if prev_a is None:
+        prev_a = jnp.zeros((B, ratio, c), F32)
+        prev_z = jnp.full((B, ratio, c), -jnp.inf, F32)
+    pa = jnp.concatenate([prev_a[:, None], a_blk[:, :-1, :, :c]], 1)
+    pz = jnp.concatenate([prev_z[:, None], z_blk[:, :-1, :, :c]], 1)
+    a2 = jnp.concatenate([pa, a_blk[..., c:]], 2)  # [B, n, 2r, c]
+    z2 = jnp.concatenate([pz, z_blk[..., c:]], 2)
+    w = jax.nn.softmax(z2, axis=2)
+    return jnp.sum(w * a2, axis=2)
+
+
+def finish_entries(p, pooled, first_pos, freqs, cfg: Config, nm: Numerics, kind: str):
+    """RMSNorm -> rope at the block's FIRST token -> main: FP8 sim of nope dims;
+    indexer: Hadamard + FP4 sim. pooled [B, n, c], first_pos [B, n]."""
+    e = rms_norm(pooled, p["norm.weight"], cfg.rms_norm_eps, nm.jdtype)
+    e = apply_rope(e, first_pos, freqs)
+    if kind == "main":
+        return kv_quant_sim(e, cfg, nm)
+    e = hadamard(e)
+    if nm.act_quant:
+        e = fp4_block_sim(e, 32)
+    return e.astype(nm.jdtype)
+
+
+def kv_quant_sim(kv, cfg: Config, nm: Numerics):
+    """FP8-simulate the nope dims of a main KV row with 64-wide blocks (bf16 row, rope
+    dims bf16): exactly what the FP8 cache stores and gives back."""
+    if not nm.act_quant:
+        return kv
+    return kvformat.kv_sim(kv).astype(kv.dtype)
+
+
+def compress_sequence(p, x, ratio, c, freqs, cfg, nm, kind):
+    """Whole-sequence compressor from position 0 (no cache): x [B, T, D] ->
+    entries [B, T // r, c] (complete blocks only)."""
+    B, T, _ = x.shape
+    n = T // ratio
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    a, z = compressor_project(p, x, ratio, pos)
+    if n == 0:
+        return jnp.zeros((B, 0, c), nm.jdtype)
+    a_blk = a[:, :n * ratio].reshape(B, n, ratio, -1)
+    z_blk = z[:, :n * ratio].reshape(B, n, ratio, -1)
+    pooled = pool_blocks(a_blk, z_blk, ratio, c)
+    first = jnp.broadcast_to(jnp.arange(n) * ratio, (B, n))
+    return finish_entries(p, pooled, first, freqs, cfg, nm, kind)
+
+
+# ---------------------------------------------------------------------------------------
+# Lightning indexer
+# ---------------------------------------------------------------------------------------
+def indexer_query(p, x, cq, pos, freqs, cfg: Config, nm: Numerics):
+    """qI [B, T, nI, 128] (rope, Hadamard, FP4 sim) and head weights w [B, T, nI] f32."""
+    B, T, _ = x.shape
+    nI, c = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(cq, p["wq_b"], nm).reshape(B, T, nI, c)
+    q = apply_rope(q, pos, freqs)
+    q = hadamard(q)
+    if nm.act_quant:
+        q = fp4_block_sim(q, 32)
+    q = q.astype(nm.jdtype)
+    w = linear(x, p["weights_proj.weight"], nm, out_dtype=F32) * (c ** -0.5 * nI ** -0.5)
+    return q, w
+
+
+def indexer_scores(qI, w, keys):
+    """I[b, t, i] = sum_h w[b,t,h] relu(qI[b,t,h] . K[b,i]). qI [B,T,nI,c], keys [B,n,c]."""
+    s = jnp.einsum("bthc,bnc->bthn", qI.astype(F32), keys.astype(F32), precision="highest")
+    return jnp.einsum("bth,bthn->btn", w, jax.nn.relu(s), precision="highest")
+
+
+def topk_mask(scores, eligible, k):
+    """Boolean [..., n] mask of the top-min(k, #eligible) eligible entries."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    s = jnp.where(eligible, scores, -jnp.inf)
+    _, idx = jax.lax.top_k(s, k)
+    sel = jnp.zeros(scores.shape, bool)
+    sel = jnp.any(jax.nn.one_hot(idx, n, dtype=bool), axis=-2) if k > 0 else sel
+    return sel & eligible, idx
+
+
+# ---------------------------------------------------------------------------------------
+# Attention core: scores over [keys] with a sink in the denominator
+# ---------------------------------------------------------------------------------------
+def attend(q, keys, mask, sink, nm: Numerics):
+    """q [B, T, H, K], keys [B, T or 1, S, K] (K = V), mask [B, T, S] bool, sink [H] ->
+    out [B, T, H, K] f32. p_j = exp(s_j) / (sum exp(s_j) + exp(sink))."""
+    K = q.shape[-1]
+    s = jnp.einsum("bthk,btsk->bths", q.astype(F32), keys.astype(F32),
+                   precision="highest") / math.sqrt(K)
+    s = jnp.where(mask[:, :, None, :], s, -jnp.inf)
+    sink = sink.astype(F32)[None, None, :]
+    m = jnp.maximum(jnp.max(s, -1), sink)
+    p = jnp.exp(s - m[..., None])
+    denom = p.sum(-1) + jnp.exp(sink - m)
+    if nm.jdtype == jnp.bfloat16:  # the reference kernel rounds P to bf16 before P.V
+        p = p.astype(jnp.bfloat16).astype(F32)
+    o = jnp.einsum("bths,btsk->bthk", p, keys.astype(F32), precision="highest")
+    return o / denom[..., None]
+
+
+def q_and_kv(p, x, pos, freqs, cfg: Config, nm: Numerics):
+    """Query heads [B,T,H,K], the shared K=V row [B,T,K] (roped, FP8-simulated) and cq."""
+    B, T, _ = x.shape
+    H, K = cfg.num_attention_heads, cfg.head_dim
+    cq = rms_norm(linear(x, p["wq_a"], nm), p["q_norm.weight"], cfg.rms_norm_eps, nm.jdtype)
+    q = linear(cq, p["wq_b"], nm).reshape(B, T, H, K)
+    q = rms_norm(q, None, cfg.rms_norm_eps, nm.jdtype)  # weightless per-head norm
+    q = apply_rope(q, pos, freqs)
+    kv = rms_norm(linear(x, p["wkv"], nm), p["kv_norm.weight"], cfg.rms_norm_eps, nm.jdtype)
+    kv = apply_rope(kv, pos, freqs)
+    kv = kv_quant_sim(kv, cfg, nm)
+    return q, kv, cq
+
+
+def attn_output(p, o, pos, freqs, cfg: Config, nm: Numerics):
+    """Inverse rope, grouped wo_a (bf16, no activation quant, as the reference), wo_b.
+    o [B, T, H, K] f32 -> [B, T, D]."""
+    B, T, H, K = o.shape
+    G = cfg.o_groups
+    o = apply_rope(o.astype(nm.jdtype), pos, freqs, inverse=True)
+    og = o.reshape(B, T, G, H // G * K)
+    wo_a = dequant(p["wo_a"], nm.jdtype).reshape(G, cfg.o_lora_rank, H // G * K)
+    z = jnp.einsum("btgk,gok->btgo", og, wo_a, preferred_element_type=F32).astype(nm.jdtype)
+    return linear(z.reshape(B, T, G * cfg.o_lora_rank), p["wo_b"], nm)
+
+
+def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None):
+    """Whole-sequence attention from position 0 (no cache). x [B, T, D] -> [B, T, D].
+    `debug`, if a dict, receives intermediates (indexer picks, compressor entries)."""
+    B, T, _ = x.shape
+    freqs = rope_freqs(cfg, ratio)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    q, kv, cq = q_and_kv(p, x, pos, freqs, cfg, nm)
+    t = jnp.arange(T)
+    win = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - cfg.sliding_window)
+    keys, mask = kv, jnp.broadcast_to(win, (B, T, T))
+    if ratio > 0:
+        ent = compress_sequence(block_params(p, "compressor."), x, ratio, cfg.head_dim, freqs,
+                                cfg, nm, "main")  # [B, n, K]
+        n = ent.shape[1]
+        visible = jnp.arange(n)[None, :] < ((t + 1) // ratio)[:, None]  # [T, n]
+        visible = jnp.broadcast_to(visible, (B, T, n))
+        if ratio == 4 and n > 0:
+            ip = block_params(p, "indexer.")
+            keysI = compress_sequence(block_params(ip, "compressor."), x, ratio,
+                                      cfg.index_head_dim, freqs, cfg, nm, "indexer")
+            qI, wI = indexer_query(ip, x, cq, pos, freqs, cfg, nm)
+            scores = indexer_scores(qI, wI, keysI)
+            visible, idx = topk_mask(scores, visible, cfg.index_topk)
+            if debug is not None:
+                debug["indexer_scores"] = jnp.where(visible | True, scores, 0)
+                debug["indexer_topk"] = jnp.where(jnp.take_along_axis(
+                    jnp.broadcast_to(jnp.arange(n) < ((t + 1) // ratio)[:, None], (B, T, n)),
+                    idx, -1), idx, -1)
+        if debug is not None:
+            debug["compressed_entries"] = ent
+        keys = jnp.concatenate([kv, ent], 1)
+        mask = jnp.concatenate([mask, visible], -1)
+    o = attend(q, keys[:, None], mask, p["attn_sink"], nm)
+    if debug is not None:
+        debug["attn_mask"] = mask
+    return attn_output(p, o, pos, freqs, cfg, nm)
+
+
+def block_params(p: dict, prefix: str) -> dict:
+    n = len(prefix)
+    return {k[n:]: v for k, v in p.items() if k.startswith(prefix)}
+
+
+# ---------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------
+def route(p, x, tokens, cfg: Config, hash_layer: bool):
+    """Gate scores sqrt(softplus(x W^T)) (fp32, unquantised) -> expert ids [..., k] and
+    routing weights [..., k]."""
+    logits = jnp.einsum("...d,ed->...e", x.astype(F32), p["gate.weight"].astype(F32),
+                        precision="highest")
+    s = jnp.sqrt(jax.nn.softplus(logits))
+    if hash_layer:
+        idx = p["gate.tid2eid"][tokens]
+    else:
+        _, idx = jax.lax.top_k(s + p["gate.bias"].astype(F32), cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(s, idx, -1)
+    w = w / w.sum(-1, keepdims=True) * cfg.routed_scaling_factor
+    return idx, w
+
+
+def swiglu(h1, h3, limit):
+    g = jnp.minimum(h1.astype(F32), limit)
+    u = jnp.clip(h3.astype(F32), -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+def expert_ffn(w1, w2, w3, x, weight, cfg: Config, nm: Numerics):
+    """One SwiGLU expert with clamps; the routing weight is applied BEFORE W2."""
+    h = swiglu(linear(x, w1, nm), linear(x, w3, nm), cfg.swiglu_limit)
+    if weight is not None:
+        h = h * weight[..., None]
+    return linear(h.astype(nm.jdtype), w2, nm, out_dtype=F32)
+
+
+def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None):
+    """x [B, T, D], tokens [B, T] -> [B, T, D]. Dense over experts with a combine mask
+    (fine for CPU-sized models; the GPU path replaces it)."""
+    idx, w = route(p, x, tokens, cfg, hash_layer)
+    E = cfg.n_routed_experts
+    comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
+    if debug is not None:
+        debug["router_idx"], debug["router_w"] = idx, w
+
+    def one(e, acc):
+        sub = lambda wt: jax.tree.map(lambda a: a[e], wt)
+        y = expert_ffn(sub(p["experts.w1"]), sub(p["experts.w2"]), sub(p["experts.w3"]), x,
+                       comb[..., e], cfg, nm)
+        return acc + y
+
+    out = jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
+    if cfg.n_shared_experts:
+        out = out + expert_ffn(p["shared_experts.w1"], p["shared_experts.w2"],
+                               p["shared_experts.w3"], x, None, cfg, nm)
+    return out.astype(nm.jdtype)
