@@ -158,7 +158,10 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def init_dense(name: str, spec: ParamSpec, cfg: Config, seed: int) -> np.ndarray:
-    """The logical float32 (or int32) value of one parameter."""
+    """The logical float32 (or int32) value of one parameter. Stacked expert tensors are
+    drawn expert by expert (`init_expert`) so a writer can stream them."""
+    if spec.axes[:1] == ("experts",):
+        return np.stack([init_expert(name, spec, cfg, seed, e) for e in range(spec.shape[0])])
     g = _rng(seed, name)
     shp = spec.shape
     if spec.init == "tid2eid":
@@ -181,6 +184,12 @@ def init_dense(name: str, spec: ParamSpec, cfg: Config, seed: int) -> np.ndarray
     if spec.init == "ape":
         return (0.5 * g.standard_normal(shp)).astype(np.float32)
     raise ValueError(f"unknown init rule {spec.init!r} for {name}")
+
+
+def init_expert(name: str, spec: ParamSpec, cfg: Config, seed: int, e: int) -> np.ndarray:
+    """Expert e's slice [out, in] of a stacked expert tensor `layers.N.ffn.experts.wK`."""
+    g = _rng(seed, f"{name}.{e}")
+    return (g.standard_normal(spec.shape[1:]) / np.sqrt(spec.shape[-1])).astype(np.float32)
 
 
 def encode(spec: ParamSpec, value: np.ndarray):
