@@ -176,9 +176,9 @@ def kv_quant_sim(kv, cfg: Config, nm: Numerics):
     return kvformat.kv_sim(kv).astype(kv.dtype)
 
 
-def compress_sequence(p, x, ratio, c, freqs, cfg, nm, kind):
+def compress_sequence(p, x, ratio, c, freqs, cfg, nm, kind, debug=None):
     """Whole-sequence compressor from position 0 (no cache): x [B, T, D] ->
-    entries [B, T // r, c] (complete blocks only)."""
+    entries [B, T // r, c] (complete blocks only). debug["gates"]: softmax(z) per token."""
     B, T, _ = x.shape
     n = T // ratio
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -188,6 +188,8 @@ def compress_sequence(p, x, ratio, c, freqs, cfg, nm, kind):
     a_blk = a[:, :n * ratio].reshape(B, n, ratio, -1)
     z_blk = z[:, :n * ratio].reshape(B, n, ratio, -1)
     pooled = pool_blocks(a_blk, z_blk, ratio, c)
+    if debug is not None:
+        debug[f"{kind}_compressor_gates"] = jax.nn.softmax(z_blk, axis=2)  # [B, n, r, coff*c]
     first = jnp.broadcast_to(jnp.arange(n) * ratio, (B, n))
     return finish_entries(p, pooled, first, freqs, cfg, nm, kind)
 
@@ -284,7 +286,7 @@ def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None):
     keys, mask = kv, jnp.broadcast_to(win, (B, T, T))
     if ratio > 0:
         ent = compress_sequence(block_params(p, "compressor."), x, ratio, cfg.head_dim, freqs,
-                                cfg, nm, "main")  # [B, n, K]
+                                cfg, nm, "main", debug)  # [B, n, K]
         n = ent.shape[1]
         visible = jnp.arange(n)[None, :] < ((t + 1) // ratio)[:, None]  # [T, n]
         visible = jnp.broadcast_to(visible, (B, T, n))
@@ -296,7 +298,7 @@ def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None):
             scores = indexer_scores(qI, wI, keysI)
             visible, idx = topk_mask(scores, visible, cfg.index_topk)
             if debug is not None:
-                debug["indexer_scores"] = jnp.where(visible | True, scores, 0)
+                debug["indexer_scores"] = scores  # [B, T, n] (before the causal mask)
                 debug["indexer_topk"] = jnp.where(jnp.take_along_axis(
                     jnp.broadcast_to(jnp.arange(n) < ((t + 1) // ratio)[:, None], (B, T, n)),
                     idx, -1), idx, -1)
@@ -306,8 +308,19 @@ def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None):
         mask = jnp.concatenate([mask, visible], -1)
     o = attend(q, keys[:, None], mask, p["attn_sink"], nm)
     if debug is not None:
-        debug["attn_mask"] = mask
+        debug["attn_mask"] = mask  # [B, T, T + n]: window keys (by position), then entries
+        debug["attn_probs"] = attention_probs(q, keys[:, None], mask, p["attn_sink"])
     return attn_output(p, o, pos, freqs, cfg, nm)
+
+
+def attention_probs(q, keys, mask, sink):
+    """[B, T, H, S] attention probabilities (sink excluded, so rows sum to < 1)."""
+    s = jnp.einsum("bthk,btsk->bths", q.astype(F32), keys.astype(F32),
+                   precision="highest") / math.sqrt(q.shape[-1])
+    s = jnp.where(mask[:, :, None, :], s, -jnp.inf)
+    m = jnp.maximum(jnp.max(s, -1), sink.astype(F32))
+    p = jnp.exp(s - m[..., None])
+    return p / (p.sum(-1) + jnp.exp(sink.astype(F32) - m))[..., None]
 
 
 def block_params(p: dict, prefix: str) -> dict:
