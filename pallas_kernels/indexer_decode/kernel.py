@@ -1,0 +1,213 @@
+"""Lightning-indexer scoring at decode as a Pallas Mosaic-GPU kernel (Hopper, sm_90a).
+
+For each request b (one query token at position t_b):
+    score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
+K_i is read straight from the `fp4` indexer key pool (split-half packed e2m1 nibbles + one
+e8m0 exponent per 32 dims, see pallas_kernels/CACHE_LAYOUT.md) and dequantised in-kernel
+with integer arithmetic (Hopper has no e2m1 casts). The top-k runs in XLA (`lax.top_k`) on
+the kernel's score row: an in-kernel top-k over up to 32K entries per request is not worth
+it at this stage.
+
+Kernel shape pipeline, per CTA (request b, a range of `cpc` chunks of 64 entries):
+    codes u32 [64 e, 16 words]   (2 pool blocks, TMA)    scale u32 [64 e] (4 e8m0 bytes)
+    -> for nibble n in 0..7: K_n bf16 [64 e, 16] (exact: e2m1 * 2^k)  into SMEM
+    -> S^T [64 e, 64 h] = sum_n K_n @ qp_n^T                       (8 wgmma, f32 acc)
+    -> score [64 e] = sum_h relu(S^T) * w[h]                          (f32)
+Nibble n of word j holds dim 4j + n//2 + 64*(n%2); the dim order inside the dot product
+does not matter, so q is permuted the same way outside the kernel (qp [B, 8, 64, 16]).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+N_HEADS = 64
+DIM = 128
+EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
+CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
+RATIO = 4
+
+
+def _nibble_dims(n):
+    """Dims held by nibble n (0..7) of words 0..15: 4j + n//2 + 64*(n%2)."""
+    return [4 * j + n // 2 + 64 * (n % 2) for j in range(16)]
+
+
+def permute_q(q_BHD):
+    """q [B, 64, 128] -> qp [B, 8, 64, 16] bf16 in the kernel's nibble order."""
+    perm = jnp.array([d for n in range(8) for d in _nibble_dims(n)], jnp.int32)
+    B = q_BHD.shape[0]
+    qp = jnp.take(q_BHD.astype(jnp.bfloat16), perm, axis=2)        # [B, 64, 128]
+    return qp.reshape(B, N_HEADS, 8, 16).transpose(0, 2, 1, 3)
+
+
+def _check(q, w, codes, scale, block_table, t):
+    B = q.shape[0]
+    if q.shape[1:] != (N_HEADS, DIM):
+        raise ValueError(f"indexer q must be [B, {N_HEADS}, {DIM}], got {q.shape}")
+    if w.shape != (B, N_HEADS):
+        raise ValueError(f"indexer weights must be [B, {N_HEADS}] = {(B, N_HEADS)}, got {w.shape}")
+    if codes.dtype != jnp.uint8 or codes.shape[1:] != (EPB, 64):
+        raise ValueError(f"idx_codes must be uint8 [NB, {EPB}, 64], got {codes.dtype} {codes.shape}")
+    if scale.dtype != jnp.uint8 or scale.shape != codes.shape[:2] + (4,):
+        raise ValueError(f"fp4 idx_scale must be uint8 [NB, {EPB}, 4], got {scale.dtype} {scale.shape}")
+    if block_table.ndim != 2 or block_table.shape[0] < B:
+        raise ValueError(f"block_table must be [R >= B, MAXB], got {block_table.shape} for B={B}")
+    if t.shape != (B,):
+        raise ValueError(f"positions t must be [B]={B}, got {t.shape}")
+
+
+def default_chunks_per_cta(B, n_chunks, num_sms=132):
+    """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks."""
+    return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
+
+
+def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
+                   chunks_per_cta=None, interpret=None):
+    """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
+
+    q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
+    w_BH [B, 64] f32 (already scaled), idx_codes uint8 [NB, 32, 64], idx_scale uint8
+    [NB, 32, 4], block_table int32 [R >= B, MAXB] (row b used for request b), t_B int32 [B].
+    """
+    _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
+    B = q_BHD.shape[0]
+    NB = idx_codes.shape[0]
+    bt = block_table[:B].astype(jnp.int32)
+    MAXB = bt.shape[1]
+    n_max = MAXB * EPB
+    n_chunks = -(-n_max // CHUNK)
+    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
+    n_ctas = -(-n_chunks // cpc)
+    # Pad the table to whole CTAs; -1 (unused) blocks are redirected to block 0 and masked.
+    bt = jnp.pad(bt, ((0, 0), (0, n_ctas * cpc * 2 - MAXB)), constant_values=-1)
+    bt = jnp.where(bt < 0, 0, bt)
+    n_elig = jnp.minimum((t_B.astype(jnp.int32) + 1) // RATIO, n_max)
+
+    qp = permute_q(q_BHD)                                               # [B, 8, 64, 16]
+    w = w_BH.astype(jnp.float32)
+    codes_u32 = lax.bitcast_convert_type(idx_codes.reshape(NB, EPB, 16, 4), jnp.uint32)
+    scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
+
+    out = _indexer_call(qp, w, codes_u32, scale_u32, bt, n_elig, cpc=cpc, n_ctas=n_ctas,
+                        interpret=interpret)
+    return out[:, :n_max]
+
+
+def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
+    B = qp.shape[0]
+    WG = plgpu.Layout.WGMMA
+    ROW = WG.reduce(1)   # one value per row (entry)
+    COL = WG.reduce(0)   # one value per column (head)
+    tr16 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    span = cpc * CHUNK
+
+    def kernel(qp_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g,
+               q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar):
+        b = lax.axis_index("b")
+        cta = lax.axis_index("c")
+        ne = ne_g[b]
+        first = cta * cpc
+        n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
+
+        def issue(j, slot):
+            chunk = first + j
+            for half in range(2):
+                blk = bt_g[b, 2 * chunk + half]
+                rows = pl.ds(half * EPB, EPB)
+                plgpu.copy_gmem_to_smem(codes_g.at[blk], c_s.at[slot, rows], bar.at[slot])
+                plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, rows], bar.at[slot])
+
+        @pl.when(n_load > 0)
+        def _():
+            issue(0, 0)
+            plgpu.copy_gmem_to_smem(qp_g.at[b], q_s, qbar)
+            plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
+
+        o_s[...] = jnp.full((span,), -jnp.inf, jnp.float32)
+
+        @pl.when(n_load > 0)
+        def _():
+            plgpu.barrier_wait(qbar)
+
+        def body(j, carry):
+            slot = lax.rem(j, 2)
+
+            @pl.when(j + 1 < n_load)
+            def _():
+                issue(j + 1, 1 - slot)
+            plgpu.barrier_wait(bar.at[slot])
+
+            words = plgpu.load(c_s.at[slot], layout=WG)                 # u32 [64, 16]
+            sc = plgpu.load(sc_s.at[slot], layout=ROW)                  # u32 [64]
+            col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 16), 1, layout=WG)
+            lo_half = col < 8                                           # words 0..7: dims < 32 of the half
+            # exp_bits[p] = (e - 1) << 23 for the two scale blocks of half p (p = n % 2).
+            exp_bits = []
+            for p in range(2):
+                e0 = lax.broadcast_in_dim((sc >> (16 * p)) & 0xFF, (CHUNK, 16), [0])
+                e1 = lax.broadcast_in_dim((sc >> (16 * p + 8)) & 0xFF, (CHUNK, 16), [0])
+                exp_bits.append((jnp.where(lo_half, e0, e1) - 1) << 23)
+            for n in range(8):
+                mag = (words >> (4 * n)) & 7
+                sign = (words << (28 - 4 * n)) & jnp.uint32(0x80000000)
+                # e2m1 magnitude m * 2^(e-127): normal codes (m >= 2) put m's bits right under
+                # the exponent; m == 1 is half the scale; m == 0 is zero.
+                bits = exp_bits[n % 2] + (jnp.where(mag >= 2, mag, 0) << 22)
+                bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
+                k_s[n] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+
+            def mma(acc_ref):
+                for n in range(8):
+                    plgpu.wgmma(acc_ref, k_s.at[n], q_s.at[n].T)
+                return acc_ref[...]
+            s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
+            wv = plgpu.load(w_s, layout=COL)
+            score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
+            ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
+            o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
+            return carry
+
+        lax.fori_loop(0, n_load, body, 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, pl.ds(first * CHUNK, span)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((B, n_ctas * span), jnp.float32),
+        grid=(B, n_ctas), grid_names=("b", "c"),
+        scratch_types=dict(
+            q_s=plgpu.SMEM((8, N_HEADS, 16), jnp.bfloat16, transforms=tr16),
+            w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
+            c_s=plgpu.SMEM((2, CHUNK, 16), jnp.uint32),
+            sc_s=plgpu.SMEM((2, CHUNK), jnp.uint32),
+            k_s=plgpu.SMEM((8, CHUNK, 16), jnp.bfloat16, transforms=tr16),
+            o_s=plgpu.SMEM((span,), jnp.float32),
+            qbar=plgpu.Barrier(num_arrivals=2),
+            bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
+        ),
+        interpret=interpret,
+    )(qp, w, codes, scale, bt, n_elig)
+
+
+def topk_from_scores(scores_BN, topk):
+    """Top-k entry ids [B, topk] int32 by descending score; -1 where fewer are eligible."""
+    B, N = scores_BN.shape
+    if N < topk:
+        scores_BN = jnp.pad(scores_BN, ((0, 0), (0, topk - N)), constant_values=-jnp.inf)
+    vals, ids = lax.top_k(scores_BN, topk)
+    return jnp.where(vals == -jnp.inf, -1, ids).astype(jnp.int32)
+
+
+def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, *,
+                 chunks_per_cta=None, interpret=None):
+    """Kernel scores + XLA top-k: entry ids [B, topk] int32, -1 padded."""
+    s = indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B,
+                       chunks_per_cta=chunks_per_cta, interpret=interpret)
+    return topk_from_scores(s, topk)
