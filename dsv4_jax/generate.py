@@ -1,0 +1,333 @@
+"""Generation: samplers, chunked prefill, a streaming iterator and a fully-jitted decode
+loop (`lax.while_loop`), plus teacher-forced logits for debugging.
+
+    eng = Engine(cfg, params)
+    out = eng.generate([[0, 17, 42], [0, 5]], max_new_tokens=16, sampler=TopP(0.9))
+    for step in eng.stream(prompts): ...   # [(request_index, token), ...] per step
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import BlockManager, CacheSpec, CapacityExceeded, init_cache
+from .config import Config
+from .decode import compiled_step, step as step_fn
+from .quant import Numerics
+
+
+# ---------------------------------------------------------------------------------------
+# Samplers: small frozen dataclasses with get_next_tokens(logits [B, V], key) -> [B] int32
+# ---------------------------------------------------------------------------------------
+def _check_temperature(t):
+    if not t > 0:
+        raise ValueError(f"temperature must be > 0, got {t}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    def get_next_tokens(self, logits, key):
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+
+    def get_next_tokens(self, logits, key):
+        return jax.random.categorical(key, logits / self.temperature, -1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    k: int = 50
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+        if self.k < 1:
+            raise ValueError(f"top-k needs k >= 1, got {self.k}")
+
+    def get_next_tokens(self, logits, key):
+        lg = logits / self.temperature
+        kth = jax.lax.top_k(lg, min(self.k, lg.shape[-1]))[0][..., -1:]
+        lg = jnp.where(lg >= kth, lg, -jnp.inf)
+        return jax.random.categorical(key, lg, -1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopP:
+    p: float = 0.9
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+        if not 0 < self.p <= 1:
+            raise ValueError(f"top-p needs 0 < p <= 1, got {self.p}")
+
+    def get_next_tokens(self, logits, key):
+        lg = logits / self.temperature
+        probs = jax.nn.softmax(lg, -1)
+        sp = jnp.sort(probs, -1)[..., ::-1]
+        cum = jnp.cumsum(sp, -1)
+        # the smallest prefix with mass >= p: keep tokens whose preceding mass is < p
+        n_keep = jnp.sum((cum - sp) < self.p, -1, keepdims=True)
+        thresh = jnp.take_along_axis(sp, n_keep - 1, -1)
+        lg = jnp.where(probs >= thresh, lg, -jnp.inf)
+        return jax.random.categorical(key, lg, -1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MinP:
+    p: float = 0.05
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+        if not 0 <= self.p <= 1:
+            raise ValueError(f"min-p needs 0 <= p <= 1, got {self.p}")
+
+    def get_next_tokens(self, logits, key):
+        lg = logits / self.temperature
+        probs = jax.nn.softmax(lg, -1)
+        lg = jnp.where(probs >= self.p * probs.max(-1, keepdims=True), lg, -jnp.inf)
+        return jax.random.categorical(key, lg, -1).astype(jnp.int32)
+
+
+Sampler = Greedy | Temperature | TopK | TopP | MinP
+
+
+# ---------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Timing:
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Engine:
+    """Owns the cache, the block manager and the compiled programs for one model."""
+
+    def __init__(self, cfg: Config, params, *, numerics: Numerics = Numerics(),
+                 cache_spec: CacheSpec | None = None, prefill_chunk: int = 128):
+        self.cfg, self.params, self.nm = cfg, params, numerics
+        self.cs = cache_spec or CacheSpec.for_numerics(numerics)
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.chunk = prefill_chunk
+        self.cache = init_cache(cfg, self.cs)
+        self.bm = BlockManager(cfg, self.cs)
+        self._step = compiled_step(cfg, self.cs, numerics)
+        self.timing = Timing()
+
+    # ---- building blocks -------------------------------------------------------------
+    def _run(self, tokens, slots, pos, nvalid):
+        logits, self.cache = self._step(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
+                                        jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                        jnp.asarray(nvalid, jnp.int32), jnp.asarray(self.bm.table))
+        return logits
+
+    def _check_tokens(self, toks):
+        toks = np.asarray(toks)
+        if toks.size and (toks.min() < 0 or toks.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{toks.min()}, {toks.max()}]")
+
+    def prefill(self, slot: int, prompt: Sequence[int]):
+        """Feed a prompt into an admitted slot in fixed-size chunks -> last logits [V]."""
+        prompt = np.asarray(prompt, np.int32)
+        self._check_tokens(prompt)
+        start = int(self.bm.length[slot])
+        logits = None
+        for s in range(0, len(prompt), self.chunk):
+            part = prompt[s:s + self.chunk]
+            self.bm.ensure(slot, start + s + len(part))
+            buf = np.zeros((1, self.chunk), np.int32)
+            buf[0, :len(part)] = part
+            logits = self._run(buf, [slot], [start + s], [len(part)])[0]
+            self.bm.advance(slot, len(part))
+        return logits
+
+    def decode(self, tokens_by_slot: dict[int, int]):
+        """One decode step for the given slots -> logits [R, V] (rows of other slots are
+        garbage). Allocates the blocks the step fills first (all or nothing)."""
+        R = self.cs.max_requests
+        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in tokens_by_slot})
+        toks = np.zeros((R, 1), np.int32)
+        nvalid = np.zeros(R, np.int32)
+        for s, t in tokens_by_slot.items():
+            toks[s, 0] = t
+            nvalid[s] = 1
+        self._check_tokens(toks)
+        logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
+        for s in tokens_by_slot:
+            self.bm.advance(s, 1)
+        return logits
+
+    def _admit_all(self, prompts, extra: int):
+        if len(prompts) > self.cs.max_requests:
+            raise ValueError(f"{len(prompts)} prompts but the cache has "
+                             f"{self.cs.max_requests} request slots (CacheSpec.max_requests)")
+        for p in prompts:
+            if len(p) == 0:
+                raise ValueError("empty prompt")
+            if len(p) + extra > self.cs.capacity:
+                raise CapacityExceeded(
+                    f"prompt of {len(p)} tokens + {extra} new tokens exceeds the cache "
+                    f"capacity of {self.cs.capacity} tokens per request")
+        return [self.bm.admit(len(p)) for p in prompts]
+
+    def release_all(self):
+        for s in np.flatnonzero(self.bm.active):
+            self.bm.release(int(s))
+
+    # ---- streaming -------------------------------------------------------------------
+    def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+               sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = ()
+               ) -> Iterator[list[tuple[int, int]]]:
+        """Yields, per decode step, [(request_index, token)] for requests still running.
+        Stop tokens (EOS + stop_ids) end a request and are yielded."""
+        stops = {self.cfg.eos_token_id, *stop_ids}
+        slots = self._admit_all(prompts, max_new_tokens)
+        key = jax.random.key(seed)
+        sample = jax.jit(sampler.get_next_tokens)
+        try:
+            t0 = time.perf_counter()
+            last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
+            first = np.asarray(sample(jnp.stack(last), jax.random.fold_in(key, 0)))
+            self.timing = Timing(prefill_s=time.perf_counter() - t0)
+            self.timing.first_token_s = self.timing.prefill_s
+            running = {i: int(first[i]) for i in range(len(prompts))}
+            n_out = 1
+            yield list(running.items())
+            running = {i: t for i, t in running.items() if t not in stops}
+            t1 = time.perf_counter()
+            while running and n_out < max_new_tokens:
+                logits = self.decode({slots[i]: t for i, t in running.items()})
+                nxt = np.asarray(sample(logits, jax.random.fold_in(key, n_out)))
+                n_out += 1
+                running = {i: int(nxt[slots[i]]) for i in running}
+                self.timing.new_tokens += len(running)
+                yield list(running.items())
+                running = {i: t for i, t in running.items() if t not in stops}
+            self.timing.decode_s = time.perf_counter() - t1
+        finally:
+            for s in slots:
+                self.bm.release(s)
+
+    # ---- fully jitted loop -------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+                 sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = (),
+                 jit_loop: bool = True) -> list[list[int]]:
+        """Generated tokens per prompt (including the stop token that ended it, if any).
+        More prompts than request slots run in waves."""
+        R = self.cs.max_requests
+        if len(prompts) > R:
+            out = []
+            for i in range(0, len(prompts), R):
+                out += self.generate(prompts[i:i + R], max_new_tokens=max_new_tokens,
+                                     sampler=sampler, seed=seed + i, stop_ids=stop_ids,
+                                     jit_loop=jit_loop)
+            return out
+        if not jit_loop:
+            res = [[] for _ in prompts]
+            for stepv in self.stream(prompts, max_new_tokens=max_new_tokens, sampler=sampler,
+                                     seed=seed, stop_ids=stop_ids):
+                for i, t in stepv:
+                    res[i].append(t)
+            return res
+        slots = self._admit_all(prompts, max_new_tokens)
+        try:
+            t0 = time.perf_counter()
+            last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
+            for s in slots:  # every block the whole generation will fill, before the loop
+                self.bm.ensure(s, int(self.bm.length[s]) + max_new_tokens)
+            key = jax.random.key(seed)
+            first = sampler.get_next_tokens(jnp.stack(last), jax.random.fold_in(key, 0))
+            first.block_until_ready()
+            t1 = time.perf_counter()
+            loop = _decode_loop(self.cfg, self.cs, self.nm, sampler, max_new_tokens,
+                                tuple(sorted({self.cfg.eos_token_id, *stop_ids})))
+            tok0 = jnp.zeros(R, jnp.int32).at[jnp.asarray(slots)].set(first)
+            active = jnp.zeros(R, bool).at[jnp.asarray(slots)].set(True)
+            out, n_gen, self.cache = loop(self.params, self.cache, tok0, active,
+                                          jnp.asarray(self.bm.length, jnp.int32),
+                                          jnp.asarray(self.bm.table), key)
+            out, n_gen = np.asarray(out), np.asarray(n_gen)
+            t2 = time.perf_counter()
+            self.timing = Timing(prefill_s=t1 - t0, first_token_s=t1 - t0, decode_s=t2 - t1,
+                                 new_tokens=int(n_gen[slots].sum()) - len(slots))
+            return [out[s, :n_gen[s]].tolist() for s in slots]
+        finally:
+            for s in slots:
+                self.bm.release(s)
+
+    # ---- teacher forcing ---------------------------------------------------------------
+    def teacher_forced_logits(self, tokens, prefill_len: int) -> np.ndarray:
+        """tokens int [B, T]: prefill the first P tokens of each row, then feed the rest
+        one per decode step -> logits f32 [B, T-P+1, V] (row 0: after the prefill, row i:
+        after feeding token P-1+i)."""
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+        B, T = tokens.shape
+        if not 1 <= prefill_len <= T:
+            raise ValueError(f"prefill_len must be in [1, {T}], got {prefill_len}")
+        slots = self._admit_all(list(tokens), 0)
+        try:
+            out = [np.stack([np.asarray(self.prefill(s, row[:prefill_len]))
+                             for s, row in zip(slots, tokens)])]
+            for t in range(prefill_len, T):
+                lg = self.decode({s: int(row[t]) for s, row in zip(slots, tokens)})
+                out.append(np.asarray(lg)[slots])
+            return np.stack(out, 1)
+        finally:
+            for s in slots:
+                self.bm.release(s)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_loop(cfg, cs, nm, sampler, max_new: int, stops: tuple[int, ...]):
+    """jit(while_loop over decode steps): stops per request on a stop token or max_new."""
+    R = cs.max_requests
+    stop_arr = jnp.asarray(stops, jnp.int32)
+
+    def run(params, cache, tok0, active, pos0, table, key):
+        out = jnp.zeros((R, max_new), jnp.int32).at[:, 0].set(tok0)
+        n_gen = jnp.where(active, 1, 0)
+        running = active & ~jnp.isin(tok0, stop_arr)
+
+        def cond(c):
+            return jnp.any(c[3]) & (c[5] < max_new)
+
+        def body(c):
+            cache, tok, pos, running, out, i, n_gen = c
+            logits, cache = step_fn(params, cache, tok[:, None], jnp.arange(R), pos,
+                                    running.astype(jnp.int32), table, cfg, cs, nm)
+            nxt = sampler.get_next_tokens(logits, jax.random.fold_in(key, i))
+            out = out.at[:, i].set(jnp.where(running, nxt, 0))
+            n_gen = n_gen + running
+            pos = pos + running
+            running = running & ~jnp.isin(nxt, stop_arr) & (i + 1 < max_new)
+            return cache, nxt, pos, running, out, i + 1, n_gen
+
+        c = jax.lax.while_loop(cond, body, (cache, tok0, pos0, running, out, jnp.int32(1), n_gen))
+        return c[4], c[6], c[0]
+
+    return jax.jit(run, donate_argnums=(1,))
