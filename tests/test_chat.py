@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import pathlib
 import random
 import re
@@ -10,7 +11,16 @@ import pytest
 
 from dsv4_jax import chat
 
-DATA = pathlib.Path("/work/shared/testdata/encoding")
+def _data_dir():
+    """Conformance data: $DSV4_SHARED/testdata/encoding, else ../shared beside the checkout."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for base in (os.environ.get("DSV4_SHARED"), root.parent / "shared", root / "shared"):
+        if base and (pathlib.Path(base) / "testdata" / "encoding").is_dir():
+            return pathlib.Path(base) / "testdata" / "encoding"
+    return root.parent / "shared" / "testdata" / "encoding"
+
+
+DATA = _data_dir()
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="conformance files not present")
 
 # Characters for random text: ASCII, quotes, markup-ish, CJK, accents, emoji, newlines.

@@ -1,0 +1,36 @@
+# Quick start:  make demo   (sets up .venv and generates on the embedded tiny model)
+#               make test   (sets up .venv + the reference env and runs the tests)
+PY312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' 2>/dev/null && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+PY311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && python3.11 -c 'import sys' 2>/dev/null && echo python3.11 || ls -d $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | tail -1)
+VENV := .venv
+REF := .venv-ref
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup setup-ref gpu-test clean
+
+$(VENV)/.ok: pyproject.toml
+	@test -n "$(PY312)" || (echo "python3.12 not found (jax 0.11 needs Python >= 3.12)"; exit 1)
+	$(PY312) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[test,notebooks]"
+	$(VENV)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+# transformers' DeepSeek-V4 port as an independent reference (CPU torch exists for 3.11 here)
+$(REF)/.ok:
+	@if [ -n "$(PY311)" ]; then \
+	  $(PY311) -m venv $(REF) && $(REF)/bin/pip install -q torch==2.13.0 "transformers>=5.23" safetensors numpy \
+	  && touch $@ || echo "reference env not installed: reference tests will be skipped"; \
+	else echo "python3.11 not found: reference tests will be skipped"; fi
+
+setup: $(VENV)/.ok
+setup-ref: $(REF)/.ok
+
+demo: setup
+	$(VENV)/bin/dsv4 generate --prompt "The DeepSeek-V4 model" --max-new-tokens 24 --stream
+
+test: setup setup-ref
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(REF)
