@@ -182,8 +182,9 @@ def test_component_modes_match_full_run(setup):
     layer = 1  # CSA: attention with compressor + indexer
     x = rms(out[f"hc_attn.x.layer{layer}"], w[f"layers.{layer}.attn_norm.weight"]).astype(np.float32)
     a = harness.run_reference(cfg, w, mode="attn", layer=layer, x=x)
-    np.testing.assert_allclose(a["y"], out[f"attn_out.layer{layer}"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(a["indexer_topk"], out[f"indexer_topk.layer{layer}"])
+    same = (a["indexer_topk"] == out[f"indexer_topk.layer{layer}"]).all(-1)
+    assert same.mean() > 0.99, same.mean()  # inputs differ in the last bit: a near-tie may flip
+    np.testing.assert_allclose(a["y"][same], out[f"attn_out.layer{layer}"][same], rtol=1e-4, atol=1e-5)
 
     rng = np.random.default_rng()
     xm = rng.standard_normal((2, 7, cfg["hidden_size"])).astype(np.float32)
@@ -220,3 +221,123 @@ def test_bad_input_is_refused(setup):
     bad["layers.1.attn.wkv.weight"] = w["layers.1.attn.wkv.weight"][:, :-1]
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.kv_proj\.weight"):
         harness.run_reference(cfg, bad, tokens[:, :8])
+
+
+# ----------------------------------------------------------------------------------------
+# Attention (sections 3-6) restated in float64 numpy
+# ----------------------------------------------------------------------------------------
+def rope_freqs(cfg, ratio):
+    rd = cfg["qk_rope_head_dim"]
+    k = np.arange(rd // 2)
+    if ratio == 0:
+        return cfg["rope_theta"] ** (-2.0 * k / rd)
+    base, ys = cfg["compress_rope_theta"], cfg["rope_scaling"]
+    freqs = base ** (-2.0 * k / rd)
+    corr = lambda rot: rd * np.log(ys["original_max_position_embeddings"] / (rot * 2 * np.pi)) / (2 * np.log(base))
+    low, high = max(np.floor(corr(ys["beta_fast"])), 0), min(np.ceil(corr(ys["beta_slow"])), rd - 1)
+    smooth = 1 - np.clip((k - low) / (high - low), 0, 1)
+    return freqs / ys["factor"] * (1 - smooth) + freqs * smooth
+
+
+def rope(x, pos, freqs, inverse=False):
+    """Interleaved pairs (2k, 2k+1) of the LAST len(freqs)*2 dims; pos broadcasts over x[..., :-1]."""
+    rd = 2 * len(freqs)
+    ang = pos[..., None] * freqs * (-1 if inverse else 1)
+    c = x[..., -rd:].reshape(*x.shape[:-1], rd // 2, 2)
+    re, im = c[..., 0], c[..., 1]
+    rot = np.stack([re * np.cos(ang) - im * np.sin(ang), re * np.sin(ang) + im * np.cos(ang)], -1)
+    return np.concatenate([x[..., :-rd], rot.reshape(*x.shape[:-1], rd)], -1)
+
+
+def compress(x, wkv, wgate, ape, norm, r, c, freqs):
+    """Section 5 entries for one sequence x [T, d] -> [T//r, c]."""
+    T = x.shape[0]
+    n = T // r
+    a = (x[: n * r] @ wkv.T).reshape(n, r, -1)
+    z = (x[: n * r] @ wgate.T).reshape(n, r, -1) + ape
+    if r == 4:  # overlap: block i-1 channels [:c] and block i channels [c:]
+        prev_a = np.concatenate([np.zeros((1, r, c)), a[:-1, :, :c]])
+        prev_z = np.concatenate([np.full((1, r, c), -np.inf), z[:-1, :, :c]])
+        a = np.concatenate([prev_a, a[:, :, c:]], 1)
+        z = np.concatenate([prev_z, z[:, :, c:]], 1)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p = p / p.sum(1, keepdims=True)
+    e = rms((p * a).sum(1), norm)
+    return rope(e, np.arange(n) * r, freqs)
+
+
+def attention_ref(x, w, layer, cfg):
+    """Sections 4-6 for x [B, T, d]; returns (out [B,T,d], indexer picks, indexer scores)
+    (the last two None on non-CSA layers; picks sorted ascending, -1 last)."""
+    p = f"layers.{layer}.attn."
+    r = cfg["compress_ratios"][layer]
+    H, D, G, win = cfg["num_attention_heads"], cfg["head_dim"], cfg["o_groups"], cfg["sliding_window"]
+    B, T, _ = x.shape
+    freqs = rope_freqs(cfg, r)
+    pos = np.arange(T)
+    x = x.astype(np.float64)
+    cq = rms(x @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"])
+    q = rms((cq @ w[p + "wq_b.weight"].T).reshape(B, T, H, D))
+    q = rope(q, pos[:, None], freqs)
+    kv = rope(rms(x @ w[p + "wkv.weight"].T, w[p + "kv_norm.weight"]), pos, freqs)  # [B, T, D]
+    outs, picks_all, scores_all = [], [], []
+    for b in range(B):
+        keys = [kv[b]]
+        mask = [(pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - win)]
+        if r:
+            cp = p + "compressor."
+            ck = compress(x[b], w[cp + "wkv.weight"], w[cp + "wgate.weight"], w[cp + "ape"],
+                          w[cp + "norm.weight"], r, D, freqs)
+            vis = np.arange(len(ck))[None, :] < ((pos + 1) // r)[:, None]
+            if r == 4:
+                ip = p + "indexer."
+                nI, cI = cfg["index_n_heads"], cfg["index_head_dim"]
+                ik = compress(x[b], w[ip + "compressor.wkv.weight"], w[ip + "compressor.wgate.weight"],
+                              w[ip + "compressor.ape"], w[ip + "compressor.norm.weight"], r, cI, freqs)
+                qi = rope((cq[b] @ w[ip + "wq_b.weight"].T).reshape(T, nI, cI), pos[:, None], freqs)
+                wt = (x[b] @ w[ip + "weights_proj.weight"].T) * cI**-0.5 * nI**-0.5
+                score = np.einsum("th,thi->ti", wt, np.maximum(np.einsum("thc,ic->thi", qi, ik), 0))
+                score = np.where(vis, score, -np.inf)
+                scores_all.append(score)
+                k = min(cfg["index_topk"], len(ik))
+                top = np.argsort(-score, -1)[:, :k]
+                chosen = np.zeros_like(vis)
+                np.put_along_axis(chosen, top, True, -1)
+                vis = vis & chosen
+                picks = np.where(np.take_along_axis(vis, top, -1), top, -1)
+                key = np.where(picks < 0, 1 << 30, picks)
+                picks_all.append(np.where(np.sort(key, -1) == 1 << 30, -1, np.sort(key, -1)))
+            keys.append(ck)
+            mask.append(vis)
+        K = np.concatenate(keys)  # [S, D]
+        M = np.concatenate(mask, 1)  # [T, S]
+        s = np.einsum("thd,sd->ths", q[b], K) / np.sqrt(D)
+        s = np.where(M[:, None, :], s, -np.inf)
+        mx = np.maximum(s.max(-1, keepdims=True), w[p + "attn_sink"][None, :, None])
+        e = np.exp(s - mx)
+        prob = e / (e.sum(-1, keepdims=True) + np.exp(w[p + "attn_sink"][None, :, None] - mx))
+        o = rope(np.einsum("ths,sd->thd", prob, K), pos[:, None], freqs, inverse=True)
+        og = o.reshape(T, G, -1)  # [T, G, H/G*D]
+        L = cfg["o_lora_rank"]
+        z = np.einsum("tgi,goi->tgo", og, w[p + "wo_a.weight"].reshape(G, L, -1)).reshape(T, G * L)
+        outs.append(z @ w[p + "wo_b.weight"].T)
+    if not picks_all:
+        return np.stack(outs), None, None
+    return np.stack(outs), np.stack(picks_all), np.stack(scores_all)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])  # SWA, CSA, HCA
+def test_attention_matches_numpy(setup, layer):
+    cfg, w, tokens, out = setup
+    x = rms(out[f"hc_attn.x.layer{layer}"].astype(np.float64), w[f"layers.{layer}.attn_norm.weight"])
+    y, picks, scores = attention_ref(x, w, layer, cfg)
+    ok = np.ones(y.shape[:2], bool)
+    if picks is not None:
+        # relu makes exact score ties (often 0.0) common, so compare the picked SCORES: the
+        # port's picks must be as good as ours; outputs are compared where the picks are equal.
+        hp = out[f"indexer_topk.layer{layer}"]
+        val = lambda pk: np.sort(np.where(pk >= 0, np.take_along_axis(scores, np.maximum(pk, 0), -1), -np.inf), -1)
+        np.testing.assert_allclose(val(hp), val(picks), rtol=1e-4, atol=1e-6)
+        ok = (picks == hp).all(-1)
+        assert ok.mean() > 0.9, ok.mean()
+    np.testing.assert_allclose(out[f"attn_out.layer{layer}"][ok], y[ok], rtol=1e-3, atol=1e-4)
