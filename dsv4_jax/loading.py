@@ -1,0 +1,173 @@
+"""`load(path, mesh=None)` -> (Config, params): an orbax checkpoint written by
+`dsv4 convert`, or a HF-layout safetensors directory read directly.
+
+Arrays go straight to their target shardings (one device, or the NamedShardings of
+`sharding.param_shardings(cfg, mesh)`), built from abstract metadata: orbax restores each
+chunk with sharded targets, and the safetensors path builds every array with
+`jax.make_array_from_callback`, reading only the rows/experts each device holds. No copy of
+the whole model ever sits in host memory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import Config
+from . import params as P
+from . import sharding as S
+
+
+def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: bool = True):
+    """Restore the checkpoint at `path` -> (Config, params).
+
+    `mesh`: a `jax.sharding.Mesh` to shard onto (axis names per `sharding.DEFAULT_RULES` or
+    `rules`), or None for the first device. `numerics_check`: after loading, verify on
+    device that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite and
+    `tid2eid` indexes real experts; a failure names the tensor.
+    Raises `checkpoints.errors.CheckpointError` subclasses on any mismatch between the
+    checkpoint and its config."""
+    from checkpoints import convert as C
+    from checkpoints.errors import CheckpointError
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    if (path / C.MANIFEST).exists() or (path / C.STATE).exists() or (path / "parts").exists():
+        cfg, params = _load_orbax(path, mesh, rules, include_mtp)
+    elif (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        cfg, params = _load_safetensors(path, mesh, rules, include_mtp)
+    else:
+        raise CheckpointError(f"{path}: neither an orbax checkpoint from `dsv4 convert` "
+                              "(dsv4_checkpoint.json) nor a safetensors directory")
+    if numerics_check:
+        check_numerics(params, cfg)
+    return cfg, params
+
+
+def _targets(cfg: Config, mesh, rules, include_mtp):
+    return S.abstract_with_shardings(cfg, mesh, rules, include_mtp)
+
+
+def _load_orbax(path: Path, mesh, rules, include_mtp):
+    import orbax.checkpoint as ocp
+    from checkpoints import convert as C
+    from checkpoints import layout as L
+    from checkpoints.errors import (DtypeMismatchError, IncompleteCheckpointError,
+                                    MissingKeyError, ShapeMismatchError, UnknownKeyError)
+    mpath = path / C.MANIFEST
+    if not mpath.exists():
+        raise IncompleteCheckpointError(
+            f"{path}: no {C.MANIFEST}: the conversion did not finish; run `dsv4 convert` "
+            "with the same arguments again to resume it")
+    manifest = json.loads(mpath.read_text())
+    if manifest.get("format") != "dsv4-orbax" or manifest.get("version") != C.FORMAT_VERSION:
+        raise IncompleteCheckpointError(f"{mpath}: unknown format/version "
+                                        f"{manifest.get('format')!r} {manifest.get('version')!r}")
+    cfg = Config.from_json(path)
+    specs = P.describe(cfg, include_mtp=True)
+    where = {k: (part, c) for part, pm in manifest["parts"].items()
+             for c, keys in pm["chunks"].items() for k in keys}
+    unknown = sorted(set(where) - set(specs))
+    if unknown:
+        raise UnknownKeyError(f"{path}: checkpoint holds {len(unknown)} parameter(s) that "
+                              f"config.json does not describe: {unknown[:5]}")
+    missing = sorted(set(specs) - set(where))
+    if missing:
+        raise MissingKeyError(f"{path}: config.json needs {len(missing)} parameter(s) the "
+                              f"checkpoint lacks: {missing[:5]}")
+    targets = _targets(cfg, mesh, rules, include_mtp)
+    chunks: dict[tuple[str, str], list[str]] = {}
+    for k in targets:
+        chunks.setdefault(where[k], []).append(k)
+    params = {}
+    ckptr = ocp.StandardCheckpointer()
+    for (part, c), keys in chunks.items():
+        cdir = path / "parts" / part / c
+        meta = ckptr.metadata(cdir).item_metadata.tree
+        tgt = {}
+        for k in keys:
+            want = L.from_leaf(targets[k])
+            have = meta[k] if isinstance(meta[k], dict) else {"value": meta[k]}
+            if set(want) != set(have):
+                raise DtypeMismatchError(f"{cdir}: {k} is stored with fields {sorted(have)}, "
+                                         f"the {specs[k].fmt} format of config.json needs {sorted(want)}")
+            for f, w in want.items():
+                h = have[f]
+                if tuple(h.shape) != tuple(w.shape):
+                    raise ShapeMismatchError(f"{cdir}: {k}.{f} has shape {list(h.shape)}, "
+                                             f"config.json implies {list(w.shape)}")
+                if np.dtype(h.dtype) != np.dtype(w.dtype):
+                    raise DtypeMismatchError(f"{cdir}: {k}.{f} is {h.dtype}, config.json's "
+                                             f"{specs[k].fmt} format needs {w.dtype}")
+            tgt[k] = want if isinstance(meta[k], dict) else want["value"]
+        restored = ckptr.restore(cdir, tgt)
+        for k in keys:
+            r = restored[k]
+            params[k] = L.to_leaf(specs[k].fmt, r if isinstance(r, dict) else {"value": r})
+    ckptr.close()
+    return cfg, params
+
+
+def _load_safetensors(path: Path, mesh, rules, include_mtp):
+    from checkpoints import layout as L
+    from checkpoints.source import open_source
+    src = open_source(path)
+    cfg = src.cfg
+    specs = P.describe(cfg, include_mtp=True)
+    targets = _targets(cfg, mesh, rules, include_mtp)
+    params = {}
+    for k, leaf in targets.items():
+        fields = {}
+        stacked = L.is_expert_key(k)
+        for f, s in L.from_leaf(leaf).items():
+            fields[f] = _make_array(src, k, f, s, stacked)
+        params[k] = L.to_leaf(specs[k].fmt, fields)
+    return cfg, params
+
+
+def _make_array(src, key: str, field: str, s: jax.ShapeDtypeStruct, stacked: bool):
+    cache = {}
+
+    def read(index):
+        if stacked:  # read only the experts this device holds
+            e = range(*index[0].indices(s.shape[0]))
+            return src.read_field(key, field, e)[(slice(None), *index[1:])]
+        if "all" not in cache:  # one tensor at a time; replicas share the read
+            cache["all"] = src.read_field(key, field)
+        return cache["all"][index]
+
+    arr = jax.make_array_from_callback(s.shape, s.sharding, read, dtype=s.dtype)
+    cache.clear()
+    return arr
+
+
+# ---------------------------------------------------------------------------------------
+# Numerics check (on device, one reduction per array)
+# ---------------------------------------------------------------------------------------
+@jax.jit
+def _bad_count(x):
+    if x.dtype == jnp.float8_e8m0fnu:
+        return jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint8) == 255)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.sum(~jnp.isfinite(x.astype(jnp.float32)))
+    return jnp.zeros((), jnp.int32)
+
+
+def check_numerics(params: dict, cfg: Config):
+    """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids."""
+    from checkpoints.errors import CheckpointError
+    bad = {}
+    for k, leaf in params.items():
+        for path, x in jax.tree_util.tree_leaves_with_path(leaf):
+            name = k + jax.tree_util.keystr(path)
+            bad[name] = _bad_count(x)
+            if k.endswith("gate.tid2eid"):
+                bad[name + " (expert id out of range)"] = jnp.sum((x < 0) | (x >= cfg.n_routed_experts))
+    counts = jax.device_get(bad)
+    for name, n in counts.items():
+        if int(n):
+            raise CheckpointError(f"numerics check: {name} has {int(n)} NaN/non-finite or "
+                                  "invalid entries")
