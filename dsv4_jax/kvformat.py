@@ -8,7 +8,9 @@ Main KV entry (window ring and compressed pools), 512 dims -> 584 bytes:
 Indexer keys (128 dims), three formats (`fmt`):
   "fp4"   idx_codes uint8 [..., 64] (e2m1, split-half packed), idx_scale uint8 [..., 4]
           (e8m0 per 32 dims, amax floor 6 * 2^-126)          -- the reference numerics
-  "nvfp4" idx_codes uint8 [..., 64], idx_scale float8_e4m3fn [..., 8] (e4m3(amax / 6) per 16)
+  "nvfp4" idx_codes uint8 [..., 64], idx_scale float8_e4m3fn [..., 8] (e4m3(amax / 6) per 16;
+          with no per-tensor scale its range is about |x| in [6 * 2^-10, 6 * 448 = 2688]:
+          blocks below underflow to zero, values above clip)
   "fp8"   idx_keys float8_e4m3fn [..., 128], idx_scale float32 [..., 1] (amax / 448 per key)
 
 Split-half packing: byte j holds element j in the low nibble and element j + n/2 in the

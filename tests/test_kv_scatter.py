@@ -117,7 +117,9 @@ def test_flush_compressed_interpret(interp, fmt):
         dec = kf.dequantize_index_key({k: v[blk, int(eidx[0]) % EPB] for k, v in out_idx.items()}, fmt)
         if fmt == "fp4":
             np.testing.assert_array_equal(np.asarray(dec), np.asarray(kf.fp4_block_sim(keyv[0])))
-        assert float(jnp.linalg.norm(dec - keyv[0]) / jnp.linalg.norm(keyv[0])) < 0.2
+        amax = float(jnp.max(jnp.abs(keyv[0])))
+        if fmt != "nvfp4" or 0.1 < amax < 2000:  # nvfp4 (no tensor scale) spans ~6*2^-9..2688
+            assert float(jnp.linalg.norm(dec - keyv[0]) / jnp.linalg.norm(keyv[0])) < 0.2
     else:
         assert out_idx is None
 
