@@ -139,14 +139,29 @@ def plan_parts(specs: dict[str, P.ParamSpec], chunk_bytes: int) -> dict[str, lis
     return parts
 
 
+def orbax_checkpointer():
+    """A synchronous orbax checkpointer (no background threads: the chunk's memory is
+    released as soon as `save` returns)."""
+    import orbax.checkpoint as ocp
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
+def chunk_metadata(path: Path) -> dict:
+    """{key: ArrayMetadata | {field: ArrayMetadata}} of one chunk, from metadata only."""
+    return orbax_checkpointer().metadata(path).item_metadata.tree
+
+
+def restore_chunk(path: Path, target: dict) -> dict:
+    """Restore one chunk onto the shardings carried by `target`'s ShapeDtypeStructs."""
+    import orbax.checkpoint as ocp
+    return orbax_checkpointer().restore(path, args=ocp.args.StandardRestore(target))
+
+
 def _save_chunk(path: Path, tree: dict):
     import jax
     import orbax.checkpoint as ocp
-    ckptr = ocp.StandardCheckpointer()
     save_args = jax.tree.map(lambda x: ocp.SaveArgs(chunk_byte_size=_ORBAX_CHUNK), tree)
-    ckptr.save(path, tree, save_args=save_args)
-    ckptr.wait_until_finished()
-    ckptr.close()
+    orbax_checkpointer().save(path, args=ocp.args.StandardSave(tree, save_args=save_args))
 
 
 def _atomic_json(path: Path, obj):

@@ -96,7 +96,7 @@ class Source:
         out = np.empty((len(experts), *t0.shape), DTYPES[t0.dtype])
         for j, e in enumerate(experts):
             f, _ = self.tensor(by_e[e])
-            f.read(by_e[e].name, out=out[j])
+            f.read(by_e[e].name, out=out[j:j + 1].reshape(t0.shape))  # a view, also for 0-d
         return out
 
     def _narrow(self, t: L.DiskTensor, arr: np.ndarray) -> np.ndarray:

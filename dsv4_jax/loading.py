@@ -9,6 +9,7 @@ the whole model ever sits in host memory.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -52,7 +53,6 @@ def _targets(cfg: Config, mesh, rules, include_mtp):
 
 
 def _load_orbax(path: Path, mesh, rules, include_mtp):
-    import orbax.checkpoint as ocp
     from checkpoints import convert as C
     from checkpoints import layout as L
     from checkpoints.errors import (DtypeMismatchError, IncompleteCheckpointError,
@@ -83,10 +83,9 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
     for k in targets:
         chunks.setdefault(where[k], []).append(k)
     params = {}
-    ckptr = ocp.StandardCheckpointer()
     for (part, c), keys in chunks.items():
         cdir = path / "parts" / part / c
-        meta = ckptr.metadata(cdir).item_metadata.tree
+        meta = C.chunk_metadata(cdir)
         tgt = {}
         for k in keys:
             want = L.from_leaf(targets[k])
@@ -95,19 +94,18 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
                 raise DtypeMismatchError(f"{cdir}: {k} is stored with fields {sorted(have)}, "
                                          f"the {specs[k].fmt} format of config.json needs {sorted(want)}")
             for f, w in want.items():
-                h = have[f]
+                h, name = have[f], k + ("" if f == "value" else "." + f)
                 if tuple(h.shape) != tuple(w.shape):
-                    raise ShapeMismatchError(f"{cdir}: {k}.{f} has shape {list(h.shape)}, "
+                    raise ShapeMismatchError(f"{cdir}: {name} has shape {list(h.shape)}, "
                                              f"config.json implies {list(w.shape)}")
                 if np.dtype(h.dtype) != np.dtype(w.dtype):
-                    raise DtypeMismatchError(f"{cdir}: {k}.{f} is {h.dtype}, config.json's "
+                    raise DtypeMismatchError(f"{cdir}: {name} is {h.dtype}, config.json's "
                                              f"{specs[k].fmt} format needs {w.dtype}")
             tgt[k] = want if isinstance(meta[k], dict) else want["value"]
-        restored = ckptr.restore(cdir, tgt)
+        restored = C.restore_chunk(cdir, tgt)
         for k in keys:
             r = restored[k]
             params[k] = L.to_leaf(specs[k].fmt, r if isinstance(r, dict) else {"value": r})
-    ckptr.close()
     return cfg, params
 
 
@@ -147,7 +145,6 @@ def _make_array(src, key: str, field: str, s: jax.ShapeDtypeStruct, stacked: boo
 # ---------------------------------------------------------------------------------------
 # Numerics check (on device, one reduction per array)
 # ---------------------------------------------------------------------------------------
-@jax.jit
 def _bad_count(x):
     if x.dtype == jnp.float8_e8m0fnu:
         return jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint8) == 255)
@@ -156,18 +153,24 @@ def _bad_count(x):
     return jnp.zeros((), jnp.int32)
 
 
-def check_numerics(params: dict, cfg: Config):
-    """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids."""
-    from checkpoints.errors import CheckpointError
-    bad = {}
-    for k, leaf in params.items():
+@functools.partial(jax.jit, static_argnums=1)
+def _numerics_counts(tree, n_experts: int):
+    out = {}
+    for k, leaf in tree.items():
         for path, x in jax.tree_util.tree_leaves_with_path(leaf):
-            name = k + jax.tree_util.keystr(path)
-            bad[name] = _bad_count(x)
-            if k.endswith("gate.tid2eid"):
-                bad[name + " (expert id out of range)"] = jnp.sum((x < 0) | (x >= cfg.n_routed_experts))
-    counts = jax.device_get(bad)
-    for name, n in counts.items():
+            out[k + jax.tree_util.keystr(path)] = _bad_count(x)
+        if k.endswith("gate.tid2eid"):
+            out[k + " (expert id out of [0, n_routed_experts))"] = jnp.sum(
+                (leaf < 0) | (leaf >= n_experts))
+    return out
+
+
+def check_numerics(params: dict, cfg: Config):
+    """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids.
+    One jitted reduction over the whole tree (one compile per model shape; the arrays
+    stay where they are)."""
+    from checkpoints.errors import CheckpointError
+    for name, n in jax.device_get(_numerics_counts(params, cfg.n_routed_experts)).items():
         if int(n):
             raise CheckpointError(f"numerics check: {name} has {int(n)} NaN/non-finite or "
                                   "invalid entries")
