@@ -61,13 +61,18 @@ def _gather_rows(src_fn, scalars, nope, scale, rope, B, K, *, interpret):
         rowid = plgpu.broadcasted_iota(jnp.int32, (ROWS * 8,), 0, layout=ROW)
         ebits = jnp.zeros((ROWS * 8,), jnp.int32)  # biased exponent per tile row
         keep = jnp.zeros((ROWS * 8,), jnp.int32)  # 1 on the 8 tile rows of a valid output row
+        # All scalar index loads first (independent, so they overlap), then the TMA issues
+        # (inline asm that later loads cannot move above), then the scale loads, whose
+        # latency overlaps the copies in flight.
+        srcs = []
         for r in range(ROWS):
             valid, major, minor = src_fn(*sc_refs, b, t * ROWS + r)
-            major = jnp.where(valid, major, 0)
-            minor = jnp.where(valid, minor, 0)
+            srcs.append((valid, jnp.where(valid, major, 0), jnp.where(valid, minor, 0)))
+        for r, (valid, major, minor) in enumerate(srcs):
             flat = major * E + minor
             plgpu.copy_gmem_to_smem(nope_g.at[pl.ds(flat * 7, 8)], q_s.at[pl.ds(8 * r, 8)], bar)
             plgpu.copy_gmem_to_smem(rope_g.at[major, minor], o_s.at[8 * r + 7], bar)
+        for r, (valid, major, minor) in enumerate(srcs):
             for j in range(7):
                 e = scale_g[major, minor, j].astype(jnp.int32)
                 ebits = jnp.where(rowid == 8 * r + j, e, ebits)

@@ -109,6 +109,11 @@ def _scatter_call(kv_BD, scalars, dst_fn, refs, key_BK=None, fmt=None, *, interp
             plgpu.copy_gmem_to_smem(kv_g.at[pl.ds(bs[r] * 8, 8)], x_s.at[pl.ds(8 * r, 8)], bar)
         if has_key:
             _load_key(key_g, bs, kscr, bar, fmt)
+        # destinations (scalar loads) while the rows are in flight
+        dsts = []
+        for r in range(ROWS):
+            valid, major, minor, extra = dst_fn(*sc, bs[r])
+            dsts.append((valid & (c * ROWS + r < B), major, minor, extra))
         plgpu.barrier_wait(bar)
 
         x = plgpu.load(x_s, layout=WG, optimized=False).astype(F32)
@@ -119,11 +124,7 @@ def _scatter_call(kv_BD, scalars, dst_fn, refs, key_BK=None, fmt=None, *, interp
             _quantize_key(kscr, fmt)
         plgpu.commit_smem()
 
-        for r in range(ROWS):
-            b = c * ROWS + r
-            valid, major, minor, extra = dst_fn(*sc, bs[r])
-            valid = valid & (b < B)
-
+        for r, (valid, major, minor, extra) in enumerate(dsts):
             @pl.when(valid)
             def _():
                 flat = major * E + minor
