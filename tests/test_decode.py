@@ -1,0 +1,173 @@
+"""Paged cache, the cached step and generation (tiny preset, CPU).
+
+Compiled programs are shared through module fixtures: CPU compilation dominates the time."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import config, model, params as P
+from dsv4_jax.cache import (BlockManager, CacheSpec, CapacityExceeded, PoolExhausted,
+                            cache_bytes, init_cache)
+from dsv4_jax.decode import compiled_step
+from dsv4_jax.generate import Engine, Greedy, MinP, TopK, TopP
+from dsv4_jax.quant import Numerics
+
+F32 = Numerics(act_quant=False, dtype="float32")
+SIM = Numerics(act_quant=True, dtype="bfloat16")
+T_TOTAL, P_LEN = 300, 190  # wraps the window, crosses CSA blocks and two HCA blocks
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = config.tiny()
+    return cfg, P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
+
+
+def engine(cfg, params, nm, chunk=64):
+    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=12, max_blocks=4)
+    return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=chunk)
+
+
+def rel_per_pos(a, b):
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+@pytest.mark.parametrize("nm", [F32, SIM], ids=["f32-nosim", "bf16-sim"])
+def test_teacher_forced_decode_equals_prefill(tiny, nm):
+    cfg, params = tiny
+    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, T_TOTAL)).astype(np.int32)
+    full = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg, nm))(params, tokens))
+    eng = engine(cfg, params, nm)
+    got = eng.teacher_forced_logits(tokens, P_LEN)  # two requests batched together
+    want = full[:, P_LEN - 1:]
+    err = rel_per_pos(got, want)
+    print(f"{nm}: decode vs prefill rel err median {np.median(err):.2e} max {err.max():.2e}")
+    if nm is F32:
+        assert err.max() < 1e-4
+    else:  # FP8 rounding amplifies last-bit differences (ARCHITECTURE.md 10)
+        assert np.median(err) < 0.1
+        assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.8
+    # each request alone gives the same logits as batched together
+    alone = eng.teacher_forced_logits(tokens[1:], P_LEN)
+    np.testing.assert_allclose(alone[0], got[1], rtol=0, atol=1e-5 * np.abs(got).max())
+    # chunk size does not change results (64 above; 100 here, not a divisor of anything)
+    eng100 = engine(cfg, params, nm, chunk=100)
+    other = eng100.teacher_forced_logits(tokens[:1], P_LEN)
+    e2 = rel_per_pos(other[0], got[0])
+    assert (e2.max() < 1e-4) if nm is F32 else (np.median(e2) < 0.1)
+
+
+def test_step_compiles_once_and_donates_cache(tiny):
+    cfg, params = tiny
+    cs = CacheSpec.for_numerics(F32, max_requests=2, num_blocks=12, max_blocks=4)
+    step = compiled_step(cfg, cs, F32)
+    cache = init_cache(cfg, cs)
+    bm = BlockManager(cfg, cs)
+    s = bm.admit(1)
+    n0 = step._cache_size()
+    tok = np.random.default_rng().integers(0, cfg.vocab_size, 140)
+    for t in range(0, 140, 7):  # positions grow, crossing blocks: no new compilation
+        bm.ensure(s, t + 1)
+        old = cache
+        _, cache = step(params, cache, jnp.asarray([[tok[t]]], jnp.int32), jnp.asarray([s]),
+                        jnp.asarray([t]), jnp.asarray([1]), jnp.asarray(bm.table))
+        assert all(x.is_deleted() for x in jax.tree.leaves(old))  # donated, not copied
+    assert step._cache_size() - n0 <= 1
+    hlo = step.lower(params, cache, jnp.zeros((1, 1), jnp.int32), jnp.asarray([s]),
+                     jnp.asarray([0]), jnp.asarray([1]), jnp.asarray(bm.table)).as_text()
+    n_alias = hlo.count("tf.aliasing_output")
+    assert n_alias >= len(jax.tree.leaves(cache))  # every cache buffer aliased to an output
+
+
+def test_block_manager_errors_leave_state_unchanged():
+    cfg = config.tiny()
+    cs = CacheSpec(max_requests=2, num_blocks=3, max_blocks=4)
+    bm = BlockManager(cfg, cs)
+    with pytest.raises(CapacityExceeded, match="longer than the cache capacity"):
+        bm.admit(cs.capacity + 1)
+    assert not bm.active.any()
+    a = bm.admit(300)
+    bm.ensure(a, 300)  # 3 blocks (CSA entries up to token 300)
+    snap = bm.snapshot()
+    b = bm.admit(10)
+    snap_b = bm.snapshot()
+    with pytest.raises(PoolExhausted, match="block pool exhausted"):
+        bm.ensure(b, 200)
+    after = bm.snapshot()
+    assert after[0] == snap_b[0] and (after[1] == snap_b[1]).all()
+    with pytest.raises(PoolExhausted):
+        bm.ensure_many({a: 400, b: 10})
+    assert bm.snapshot()[0] == snap_b[0] and (bm.snapshot()[1] == snap_b[1]).all()
+    bm.release(b)
+    assert bm.snapshot()[0] == snap[0] and (bm.snapshot()[1] == snap[1]).all()
+    bm.release(a)
+    assert len(bm.free) == 3 and (bm.table == -1).all()
+
+
+def test_engine_rejects_bad_input(tiny):
+    cfg, params = tiny
+    eng = engine(cfg, params, F32)
+    with pytest.raises(CapacityExceeded, match="exceeds the cache capacity"):
+        eng.generate([[1] * 500], max_new_tokens=30)
+    with pytest.raises(ValueError, match="request slots"):
+        list(eng.stream([[1, 2]] * 3))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.generate([[1, cfg.vocab_size + 5]], max_new_tokens=2)
+    assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
+
+
+def test_generate_jitted_loop_equals_streaming_and_stops(tiny):
+    cfg, params = tiny
+    eng = engine(cfg, params, F32)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
+    a = eng.generate(prompts, max_new_tokens=8)
+    b = [[] for _ in prompts]
+    for step in eng.stream(prompts, max_new_tokens=8):
+        for i, t in step:
+            b[i].append(t)
+    assert a == b and all(len(x) == 8 for x in a)
+    # greedy = argmax of the teacher-forced logits of prompt + generated tokens
+    seq = np.asarray([prompts[1] + a[1]], np.int32)
+    lg = eng.teacher_forced_logits(seq, len(prompts[1]))
+    assert (lg[0, :-1].argmax(-1) == np.asarray(a[1])).all()
+    # a stop id ends the request and is returned
+    stop = a[0][3]
+    c = eng.generate(prompts, max_new_tokens=8, stop_ids=[stop])
+    assert c[0] == a[0][:a[0].index(stop) + 1]
+    assert not eng.bm.active.any()
+
+
+def test_samplers():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.standard_normal((4, 50)) * 3, jnp.float32)
+    keys = [jax.random.key(int(s)) for s in rng.integers(0, 1 << 30, 64)]
+    assert (Greedy().get_next_tokens(logits, keys[0]) == logits.argmax(-1)).all()
+    top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+    for k in keys:
+        t = np.asarray(TopK(3).get_next_tokens(logits, k))
+        assert all(t[i] in top3[i] for i in range(4))
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    for k in keys:
+        t = np.asarray(TopP(0.5).get_next_tokens(logits, k))
+        for i in range(4):
+            order = np.argsort(-probs[i])
+            keep = order[:np.searchsorted(np.cumsum(probs[i][order]), 0.5) + 1]
+            assert t[i] in keep
+        t = np.asarray(MinP(0.3).get_next_tokens(logits, k))
+        assert all(probs[i, t[i]] >= 0.3 * probs[i].max() for i in range(4))
+    with pytest.raises(ValueError):
+        TopP(0.0)
+    with pytest.raises(ValueError):
+        TopK(2, temperature=0)
+
+
+def test_cache_memory_report():
+    cfg = config.flash()
+    cs = CacheSpec(max_requests=8, num_blocks=1024, max_blocks=64)
+    b = cache_bytes(cfg, cs)
+    # window: 43 layers x 128 slots x (448 + 8 + 128 + 4 pos) bytes per request, + state
+    assert b["per_request_bytes"] > 43 * 128 * 584
+    # a block: 32 CSA entries x 584 B + 32 indexer keys x 68 B on 21 layers + 1 HCA entry on 20
+    assert b["per_block_bytes"] == 21 * 32 * (584 + 68) + 20 * 584
