@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -17,7 +16,7 @@ def _make_checkpoint(a) -> int:
     if a.layers is not None:
         cfg = truncate_layers(cfg, a.layers)
     s = make_checkpoint(a.out, cfg, a.format, a.seed, shard_bytes=parse_bytes(a.shard_size),
-                        progress=not a.quiet)
+                        progress=not a.quiet, fast_experts=a.fast_experts)
     print(f"wrote {s['tensors']} tensors ({s['bytes'] / 1e9:.3f} GB) in {s['shards']} shards "
           f"to {s['path']} ({a.format} format)")
     return 0
@@ -50,6 +49,9 @@ def register(subparsers) -> None:
                    help="official FP8/FP4 release layout, or NVFP4 (ModelOpt, HF names)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", default="4G", help="target bytes per shard file (e.g. 4G)")
+    p.add_argument("--fast-experts", action="store_true",
+                   help="draw routed experts directly in their stored format (much faster for "
+                        "flash/pro; experts then differ from params.init_params)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_make_checkpoint)
 

@@ -14,9 +14,10 @@ Output layout (DST):
 
 A part is written under `parts/<name>.tmp` and renamed when all its chunks are saved, so a
 rerun skips finished parts and redoes at most the one that was interrupted. Chunks group
-whole leaves so that (chunk bytes) * 2 (the arrays + orbax's write copy) plus the process's
-baseline stays under the budget; the floor is therefore set by the largest single leaf
-(a Flash layer's stacked expert w1: 1.2 GB; Pro: 4.7 GB).
+whole leaves so that the chunk's arrays plus the process's baseline stay under the budget
+(the arrays are read into 64-byte aligned buffers that jax and orbax use without copying);
+the floor is therefore set by the largest single leaf (a Flash layer's stacked expert w1:
+1.2 GB; Pro: 4.7 GB).
 """
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ from dsv4_jax.config import Config
 from . import formats as F
 from . import layout as L
 from .errors import CheckpointError, MemoryBudgetError
+from .safetensors_io import aligned_empty
 from .source import SIDE_FILES, Source, open_source
 
 MANIFEST = "dsv4_checkpoint.json"
 STATE = ".convert_state.json"
 FORMAT_VERSION = 1
 _SLACK = 256 << 20  # transient per-expert buffers, tensorstore bookkeeping
-_ORBAX_CHUNK = 64 << 20  # storage chunk: a device shard reads at most this much extra
 
 
 def parse_bytes(s: str | int) -> int:
@@ -93,7 +94,7 @@ def convert_leaf(src: Source, key: str, spec_in: P.ParamSpec, spec_out: P.ParamS
     """The leaf `key` as a dict of numpy fields in `spec_out`'s storage format."""
     if spec_in.fmt == spec_out.fmt:
         return {f: src.read_field(key, f) for f in _in_fields(spec_in)}
-    out = {f: np.empty(s.shape, s.dtype) for f, s in
+    out = {f: aligned_empty(s.shape, s.dtype) for f, s in
            L.from_leaf(P.storage_structs(spec_out)).items()}
     stacked = L.is_expert_key(key)
     for e in range(spec_in.shape[0]) if stacked else (None,):
@@ -140,28 +141,35 @@ def plan_parts(specs: dict[str, P.ParamSpec], chunk_bytes: int) -> dict[str, lis
 
 
 def orbax_checkpointer():
-    """A synchronous orbax checkpointer (no background threads: the chunk's memory is
-    released as soon as `save` returns)."""
+    """A synchronous orbax checkpointer (no background threads: a chunk's memory is released
+    as soon as `save` returns). No compression: FP8/FP4 bytes barely compress (~9%) and
+    zstd doubled the host memory of a save and cost most of its time."""
     import orbax.checkpoint as ocp
-    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
 def chunk_metadata(path: Path) -> dict:
     """{key: ArrayMetadata | {field: ArrayMetadata}} of one chunk, from metadata only."""
-    return orbax_checkpointer().metadata(path).item_metadata.tree
+    m = orbax_checkpointer().metadata(path)
+    return dict(m.item_metadata.tree if hasattr(m, "item_metadata") else m.tree)
 
 
 def restore_chunk(path: Path, target: dict) -> dict:
     """Restore one chunk onto the shardings carried by `target`'s ShapeDtypeStructs."""
     import orbax.checkpoint as ocp
-    return orbax_checkpointer().restore(path, args=ocp.args.StandardRestore(target))
+    args = ocp.args.PyTreeRestore(item=target,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+    return orbax_checkpointer().restore(path, args=args)
 
 
 def _save_chunk(path: Path, tree: dict):
+    """Save one chunk. The numpy leaves are 64-byte aligned, so device_put wraps them
+    without a copy and orbax writes straight from those buffers."""
     import jax
     import orbax.checkpoint as ocp
-    save_args = jax.tree.map(lambda x: ocp.SaveArgs(chunk_byte_size=_ORBAX_CHUNK), tree)
-    orbax_checkpointer().save(path, args=ocp.args.StandardSave(tree, save_args=save_args))
+    tree = jax.device_put(tree)
+    orbax_checkpointer().save(path, args=ocp.args.PyTreeSave(tree))
+    del tree
 
 
 def _atomic_json(path: Path, obj):
@@ -192,17 +200,17 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
     for reason, names in source.skipped.items():
         log(f"skipping {len(names)} tensors of {reason}, e.g. {names[0]}")
 
-    # memory plan: chunk arrays + orbax's copy of them + slack must fit next to the baseline
+    # memory plan: the chunk's arrays + slack must fit next to the baseline
     base = rss_bytes()
-    chunk_bytes = (budget - base - _SLACK) // 2
+    chunk_bytes = budget - base - _SLACK
     biggest = max(specs_out, key=lambda k: _leaf_bytes(specs_out[k]))
     need = _leaf_bytes(specs_out[biggest])
     if chunk_bytes < need:
         raise MemoryBudgetError(
             f"memory budget {budget / 2**30:.2f} GiB is too small: the largest array group "
-            f"{biggest!r} needs {need / 2**30:.2f} GiB twice (array + write copy) on top of the "
-            f"process's {base / 2**30:.2f} GiB; use at least "
-            f"{(base + _SLACK + 2 * need) / 2**30:.1f}G")
+            f"{biggest!r} needs {need / 2**30:.2f} GiB on top of the process's "
+            f"{base / 2**30:.2f} GiB and {_SLACK >> 20} MiB of working space; use at least "
+            f"{(base + _SLACK + need) / 2**30:.1f}G")
     plan = plan_parts(specs_out, chunk_bytes)
 
     dst = Path(dst)

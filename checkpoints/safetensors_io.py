@@ -34,6 +34,16 @@ DTYPE_NAMES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 256 << 20  # a 69k-tensor header is ~10 MB; anything this big is garbage
 
 
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """np.empty with the data pointer aligned to `align` bytes: jax on CPU then wraps the
+    buffer without copying (device_put / from_dlpack alias aligned host memory)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
 def dtype_name(dt) -> str:
     try:
         return DTYPE_NAMES[np.dtype(dt)]
@@ -138,7 +148,7 @@ class SafetensorsFile:
         """The whole tensor; written into `out` (same shape/dtype, C-contiguous) if given."""
         i = self.info(name)
         if out is None:
-            out = np.empty(i.shape, i.np_dtype)
+            out = aligned_empty(i.shape, i.np_dtype)
         elif out.shape != i.shape or out.dtype != i.np_dtype or not out.flags.c_contiguous:
             raise ValueError(f"{name}: out buffer {out.dtype}{list(out.shape)} does not match "
                              f"{i.dtype}{list(i.shape)}")

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4_jax import params as P
 from dsv4_jax.config import Config
 
 from . import layout as L
 from .errors import (CheckpointError, DtypeMismatchError, ForeignCheckpointError,
                      IndexMismatchError, MissingKeyError, ShapeMismatchError, UnknownKeyError)
-from .safetensors_io import DTYPES, SafetensorsFile
+from .safetensors_io import DTYPES, SafetensorsFile, aligned_empty
 
 INDEX_NAME = "model.safetensors.index.json"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -93,7 +92,7 @@ class Source:
         experts = experts if experts is not None else range(len(ts))
         by_e = {t.expert: t for t in ts}
         t0 = by_e[experts.start] if len(experts) else ts[0]
-        out = np.empty((len(experts), *t0.shape), DTYPES[t0.dtype])
+        out = aligned_empty((len(experts), *t0.shape), DTYPES[t0.dtype])
         for j, e in enumerate(experts):
             f, _ = self.tensor(by_e[e])
             f.read(by_e[e].name, out=out[j:j + 1].reshape(t0.shape))  # a view, also for 0-d

@@ -9,7 +9,6 @@ plain tensors (embedding, head) are drawn in row blocks from the same random str
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -97,11 +96,14 @@ def plan_shards(tensors: list[L.DiskTensor], shard_bytes: int) -> list[list[L.Di
 
 def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", seed: int = 0,
                     shard_bytes: int = 4 << 30, row_block_elems: int = 1 << 25,
-                    progress: bool = False) -> dict:
+                    progress: bool = False, fast_experts: bool = False) -> dict:
     """Write a synthetic checkpoint of `cfg` in format `fmt` ("official" | "nvfp4") to `out`.
 
-    Returns a summary dict (shards, tensors, bytes). The directory is written under a
-    temporary name and renamed when complete."""
+    `fast_experts`: draw routed experts directly in their stored format (random e2m1 codes /
+    e4m3 values with scales that give ~1/sqrt(in) weights) instead of encoding
+    `params.init_expert` values: ~100x faster for full-width presets, but the experts then
+    differ from `params.init_params`. Returns a summary dict (shards, tensors, bytes). The
+    directory is written under a temporary name and renamed when complete."""
     cfg = format_config(cfg, fmt)
     naming = "official" if fmt == "official" else "hf"
     out = Path(out)
@@ -123,7 +125,7 @@ def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", 
         with ShardWriter(tmp / fname, [(t.name, t.dtype, t.shape) for t in shard],
                          {"format": "pt"}) as w:
             for t in shard:
-                _write_tensor(w, t, specs[t.key], cfg, seed, cache, row_block_elems)
+                _write_tensor(w, t, specs[t.key], cfg, seed, cache, row_block_elems, fast_experts)
                 weight_map[t.name] = fname
                 total += t.nbytes
                 bar.update(t.nbytes)
@@ -141,7 +143,7 @@ def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", 
 
 
 def _write_tensor(w: ShardWriter, t: L.DiskTensor, spec: P.ParamSpec, cfg: Config, seed: int,
-                  cache: dict, row_block_elems: int):
+                  cache: dict, row_block_elems: int, fast_experts: bool = False):
     if t.field == "value" and t.expert is None and spec.fmt in ("bf16", "f32"):
         blocks = _dense_row_blocks(t.key, spec, cfg, seed, row_block_elems)
         cur = next(blocks)
@@ -154,12 +156,13 @@ def _write_tensor(w: ShardWriter, t: L.DiskTensor, spec: P.ParamSpec, cfg: Confi
     if ck not in cache:
         cache.clear()
         if t.expert is None:
-            value = P.init_dense(t.key, spec, cfg, seed)
-            sub = spec
+            fields = _fields_np(spec, P.init_dense(t.key, spec, cfg, seed))
+        elif fast_experts:
+            fields = _fast_expert(t.key, spec, seed, t.expert)
         else:
             value = P.init_expert(t.key, spec, cfg, seed, t.expert)
             sub = P.ParamSpec(spec.shape[1:], spec.fmt, spec.axes[1:], spec.init)
-        fields = _fields_np(sub, value)
+            fields = _fields_np(sub, value)
         if spec.fmt == "nvfp4":
             fields["input_scale"] = _input_scale()
         cache[ck] = fields
@@ -167,6 +170,34 @@ def _write_tensor(w: ShardWriter, t: L.DiskTensor, spec: P.ParamSpec, cfg: Confi
     if t.dtype == "I64":
         arr = arr.astype(np.int64)
     w.write(t.name, arr.reshape(t.shape))
+
+
+_E2M1_RMS = float(np.sqrt(np.mean(P.Q.E2M1_TABLE ** 2)))  # of uniformly random codes
+
+
+def _fast_expert(key: str, spec: P.ParamSpec, seed: int, e: int) -> dict[str, np.ndarray]:
+    """One expert's stored fields drawn directly (random codes, scales near 1/sqrt(in))."""
+    import zlib
+    g = np.random.default_rng([seed, zlib.crc32(f"{key}.{e}".encode()), 1])
+    o, i = spec.shape[1:]
+    target = 1.0 / np.sqrt(i)  # rms of the logical weight, as init_expert
+    if spec.fmt in ("fp4", "nvfp4"):
+        packed = g.integers(0, 256, (o, i // 2), dtype=np.uint8)
+        if spec.fmt == "fp4":
+            ex = np.round(np.log2(target / _E2M1_RMS)) + g.integers(-1, 2, (o, i // 32))
+            return {"packed": packed.view(np.int8),
+                    "scale": (ex + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)}
+        s = g.uniform(0.5, 1.0, (o, i // 16)).astype(ml_dtypes.float8_e4m3fn)
+        g2 = np.asarray(target / (_E2M1_RMS * 0.75), np.float32)
+        return {"packed": packed, "scale": s, "scale2": g2, "input_scale": _input_scale()}
+    if spec.fmt == "fp8":
+        w = (g.standard_normal((o, i), dtype=np.float32) * 32).astype(ml_dtypes.float8_e4m3fn)
+        ex = int(np.round(np.log2(target / 32)))
+        sc = np.full((-(-o // 128), -(-i // 128)), ex + 127, np.uint8)
+        return {"w": w, "scale": sc.view(ml_dtypes.float8_e8m0fnu)}
+    if spec.fmt == "bf16":
+        return {"value": (g.standard_normal((o, i), dtype=np.float32) * target).astype(ml_dtypes.bfloat16)}
+    raise ValueError(f"{key}: no fast expert draw for format {spec.fmt!r}")
 
 
 class _NoBar:

@@ -8,15 +8,11 @@ share with the logical shape (packed and scale tensors are split along the same 
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .config import Config
 from . import params as P
-from . import quant as Q
 
 # logical axis -> mesh axis. Experts over "expert" (EP); wide projections over "model" (TP).
 DEFAULT_RULES: dict[str, str] = {
