@@ -3,7 +3,7 @@
 Runs in OUR .venv: numpy + safetensors only. The port runs in a subprocess under the
 reference interpreter: `$DSV4_REF_PYTHON`, else `<repo>/.venv-ref/bin/python`.
 
-    from tests.hf_reference import harness          # or load the file by path
+    from tests.hf_reference import harness   # or `from hf_reference import harness` in tests/
     if harness.have_reference():
         out = harness.run_reference(hf_config, weights, tokens)          # mode="full"
         out["logits"]                                                   # [B, T, V] float32
@@ -34,10 +34,24 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(os.path.dirname(_HERE))
 RUN_HF = os.path.join(_HERE, "run_hf.py")
 
-sys.path.insert(0, os.path.join(_REPO, "checkpoints"))
-import hf_names  # noqa: E402
 
-MODES = ("full", "moe", "mhc", "attn", "head")
+
+def _load_hf_names():
+    """checkpoints/hf_names.py by file path (the checkpoints package may import jax)."""
+    import importlib.util
+
+    name = "dsv4_hf_reference_hf_names"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(_REPO, "checkpoints", "hf_names.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+hf_names = _load_hf_names()
+
+MODES = ("full", "decode", "moe", "mhc", "attn", "head")
 _STACKED_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w[123])(\.weight)?$")
 
 
@@ -132,10 +146,13 @@ def port_shapes(hf_config: dict, timeout: float = 300) -> dict[str, tuple[tuple[
 
 def run_reference(hf_config: dict, weights_official: dict, tokens: np.ndarray | None = None,
                   mode: str = "full", *, layer: int | None = None, which: str | None = None,
-                  drop_mtp: bool = True, timeout: float = 600, **arrays: np.ndarray) -> dict[str, np.ndarray]:
+                  prefill: int | None = None, chunk: int = 1, drop_mtp: bool = True,
+                  timeout: float = 600, **arrays: np.ndarray) -> dict[str, np.ndarray]:
     """Run the port on `weights_official` and return its outputs as numpy arrays.
 
     mode "full": `tokens` int [B, T]; returns logits and per-layer intermediates.
+    mode "decode": `tokens`; the port's cache path (prefill `prefill` tokens, default T//2,
+    then `chunk` tokens per step); returns `logits` [B, T, V].
     mode "moe" (x=[B,T,d], tokens for hash layers), "mhc" (X=[B,T,4,d], which="attn"|"ffn"),
     "attn" (x=[B,T,d]), "head" (X=[B,T,4,d]); `layer` for all but "head".
     """
@@ -148,8 +165,8 @@ def run_reference(hf_config: dict, weights_official: dict, tokens: np.ndarray | 
         if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim != 2:
             raise ValueError(f"tokens must be an int array [B, T], got {tokens.dtype} {tokens.shape}")
         inputs["tokens"] = tokens.astype(np.int32)
-    if mode == "full" and "tokens" not in inputs:
-        raise ValueError("mode 'full' needs tokens")
+    if mode in ("full", "decode") and "tokens" not in inputs:
+        raise ValueError(f"mode {mode!r} needs tokens")
     from safetensors.numpy import save_file
 
     with tempfile.TemporaryDirectory(prefix="dsv4_ref_") as d:
@@ -162,6 +179,8 @@ def run_reference(hf_config: dict, weights_official: dict, tokens: np.ndarray | 
             args += ["--layer", str(int(layer))]
         if which is not None:
             args += ["--which", which]
+        if mode == "decode":
+            args += ["--chunk", str(int(chunk))] + ([] if prefill is None else ["--prefill", str(int(prefill))])
         _run(args + [d, inp, out], timeout)
         with np.load(out) as z:
             return {k: z[k] for k in z.files}

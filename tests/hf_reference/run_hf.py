@@ -23,6 +23,9 @@ Modes (INPUT and OUT are .npz unless said otherwise; B batch, T tokens, d hidden
            [B,n,512] (entries after norm + rope); CSA layers: `indexer_topk.layer{i}` int32
            [B,T,k'] (k' = min(index_topk, T//4); selected entries sorted ascending, -1 =
            no entry, placed last).
+  decode   INPUT `tokens` [B,T]; --prefill P (default T//2) and --chunk C (default 1). Runs
+           the port's own cache path: one forward over tokens[:, :P], then forwards of C tokens
+           at a time with the cache. OUT `logits` [B,T,V] (rows < P from the prefill).
   shapes   OUT is .json {name: [shape, dtype]} of the port's state_dict for the config.
   moe      INPUT `x` [B,T,d] (the normed MoE input), `tokens` [B,T] (hash layers). OUT `y`,
            `router_idx`, `router_w`. Needs --layer.
@@ -48,8 +51,20 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "checkpoints"))
-import hf_names  # noqa: E402  (pure Python, shared with the JAX side)
+
+
+def _load_hf_names():
+    """checkpoints/hf_names.py by file path (pure Python; the package __init__ may need jax)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "checkpoints", "hf_names.py")
+    spec = importlib.util.spec_from_file_location("dsv4_hf_reference_hf_names", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+hf_names = _load_hf_names()
 
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M  # noqa: E402
@@ -207,6 +222,26 @@ def run_full(model, tokens: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def run_decode(model, tokens: np.ndarray, prefill: int | None, chunk: int) -> dict[str, np.ndarray]:
+    ids = torch.from_numpy(np.asarray(tokens, np.int64))
+    if ids.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tuple(ids.shape)}")
+    T = ids.shape[1]
+    P = T // 2 if prefill is None else prefill
+    if not 1 <= P <= T or chunk < 1:
+        raise ValueError(f"need 1 <= prefill <= T={T} and chunk >= 1, got {P}, {chunk}")
+    logits = []
+    with torch.no_grad():
+        res = model(input_ids=ids[:, :P], use_cache=True)
+        logits.append(res.logits)
+        cache = res.past_key_values
+        for t in range(P, T, chunk):
+            res = model(input_ids=ids[:, t:t + chunk], past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            logits.append(res.logits)
+    return {"logits": _np(torch.cat(logits, dim=1))}
+
+
 def _positions(model, x: torch.Tensor):
     T = x.shape[1]
     pos = torch.arange(T)[None].expand(x.shape[0], -1)
@@ -301,9 +336,11 @@ def run_rename(model_dir: str, names: list[str]) -> dict[str, str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="full",
-                    choices=["full", "shapes", "moe", "mhc", "attn", "head", "load_official", "rename"])
+                    choices=["full", "decode", "shapes", "moe", "mhc", "attn", "head", "load_official", "rename"])
     ap.add_argument("--layer", type=int, default=None)
     ap.add_argument("--which", default=None)
+    ap.add_argument("--prefill", type=int, default=None)
+    ap.add_argument("--chunk", type=int, default=1)
     ap.add_argument("model_dir")
     ap.add_argument("input")
     ap.add_argument("out")
@@ -332,6 +369,10 @@ def main(argv=None) -> int:
         if "tokens" not in inp:
             raise KeyError(f"{a.input} has no `tokens` array (has {sorted(inp)})")
         res = run_full(model, inp["tokens"])
+    elif a.mode == "decode":
+        if "tokens" not in inp:
+            raise KeyError(f"{a.input} has no `tokens` array (has {sorted(inp)})")
+        res = run_decode(model, inp["tokens"], a.prefill, a.chunk)
     else:
         res = run_component(model, a.mode, inp, a.layer, a.which)
     np.savez(a.out, **res)

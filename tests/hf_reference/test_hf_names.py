@@ -9,15 +9,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
-import tiny  # noqa: E402
+from . import harness, tiny
 
 hf_names = harness.hf_names
 needs_ref = pytest.mark.skipif(not harness.have_reference(), reason="reference env (.venv-ref) missing")

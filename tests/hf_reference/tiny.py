@@ -6,7 +6,10 @@ import numpy as np
 
 
 def tiny_config(**over) -> dict:
-    """HF config.json dict: layers SWA, CSA, HCA, CSA (+ MTP entry 0), 2 hash layers."""
+    """HF config.json dict: layers SWA, CSA, HCA, CSA (+ MTP entry 0), 2 hash layers.
+
+    32 indexer heads: with few heads, indexer scores of exactly 0 (every relu term 0) are
+    common and top-k among such ties is arbitrary (see NOTES.md, difference 7)."""
     cfg = dict(
         model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"],
         vocab_size=97, hidden_size=64, num_hidden_layers=4,
@@ -14,7 +17,7 @@ def tiny_config(**over) -> dict:
         q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=128,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0, norm_topk_prob=True,
-        num_hash_layers=2, index_n_heads=4, index_head_dim=128, index_topk=4,
+        num_hash_layers=2, index_n_heads=32, index_head_dim=128, index_topk=4,
         rope_theta=10000.0, compress_rope_theta=160000.0,
         rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536,
                           beta_fast=32, beta_slow=1),
