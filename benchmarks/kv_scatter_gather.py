@@ -3,9 +3,12 @@
 Run on the device:  PYTHONPATH=. python3 benchmarks/kv_scatter_gather.py [--quick] [--out DIR]
 
 For each kernel and batch: bit-exact check against the jitted XLA reference (reference.py) at
-real shapes, then timing of both. Timing: each measured jit call applies the op REPS times
-in sequence (the cache carried through, donated, for the scatters; REPS independent index
-sets for the gathers), median over ITERS calls after warm-up, divided by REPS. Bytes are the
+real shapes, then timing of both. Timing: each jit call applies the op REPS times in sequence (the
+cache carried through, donated, for the scatters; REPS independent index sets for the
+gathers). "wall" = CALLS such calls dispatched back to back with one sync at the end, per
+op (best of 3): device-bound when the op is larger than its dispatch cost, else host-bound.
+"GPU busy" = sum of the GPU stream events (kernels + copies) in a profiler trace, per op:
+device time without launch gaps. Bytes are the
 fewest the op must move (each input byte read once, each output byte written once);
 GB/s is compared with a measured device-to-device copy (bytes read + written).
 """
@@ -29,33 +32,80 @@ from pallas_kernels.kv_gather import reference as gr
 from pallas_kernels.kv_scatter import kernel as sk
 from pallas_kernels.kv_scatter import reference as sr
 
-REPS, ITERS = 4, 10
+REPS = 4
 ENTRY_B = 448 + 8 + 128  # stored bytes of one KV entry
 
 
-def timeit(f, *args):
-    """Median seconds per op of f(*args) (f applies the op REPS times)."""
-    out = f(*args)
+CALLS = 20  # calls per timing loop, dispatched back to back (async), one sync at the end
+
+
+def _pipelined(f, state, *args, donate):
+    """Seconds per op over CALLS back-to-back calls (each applying the op REPS times)."""
+    out = f(state, *args)
     jax.block_until_ready(out)
+    state = out if donate else state
     ts = []
-    for _ in range(ITERS):
+    for _ in range(3):
         t = time.perf_counter()
-        jax.block_until_ready(f(*args))
+        for _ in range(CALLS):
+            out = f(state, *args)
+            if donate:
+                state = out
+        jax.block_until_ready(out)
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / REPS
+    return min(ts) / (CALLS * REPS), state
+
+
+def _gpu_busy(f, state, *args, donate, n=4):
+    """GPU time per op from a profiler trace: sum of the events on the GPU stream lines
+    (kernels and copies, launch gaps excluded) over n calls / (n * REPS)."""
+    try:
+        import glob
+        import gzip
+        import tempfile
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(n):
+                out = f(state, *args)
+                if donate:
+                    state = out
+            jax.block_until_ready(out)
+        path = glob.glob(os.path.join(d, "plugins", "profile", "*", "perfetto_trace.json.gz"))[0]
+        ev = json.load(gzip.open(path))["traceEvents"]
+        pname = {e["pid"]: e["args"]["name"] for e in ev
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        tname = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        gpu = {p for p, nm in pname.items() if "GPU" in nm.upper()}
+        lines = sorted({nm for (p, _), nm in tname.items() if p in gpu})
+        tot = cnt = 0
+        for e in ev:
+            if (e.get("ph") == "X" and e.get("pid") in gpu
+                    and tname.get((e["pid"], e.get("tid")), "").startswith("Stream")):
+                tot += e["dur"]
+                cnt += 1
+        GPU_LINES.update(lines)
+        if cnt == 0:
+            return float("nan"), 0.0, state
+        return tot * 1e-6 / (n * REPS), cnt / (n * REPS), state
+    except Exception as err:  # the profiler is a bonus; wall time stays the main number
+        print(f"profiler failed: {err!r}", flush=True)
+        return float("nan"), float("nan"), state
+
+
+GPU_LINES = set()
+
+
+def timeit(f, *args):
+    t, _ = _pipelined(lambda _, *a: f(*a), None, *args, donate=False)
+    g, c, _ = _gpu_busy(lambda _, *a: f(*a), None, *args, donate=False)
+    return t, g, c
 
 
 def timeit_donated(f, state, *args):
-    """Like timeit for f(state, *args) -> state with the state donated (in place)."""
-    state = f(state, *args)
-    jax.block_until_ready(state)
-    ts = []
-    for _ in range(ITERS):
-        t = time.perf_counter()
-        state = f(state, *args)
-        jax.block_until_ready(state)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / REPS, state
+    t, state = _pipelined(f, state, *args, donate=True)
+    g, c, state = _gpu_busy(f, state, *args, donate=True)
+    return (t, g, c), state
 
 
 def copy_bandwidth():
@@ -126,13 +176,17 @@ def block_table(key, B, maxb, NB):
 RESULTS = []
 
 
-def record(op, B, ctx, nbytes, t_k, t_x, ok, bw):
+def record(op, B, ctx, nbytes, tk, tx, ok, bw):
+    (t_k, g_k, c_k), (t_x, g_x, c_x) = tk, tx
     r = dict(op=op, B=B, ctx=ctx, bytes=nbytes, us_kernel=t_k * 1e6, us_xla=t_x * 1e6,
-             gbs=nbytes / t_k / 1e9, pct_copy=100 * nbytes / t_k / bw, speedup=t_x / t_k, exact=ok)
+             gpu_us_kernel=g_k * 1e6, gpu_us_xla=g_x * 1e6, gpu_events_kernel=c_k,
+             gpu_events_xla=c_x, gbs=nbytes / t_k / 1e9, pct_copy=100 * nbytes / t_k / bw,
+             gpu_gbs=nbytes / g_k / 1e9, speedup=t_x / t_k, gpu_speedup=g_x / g_k, exact=ok)
     RESULTS.append(r)
-    print(f"{op:24s} B={B:3d} ctx={ctx:>6} {nbytes / 1e6:9.3f} MB  kernel {r['us_kernel']:8.1f} us "
-          f"({r['gbs']:7.1f} GB/s, {r['pct_copy']:5.1f}% copy)  xla {r['us_xla']:8.1f} us  "
-          f"x{r['speedup']:.2f}  exact={ok}", flush=True)
+    print(f"{op:22s} B={B:3d} ctx={ctx:>6} {nbytes / 1e6:8.3f} MB | wall/op kernel {r['us_kernel']:7.1f} us "
+          f"({r['gbs']:6.0f} GB/s {r['pct_copy']:5.1f}%) xla {r['us_xla']:7.1f} x{r['speedup']:.2f} | "
+          f"GPU busy/op kernel {r['gpu_us_kernel']:7.1f} us ({r['gpu_gbs']:6.0f} GB/s, {c_k:.1f} ev) "
+          f"xla {r['gpu_us_xla']:7.1f} ({c_x:.1f} ev) x{r['gpu_speedup']:.2f} | exact={ok}", flush=True)
 
 
 # ------------------------------------------------------------------ scatters
@@ -251,6 +305,7 @@ def bench_gather_window(key, B, bw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--final", action="store_true", help="short list of cases")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
     args = ap.parse_args()
@@ -261,7 +316,14 @@ def main():
     extra = {}
     # (name, fn, args) in priority order; a time guard skips the rest (compiles dominate)
     jobs = []
-    for B in ([64, 8, 1, 32] if not args.quick else [8]):
+    if args.final:  # the short device run: bandwidth-relevant cases + the smallest batch
+        jobs = [("", bench_gather_topk, (64, bw, 65536)), ("", bench_gather_all, (64, bw, 131072)),
+                (f"append_window B=64", bench_append_window, (64, bw)),
+                ("", bench_gather_window, (64, bw)),
+                ("", bench_gather_topk, (1, bw, 131072)),
+                (f"append_window B=1", bench_append_window, (1, bw)),
+                (f"flush fp4 B=64", bench_flush, (64, bw, 32768, "fp4"))]
+    for B in ([64, 8, 1, 32] if not (args.quick or args.final) else [8] if args.quick else []):
         jobs += [(f"append_window B={B}", bench_append_window, (B, bw)),
                  (f"flush fp4 B={B}", bench_flush, (B, bw, 32768, "fp4")),
                  ("", bench_gather_topk, (B, bw, 131072 if B <= 32 else 65536)),
@@ -286,11 +348,14 @@ def main():
     with open(os.path.join(args.out, "kv_scatter_gather.json"), "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, copy_gbs=bw / 1e9,
                        results=RESULTS, extra=extra), f, indent=1)
-    print("\n| op | B | ctx | MB moved | kernel us | GB/s | % copy BW | XLA us | speedup | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("GPU trace lines:", sorted(GPU_LINES))
+    print("\n| op | B | ctx | MB moved | wall us/op | GB/s | % copy BW | XLA wall us | speedup "
+          "| GPU us/op | XLA GPU us | GPU speedup | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in RESULTS:
         print(f"| {r['op']} | {r['B']} | {r['ctx']} | {r['bytes'] / 1e6:.3f} | {r['us_kernel']:.1f} | "
-              f"{r['gbs']:.0f} | {r['pct_copy']:.1f} | {r['us_xla']:.1f} | {r['speedup']:.2f} | {r['exact']} |")
+              f"{r['gbs']:.0f} | {r['pct_copy']:.1f} | {r['us_xla']:.1f} | {r['speedup']:.2f} | "
+              f"{r['gpu_us_kernel']:.1f} | {r['gpu_us_xla']:.1f} | {r['gpu_speedup']:.2f} | {r['exact']} |")
     if not all(r["exact"] for r in RESULTS):
         print("MISMATCH vs reference", file=sys.stderr)
         sys.exit(1)

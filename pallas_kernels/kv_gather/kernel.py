@@ -4,15 +4,16 @@ Cache layout: pallas_kernels/CACHE_LAYOUT.md (nope e4m3 [..., 448], e8m0 scale u
 rope bf16 [..., 64]). Every gather writes bf16 rows [B, K, 512]; rows that address nothing
 (padding index, unused block, empty window slot) come back as zeros.
 
-Tiling: one CTA (one warpgroup) dequantises a tile of 8 output rows. The tile is held as a
+Tiling: one CTA (one warpgroup) dequantises T (up to 4) tiles of 8 output rows, issuing
+all their copies before computing the first. The tile is held as a
 (64, 64) register array in the WGMMA layout: tile row 8 * r + j is 64-dim block j of output
 row r (j < 7: FP8 nope block, j = 7: the bf16 rope dims). One scale per tile row, so the
 dequantisation is a row-broadcast multiply, exactly the shape that layout supports.
-Per output row: one TMA copy of its 448 nope bytes (a (7, 64) box) and one of its 128 rope
-bytes, addressed with scalar indices read from GMEM (Hopper has no TMA gather); its 8 scale
+Per output row: one TMA copy of its 448 nope bytes (an (8, 64) box: see _gather_rows) and
+one of its 128 rope bytes, addressed with scalar indices read from GMEM (Hopper has no TMA gather); its 8 scale
 bytes are read as scalars (8 bytes is under TMA's 16-byte minimum). The finished tile is
-staged in SMEM and written with one contiguous 8 KiB TMA store. Latency is hidden by many
-small CTAs resident per SM rather than an explicit pipeline.
+staged in SMEM and written with one contiguous 8 KiB TMA store. Latency is hidden by the
+T tiles in flight per CTA and several CTAs per SM rather than an explicit pipeline.
 """
 from __future__ import annotations
 
@@ -40,11 +41,20 @@ def _check_pool(nope, scale, rope, what):
             f"got {nope.dtype}{nope.shape}, {scale.dtype}{scale.shape}, {rope.dtype}{rope.shape}")
 
 
-def _gather_rows(src_fn, scalars, nope, scale, rope, B, K, *, interpret):
+def _tiles_per_cta(K):
+    """Tiles of 8 rows per CTA: more bytes in flight per CTA (the kernel's registers cap the
+    CTAs per SM), as long as the request's rows split evenly."""
+    for t in (4, 2, 1):
+        if (K // ROWS) % t == 0:
+            return t
+
+
+def _gather_rows(src_fn, scalars, nope, scale, rope, B, K, *, interpret, tiles=None):
     """out[b, k] = dequant(pool[major, minor]) where (valid, major, minor) = src_fn(*scalar
     refs, b, k) is evaluated in-kernel on scalars; invalid rows are zeros."""
     if K % ROWS:
         raise ValueError(f"gather: rows per request K={K} must be a multiple of {ROWS}")
+    T = tiles or _tiles_per_cta(K)
     N, E, _ = nope.shape
     # Free view as 64-byte rows: entry f = rows [7f, 7f + 7). Each CTA row copies the 8-row
     # (512 B) window from 7f: Lane-level TMA wants copies of a multiple of 128 bytes, and
@@ -52,54 +62,59 @@ def _gather_rows(src_fn, scalars, nope, scale, rope, B, K, *, interpret):
     # tile row that the rope overwrites anyway.
     nope_rows = nope.reshape(N * E * 7, BLK)
     n_sc = len(scalars)
+    shape = (ROWS * 8, BLK)
 
     def body(*refs):
         sc_refs = refs[:n_sc]
         nope_g, scale_g, rope_g, out_g, q_s, o_s, bar = refs[n_sc:]
         b = lax.axis_index("b")
-        t = lax.axis_index("t")
+        t0 = lax.axis_index("t") * T
         rowid = plgpu.broadcasted_iota(jnp.int32, (ROWS * 8,), 0, layout=ROW)
-        ebits = jnp.zeros((ROWS * 8,), jnp.int32)  # biased exponent per tile row
-        keep = jnp.zeros((ROWS * 8,), jnp.int32)  # 1 on the 8 tile rows of a valid output row
-        # All scalar index loads first (independent, so they overlap), then the TMA issues
-        # (inline asm that later loads cannot move above), then the scale loads, whose
-        # latency overlaps the copies in flight.
-        srcs = []
-        for r in range(ROWS):
-            valid, major, minor = src_fn(*sc_refs, b, t * ROWS + r)
-            srcs.append((valid, jnp.where(valid, major, 0), jnp.where(valid, minor, 0)))
-        for r, (valid, major, minor) in enumerate(srcs):
-            flat = major * E + minor
-            plgpu.copy_gmem_to_smem(nope_g.at[pl.ds(flat * 7, 8)], q_s.at[pl.ds(8 * r, 8)], bar)
-            plgpu.copy_gmem_to_smem(rope_g.at[major, minor], o_s.at[8 * r + 7], bar)
-        for r, (valid, major, minor) in enumerate(srcs):
-            for j in range(7):
-                e = scale_g[major, minor, j].astype(jnp.int32)
-                ebits = jnp.where(rowid == 8 * r + j, e, ebits)
-            keep = jnp.where((rowid >> 3) == r, valid.astype(jnp.int32), keep)
-        plgpu.barrier_wait(bar)
-        factor = lax.bitcast_convert_type(ebits << 23, jnp.float32)  # 2^(e - 127)
-        q = plgpu.load(q_s, layout=WG, optimized=False).astype(jnp.float32)
-        ro = plgpu.load(o_s, layout=WG, optimized=False).astype(jnp.float32)
-        shape = (ROWS * 8, BLK)
-        x = q * lax.broadcast_in_dim(factor, shape, [0])
+        # Issue every tile's copies before computing any: per tile, the scalar index loads
+        # (independent, so they overlap), then the TMA issues (inline asm that later loads
+        # cannot move above), then the scale loads, whose latency overlaps the copies.
+        tiles = []
+        for u in range(T):
+            srcs = []
+            for r in range(ROWS):
+                valid, major, minor = src_fn(*sc_refs, b, (t0 + u) * ROWS + r)
+                srcs.append((valid, jnp.where(valid, major, 0), jnp.where(valid, minor, 0)))
+            for r, (valid, major, minor) in enumerate(srcs):
+                flat = major * E + minor
+                plgpu.copy_gmem_to_smem(nope_g.at[pl.ds(flat * 7, 8)],
+                                        q_s.at[u, pl.ds(8 * r, 8)], bar.at[u])
+                plgpu.copy_gmem_to_smem(rope_g.at[major, minor], o_s.at[u, 8 * r + 7], bar.at[u])
+            ebits = jnp.zeros((ROWS * 8,), jnp.int32)  # biased exponent per tile row
+            keep = jnp.zeros((ROWS * 8,), jnp.int32)  # 1 on the tile rows of valid rows
+            for r, (valid, major, minor) in enumerate(srcs):
+                for j in range(7):
+                    e = scale_g[major, minor, j].astype(jnp.int32)
+                    ebits = jnp.where(rowid == 8 * r + j, e, ebits)
+                keep = jnp.where((rowid >> 3) == r, valid.astype(jnp.int32), keep)
+            tiles.append((ebits, keep))
         is_rope = lax.broadcast_in_dim((rowid & 7) == 7, shape, [0])
-        keep2 = lax.broadcast_in_dim(keep, shape, [0]) > 0
-        out = jnp.where(keep2, jnp.where(is_rope, ro, x), 0.0)  # +0, never -0, when empty
-        o_s[...] = out.astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, out_g.at[b, pl.ds(t * ROWS * 8, ROWS * 8)])
+        for u, (ebits, keep) in enumerate(tiles):
+            plgpu.barrier_wait(bar.at[u])
+            factor = lax.bitcast_convert_type(ebits << 23, jnp.float32)  # 2^(e - 127)
+            q = plgpu.load(q_s.at[u], layout=WG, optimized=False).astype(jnp.float32)
+            ro = plgpu.load(o_s.at[u], layout=WG, optimized=False).astype(jnp.float32)
+            x = q * lax.broadcast_in_dim(factor, shape, [0])
+            keep2 = lax.broadcast_in_dim(keep, shape, [0]) > 0
+            out = jnp.where(keep2, jnp.where(is_rope, ro, x), 0.0)  # +0, never -0, when empty
+            o_s[u] = out.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[u], out_g.at[b, pl.ds((t0 + u) * ROWS * 8, ROWS * 8)])
         plgpu.wait_smem_to_gmem(0)
 
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((B, K * 8, BLK), jnp.bfloat16),
-        grid=(B, K // ROWS),
+        grid=(B, K // (ROWS * T)),
         grid_names=("b", "t"),
         scratch_types=(
-            plgpu.SMEM((ROWS * 8, BLK), jnp.float8_e4m3fn),  # q_s: nope bytes
-            plgpu.SMEM((ROWS * 8, BLK), jnp.bfloat16),  # o_s: rope in, output tile out
-            plgpu.Barrier(num_arrivals=2 * ROWS),
+            plgpu.SMEM((T, ROWS * 8, BLK), jnp.float8_e4m3fn),  # q_s: nope bytes
+            plgpu.SMEM((T, ROWS * 8, BLK), jnp.bfloat16),  # o_s: rope in, output tile out
+            plgpu.Barrier(num_arrivals=2 * ROWS, num_barriers=T),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
