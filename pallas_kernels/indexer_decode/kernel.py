@@ -105,6 +105,7 @@ def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
     COL = WG.reduce(0)   # one value per column (head)
     tr16 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     span = cpc * CHUNK
+    span_s = -(-span // 128) * 128     # a splat store needs a multiple of 128 elements
 
     def kernel(qp_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g,
                q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar):
@@ -128,7 +129,7 @@ def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
             plgpu.copy_gmem_to_smem(qp_g.at[b], q_s, qbar)
             plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
 
-        o_s[...] = jnp.full((span,), -jnp.inf, jnp.float32)
+        o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
 
         @pl.when(n_load > 0)
         def _():
@@ -175,7 +176,7 @@ def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
 
         lax.fori_loop(0, n_load, body, 0)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, pl.ds(first * CHUNK, span)])
+        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, span)], o_g.at[b, pl.ds(first * CHUNK, span)])
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
@@ -188,7 +189,7 @@ def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
             c_s=plgpu.SMEM((2, CHUNK, 16), jnp.uint32),
             sc_s=plgpu.SMEM((2, CHUNK), jnp.uint32),
             k_s=plgpu.SMEM((8, CHUNK, 16), jnp.bfloat16, transforms=tr16),
-            o_s=plgpu.SMEM((span,), jnp.float32),
+            o_s=plgpu.SMEM((span_s,), jnp.float32),
             qbar=plgpu.Barrier(num_arrivals=2),
             bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
         ),

@@ -1,17 +1,22 @@
 """Sparse decode attention (window ring + selected compressed entries + sink) as a Pallas
 Mosaic-GPU kernel (Hopper, sm_90a). Semantics: see reference.py.
 
-The kernel reads the FP8 nope rows and BF16 rope rows of the cache directly (one TMA row
-copy per key, addressed through a per-key row list; no bf16 copy in HBM) and dequantises
-them in SMEM: K tile bf16 [64 keys, 512] = e4m3 * 2^(e-127) (exact in bf16) | rope.
+The kernel reads FP8 nope rows and BF16 rope rows (never a bf16 copy of the nope part) and
+dequantises them in SMEM: K tile bf16 [64 keys, 512] = e4m3 * 2^(e-127) (exact) | rope.
+The window ring is read in place (its rows are contiguous per request). The selected
+compressed rows are first gathered by XLA into a staging buffer in their stored format
+(576 B per key written + read again): a per-row TMA gather of 448-byte rows straight from
+the pool was tried and faults on the GPU (Mosaic infers a swizzled SMEM layout for the
+tile and tensor-TMA destinations must then be 128-byte aligned; 448-byte rows are not).
+This is the main known inefficiency: see benchmarks/results/indexer_attention.md.
 Heads are the wgmma M rows (64 per CTA). Grid (b, split, head tile, column half):
  - column half c: the f32 accumulator [64, 512] is too big for one warpgroup, so two CTAs
    share the keys (the second read is served by L2) and each owns 256 output columns;
    both compute the same full scores;
  - split s: flash-decoding over key blocks when B * H/64 * 2 is too small to fill the chip;
    partial outputs are merged in XLA.
-Tiny per-key metadata (row ids, scale factors 2^(e-127) as f32, the 0/-inf mask) is
-prepared in XLA: 40 bytes per key next to 584 bytes of cache.
+Tiny per-key metadata (scale factors 2^(e-127) as f32, the 0/-inf mask) is prepared in
+XLA: 36 bytes per key next to 584 bytes of cache.
 """
 import math
 
@@ -59,7 +64,7 @@ def _prep(win, cmp, block_table, idx_BK, t_B):
 
 
 def default_splits(B, H, n_blk, num_sms=132):
-    ctas = B * (H // HT) * 2
+    ctas = B * -(-H // HT) * 2
     return int(max(1, min(n_blk, -(-num_sms // ctas))))
 
 
@@ -89,9 +94,13 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     rows, sf, bias, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
     n_blk = rows.shape[1] // BLK
     NS = splits or default_splits(B, HP, n_blk)
-    o, lse = _attn_call(q, win_nope.reshape(-1, NOPE), win_rope.reshape(-1, ROPE),
-                        cmp_nope.reshape(-1, NOPE), cmp_rope.reshape(-1, ROPE),
-                        rows, sf, bias, n_blocks, sink, NS=NS, interpret=interpret)
+    # Staging gather of the selected compressed rows (FP8 + BF16, as stored): Mosaic's TMA
+    # needs 128-byte aligned SMEM destinations and a 448-byte row copy cannot give that.
+    cmp_rows = rows[:, WINDOW:]
+    staged_nope = cmp_nope.reshape(-1, NOPE)[cmp_rows]                         # [B, KP, 448]
+    staged_rope = cmp_rope.reshape(-1, ROPE)[cmp_rows]                         # [B, KP, 64]
+    o, lse = _attn_call(q, win_nope, win_rope, staged_nope, staged_rope,
+                        sf, bias, n_blocks, sink, NS=NS, interpret=interpret)
     if NS == 1:
         out = o[0]
     else:   # merge the splits' (o_s, lse_s) with the sink in the denominator
@@ -103,10 +112,10 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     return out[:, :H]
 
 
-def _attn_call(q, wn, wr, cn, cr, rows, sf, bias, n_blocks, sink, *, NS, interpret):
+def _attn_call(q, wn, wr, cn, cr, sf, bias, n_blocks, sink, *, NS, interpret):
     B, HP, _ = q.shape
     n_heads_t = HP // HT
-    n_blk = rows.shape[1] // BLK
+    n_blk = bias.shape[1] // BLK
     bps = -(-n_blk // NS)
     scale = 1.0 / math.sqrt(D)
     final = NS == 1
@@ -114,7 +123,7 @@ def _attn_call(q, wn, wr, cn, cr, rows, sf, bias, n_blocks, sink, *, NS, interpr
     ROW, COL = WG.reduce(1), WG.reduce(0)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, rows_g, sf_g, bias_g, nb_g, sink_g, o_g, lse_g,
+    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, sf_g, bias_g, nb_g, sink_g, o_g, lse_g,
                q_s, k_s, n_s, r_s, sf_s, b_s, p_s, v_s, qbar, bar):
         b = lax.axis_index("b")
         s_id = lax.axis_index("s")
@@ -125,34 +134,21 @@ def _attn_call(q, wn, wr, cn, cr, rows, sf, bias, n_blocks, sink, *, NS, interpr
         n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
 
         def issue(g, slot):
-            # One warp issues the copies: a warpgroup-issued TMA copy must move a multiple
-            # of 128 bytes, a warp-issued one a multiple of 32 (a nope row is 448).
-            def warp_body(wid):
-                @pl.when(wid == 0)
-                def _():
-                    def row_copies(nope_g, rope_g):
-                        def one(r, carry):
-                            row = pl.ds(rows_g[b, g * BLK + r], 1)
-                            # [1, n] slices keep the SMEM refs rank-2 for Mosaic's
-                            # transform inference.
-                            plgpu.copy_gmem_to_smem(nope_g.at[row], n_s.at[slot, pl.ds(r, 1)],
-                                                    bar.at[slot])
-                            plgpu.copy_gmem_to_smem(rope_g.at[row], r_s.at[slot, pl.ds(r, 1)],
-                                                    bar.at[slot])
-                            return carry
-                        lax.fori_loop(0, BLK, one, 0)
+            # Whole [64, ...] blocks: the window ring's rows are contiguous per request and
+            # the compressed rows were gathered into a staging buffer (see module doc).
+            @pl.when(g < WINDOW // BLK)
+            def _():
+                keys = pl.ds(g * BLK, BLK)
+                plgpu.copy_gmem_to_smem(wn_g.at[b, keys], n_s.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(wr_g.at[b, keys], r_s.at[slot], bar.at[slot])
 
-                    @pl.when(g < WINDOW // BLK)
-                    def _():
-                        row_copies(wn_g, wr_g)
-
-                    @pl.when(g >= WINDOW // BLK)
-                    def _():
-                        row_copies(cn_g, cr_g)
-                    plgpu.copy_gmem_to_smem(sf_g.at[b, g], sf_s.at[slot], bar.at[slot])
-                    plgpu.copy_gmem_to_smem(bias_g.at[b, pl.ds(g * BLK, BLK)], b_s.at[slot],
-                                            bar.at[slot])
-            plgpu.warp_map(warp_body)
+            @pl.when(g >= WINDOW // BLK)
+            def _():
+                keys = pl.ds((g - WINDOW // BLK) * BLK, BLK)
+                plgpu.copy_gmem_to_smem(cn_g.at[b, keys], n_s.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(cr_g.at[b, keys], r_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(sf_g.at[b, g], sf_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(bias_g.at[b, pl.ds(g * BLK, BLK)], b_s.at[slot], bar.at[slot])
 
         plgpu.copy_gmem_to_smem(q_g.at[b, heads], q_s, qbar)
         plgpu.copy_gmem_to_smem(sink_g.at[heads], v_s, qbar)
@@ -245,7 +241,7 @@ def _attn_call(q, wn, wr, cn, cr, rows, sf, bias, n_blocks, sink, *, NS, interpr
             p_s=plgpu.SMEM((HT, BLK), jnp.bfloat16, transforms=tr),
             v_s=plgpu.SMEM((HT,), jnp.float32),
             qbar=plgpu.Barrier(num_arrivals=2),
-            bar=plgpu.Barrier(num_arrivals=2 * BLK + 2, num_barriers=2),
+            bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
         ),
         interpret=interpret,
-    )(q, wn, wr, cn, cr, rows, sf, bias, n_blocks, sink)
+    )(q, wn, wr, cn, cr, sf, bias, n_blocks, sink)

@@ -1,0 +1,222 @@
+"""GPU correctness at real shapes + benchmark of the decode indexer and sparse attention kernels.
+
+Run on the device: PYTHONPATH=. python3 benchmarks/indexer_attention.py [--quick] [--out DIR]
+Prints a markdown table (time = median device time per call, measured as one jitted program
+that runs the op on N distinct input sets back to back, so no host dispatch gaps and no L2
+reuse between calls; bytes = cache bytes the op must read + outputs; % = of the copy
+bandwidth measured in the same run; speedup = jitted pure-JAX reference / kernel).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax import kvformat
+from pallas_kernels.indexer_decode import kernel as IK
+from pallas_kernels.indexer_decode import reference as IR
+from pallas_kernels.sparse_decode_attention import kernel as AK
+from pallas_kernels.sparse_decode_attention import reference as AR
+
+MB = 1 << 20
+
+
+def bench(fn, sets, reps=5):
+    """Median seconds per call of fn over the input sets (one jit runs them all)."""
+    many = jax.jit(lambda ss: [fn(*s) for s in ss])
+    jax.block_until_ready(many(sets))
+    jax.block_until_ready(many(sets))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(sets))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / len(sets)
+
+
+def copy_bandwidth():
+    x = jax.random.normal(jax.random.key(1), (256 * MB,), jnp.float32)   # 1 GiB
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(ts)
+
+
+def n_sets_for(footprint_bytes, cap=6, budget=300 * MB):
+    return int(max(2, min(cap, budget // max(footprint_bytes, 1))))
+
+
+# ------------------------------------------------------------------------ indexer
+def random_e4m3(key, shape):
+    """Random finite e4m3 values from random bytes (0x7F / 0xFF are NaN: nudged to 0x7E)."""
+    u = jax.random.bits(key, shape, jnp.uint8)
+    u = jnp.where((u & 0x7F) == 0x7F, u - 1, u)
+    return jax.lax.bitcast_convert_type(u, jnp.float8_e4m3fn)
+
+
+def indexer_inputs(key, B, ctx):
+    """Random valid fp4 cache contents: random code bytes and exponent bytes near 127."""
+    MAXB = ctx // 128
+    NB = B * MAXB
+    ks = jax.random.split(key, 6)
+    q = kvformat.fp4_block_sim(jax.random.normal(ks[0], (B, 64, 128))).astype(jnp.bfloat16)
+    w = jax.random.normal(ks[1], (B, 64), jnp.float32) * 0.05
+    codes = jax.random.bits(ks[2], (NB, 32, 64), jnp.uint8)
+    scale = jax.random.randint(ks[5], (NB, 32, 4), 120, 130).astype(jnp.uint8)
+    bt = jax.random.permutation(ks[3], NB).reshape(B, MAXB).astype(jnp.int32)
+    t = (ctx - 1 - jax.random.randint(ks[4], (B,), 0, 64)).astype(jnp.int32)
+    return q, w, codes, scale, bt, t
+
+
+def run_indexer(B, ctx, topk, bw, log):
+    n = ctx // 4
+    cache_bytes = B * n * 68
+    sets = [indexer_inputs(jax.random.key(100 * B + i), B, ctx)
+            for i in range(n_sets_for(cache_bytes * 3))]
+    kern = jax.jit(lambda *a: IK.indexer_scores(*a))
+    ref = jax.jit(lambda q, w, c, s, bt, t: IR.indexer_scores_reference(
+        q, w, {"idx_codes": c, "idx_scale": s}, bt, t))
+    a = sets[0]
+    sk, sr = np.asarray(kern(*a)), np.asarray(ref(*a))
+    fin = np.isfinite(sr)
+    ok_mask = bool((np.isfinite(sk) == fin).all())
+    rel = float(np.linalg.norm(sk[fin] - sr[fin]) / np.linalg.norm(sr[fin]))
+    ik = np.asarray(IK.topk_from_scores(jnp.asarray(sk), topk))
+    ir = np.asarray(IR.topk_reference(jnp.asarray(sr), topk))
+    overlap = float(np.mean([len(set(ik[b]) & set(ir[b])) / len(set(ir[b])) for b in range(B)]))
+    t_k = bench(lambda *x: IK.indexer_scores(*x), sets)
+    t_kt = bench(lambda *x: IK.indexer_topk(*x, topk), sets)
+    ref_sets = sets[: max(2, min(len(sets), int(2e9 // (B * n * 128 * 4 * 2))))]
+    t_r = bench(lambda q, w, c, s, bt, t: IR.indexer_topk_reference(
+        q, w, {"idx_codes": c, "idx_scale": s}, bt, t, topk), ref_sets, reps=3)
+    out_bytes = B * (n * 4)
+    gbs = (cache_bytes + out_bytes) / t_k / 1e9
+    row = dict(op="indexer fp4", B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
+               MB=(cache_bytes + out_bytes) / MB, GBs=gbs, pct=100 * gbs * 1e9 / bw,
+               ref_us=t_r * 1e6, speedup=t_r / t_kt, rel_err=rel, mask_ok=ok_mask,
+               topk_overlap=overlap)
+    log.write(json.dumps(row) + "\n"); log.flush()
+    return row
+
+
+# ---------------------------------------------------------------------- attention
+def attn_inputs(key, B, H, ctx, K, mode):
+    EPB = 32 if mode == "csa" else 1
+    ratio = 4 if mode == "csa" else 128
+    MAXB = ctx // 128
+    NB = B * MAXB
+    ks = jax.random.split(key, 10)
+    q = jax.random.normal(ks[0], (B, H, 512), jnp.bfloat16)
+    win = (random_e4m3(ks[1], (B, 128, 448)),
+           jax.random.randint(ks[7], (B, 128, 8), 118, 126).astype(jnp.uint8),
+           jax.random.normal(ks[8], (B, 128, 64), jnp.bfloat16))
+    t = (ctx - 1 - jax.random.randint(ks[2], (B,), 0, 64)).astype(jnp.int32)
+    slots = jnp.arange(128)[None]
+    pos = (t[:, None] - ((t[:, None] - slots) % 128)).astype(jnp.int32)
+    cmp = (random_e4m3(ks[3], (NB, EPB, 448)),
+           jax.random.randint(ks[9], (NB, EPB, 8), 118, 126).astype(jnp.uint8),
+           jax.random.normal(ks[6], (NB, EPB, 64), jnp.bfloat16))
+    bt = jax.random.permutation(ks[4], NB).reshape(B, MAXB).astype(jnp.int32)
+    n_vis = (t + 1) // ratio
+    if mode == "csa":   # K distinct visible entries per request (top-k stand-in)
+        u = jax.random.uniform(ks[5], (B, MAXB * EPB))
+        u = jnp.where(jnp.arange(MAXB * EPB)[None] < n_vis[:, None], u, -1.0)
+        idx = jax.lax.top_k(u, K)[1].astype(jnp.int32)
+    else:
+        idx = AR.hca_indices(t, K)
+    sink = jax.random.normal(ks[6], (H,), jnp.float32)
+    return q, (*win, pos), cmp, bt, idx, t, sink
+
+
+def run_attn(B, H, ctx, K, mode, bw, log):
+    nkeys = 128 + K
+    cache_bytes = B * nkeys * 584
+    io_bytes = 2 * B * H * 512 * 2
+    sets = [attn_inputs(jax.random.key(7 * B + i), B, H, ctx, K, mode)
+            for i in range(n_sets_for(cache_bytes * 2 + B * ctx // 128 * (32 if mode == "csa" else 1) * 584))]
+    kern = jax.jit(AK.sparse_decode_attention)
+    ref = jax.jit(AR.sparse_decode_attention_reference)
+    a = sets[0]
+    ok, orf = np.asarray(kern(*a)).astype(np.float32), np.asarray(ref(*a)).astype(np.float32)
+    rel = float(np.linalg.norm(ok - orf) / np.linalg.norm(orf))
+    t_k = bench(AK.sparse_decode_attention, sets)
+    t_r = bench(AR.sparse_decode_attention_reference, sets, reps=3)
+    gbs = (cache_bytes + io_bytes) / t_k / 1e9
+    row = dict(op=f"attn {mode}", B=B, H=H, ctx=ctx, K=K, us=t_k * 1e6,
+               MB=(cache_bytes + io_bytes) / MB, GBs=gbs, pct=100 * gbs * 1e9 / bw,
+               ref_us=t_r * 1e6, speedup=t_r / t_k, rel_err=rel,
+               splits=AK.default_splits(B, H, (128 + -(-K // 64) * 64) // 64))
+    log.write(json.dumps(row) + "\n"); log.flush()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["indexer", "attn"], default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--check-attn", type=int, default=0, metavar="SPLITS",
+                    help="only a small attention correctness check with this many splits")
+    args = ap.parse_args()
+    if args.check_attn:
+        a = attn_inputs(jax.random.key(0), 1, 64, 4096, 64, "csa")
+        ok = np.asarray(jax.jit(lambda *x: AK.sparse_decode_attention(*x, splits=args.check_attn))(*a))
+        orf = np.asarray(jax.jit(AR.sparse_decode_attention_reference)(*a))
+        ok, orf = ok.astype(np.float32), orf.astype(np.float32)
+        print("attn check rel err", np.linalg.norm(ok - orf) / np.linalg.norm(orf), flush=True)
+        return
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
+    log = open(os.path.join(args.out, "indexer_attention.jsonl"), "w")
+    rows = []
+    Bs = [1, 8, 32, 64]
+    if args.only in (None, "indexer"):
+        ctxs = [4096, 32768, 131072]
+        for topk in ([512] if args.quick else [512, 1024]):
+            for B in Bs:
+                for ctx in ctxs:
+                    if topk == 1024 and (ctx != 131072 or B not in (8, 64)):
+                        continue
+                    try:
+                        rows.append(run_indexer(B, ctx, topk, bw, log))
+                    except Exception as e:   # keep going: report the failure in the table
+                        print(f"indexer B={B} ctx={ctx}: {type(e).__name__}: {e}"[:2000], flush=True)
+                    print(rows[-1] if rows else None, flush=True)
+    if args.only in (None, "attn"):
+        cfgs = [(H, K, "csa") for H, K in ((64, 512), (128, 1024))] + [(64, 1024, "hca")]
+        for H, K, mode in cfgs:
+            for B in Bs:
+                ctx = 131072 if mode == "hca" else 32768
+                try:
+                    rows.append(run_attn(B, H, ctx, K, mode, bw, log))
+                except Exception as e:
+                    print(f"attn B={B} H={H}: {type(e).__name__}: {e}"[:2000], flush=True)
+                print(rows[-1] if rows else None, flush=True)
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s on {jax.devices()[0].device_kind}")
+    print("| op | B | H | ctx | topk/K | kernel us | +topk us | MB | GB/s | % copy bw | XLA ref us | speedup | rel err | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["op"].startswith("indexer"):
+            print(f"| {r['op']} | {r['B']} | 64 | {r['ctx']} | {r['topk']} | {r['us']:.1f} | "
+                  f"{r['us_topk']:.1f} | {r['MB']:.2f} | {r['GBs']:.0f} | {r['pct']:.0f} | "
+                  f"{r['ref_us']:.0f} | {r['speedup']:.1f} | {r['rel_err']:.1e} | "
+                  f"mask {r['mask_ok']}, top-k overlap {r['topk_overlap']:.3f} |")
+        else:
+            print(f"| {r['op']} | {r['B']} | {r['H']} | {r['ctx']} | {r['K']} | {r['us']:.1f} | - | "
+                  f"{r['MB']:.2f} | {r['GBs']:.0f} | {r['pct']:.0f} | {r['ref_us']:.0f} | "
+                  f"{r['speedup']:.1f} | {r['rel_err']:.1e} | splits {r['splits']} |")
+
+
+if __name__ == "__main__":
+    main()
