@@ -29,6 +29,9 @@ class CacheSpec:
     kv_format: str = "fp8"  # "fp8" | "raw"
     index_format: str = "fp4"  # "fp4" | "nvfp4" | "fp8" | "raw"
     dtype: str = "bfloat16"  # raw storage dtype
+    # Decode steps (T == 1) through the Pallas Mosaic-GPU kernels: "off" (pure JAX, the
+    # reference), "on" (GPU), "interpret" (the Mosaic GPU interpreter, for CPU tests).
+    kernels: str = "off"
 
     @property
     def capacity(self) -> int:
@@ -40,6 +43,12 @@ class CacheSpec:
                 raise ValueError(f"CacheSpec.{f} must be positive, got {getattr(self, f)}")
         if self.kv_format not in ("fp8", "raw"):
             raise ValueError(f"CacheSpec.kv_format must be 'fp8' or 'raw', got {self.kv_format!r}")
+        if self.kernels not in ("off", "on", "interpret"):
+            raise ValueError(f"CacheSpec.kernels must be 'off', 'on' or 'interpret', got "
+                             f"{self.kernels!r}")
+        if self.kernels != "off" and (self.kv_format, self.index_format) != ("fp8", "fp4"):
+            raise ValueError("the kernels read the FP8 KV cache with fp4 indexer keys: use "
+                             "kv_format='fp8', index_format='fp4' (act_quant on)")
         if self.index_format not in KF.INDEX_FORMATS + ("raw",):
             raise ValueError(f"CacheSpec.index_format must be one of "
                              f"{KF.INDEX_FORMATS + ('raw',)}, got {self.index_format!r}")

@@ -119,8 +119,9 @@ def cmd_generate(args):
             print(f"--- prompt: {t[-60:]!r}\n{text}")
     n = sum(len(o) for o in outs)
     tm = eng.timing
-    print(f"time to first token {ttft:.2f} s (includes compilation), {n} tokens in {total:.2f} s, "
-          f"decode {tm.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+    print(f"time to first token {ttft:.2f} s (first call includes compilation), {n} tokens in "
+          f"{total:.2f} s; decode compile {tm.compile_s:.1f} s, then {tm.new_tokens} tokens "
+          f"in {tm.decode_s:.2f} s = {tm.tokens_per_s:.1f} tokens/s", file=sys.stderr)
 
 
 def cmd_logits(args):

@@ -97,6 +97,77 @@ def _gather_entries(pool, bt_rows, epb):
     return jax.tree.map(lambda a: a[blk].reshape(blk.shape[0], -1, *a.shape[2:]), pool)
 
 
+def _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs, cfg, nm, which):
+    """Run the main ("") or indexer ("i") compressor over the chunk and store its new state
+    in lc. Returns (entries [B, nb, c], entry index [B, nb], complete [B, nb])."""
+    cp = L.block_params(ap, "compressor." if which == "" else "indexer.compressor.")
+    c = cfg.head_dim if which == "" else cfg.index_head_dim
+    kind = "main" if which == "" else "indexer"
+    n = [which + k for k in ("st_a", "st_z", "pv_a", "pv_z")]
+    st = [lc[k][slots] if k in lc else None for k in n]
+    ent, eidx, comp, new = compressor_chunk(cp, x, tok_pos, pos, nvalid, *st, ratio, c, freqs,
+                                            cfg, nm, kind)
+    for k, v in zip(n, new):
+        if v is not None:
+            lc[k] = lc[k].at[slots].set(v)
+    return ent, eidx, comp
+
+
+def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
+                      cs: CacheSpec, nm: Numerics, ratio: int, freqs):
+    """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
+    the window row and of completed compressed entries / indexer keys, the lightning indexer
+    top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.indexer_decode import indexer_topk
+    from pallas_kernels.kv_scatter import append_window, flush_compressed
+    from pallas_kernels.sparse_decode_attention import hca_indices, sparse_decode_attention
+    interp = plgpu.InterpretGPUParams() if cs.kernels == "interpret" else None
+    B = x.shape[0]
+    t, ok = tok_pos[:, 0], valid[:, 0]
+    w = lc["win"]
+    win = append_window({"win_nope": w["nope"], "win_scale": w["scale"], "win_rope": w["rope"],
+                         "win_pos": lc["win_pos"]}, kv[:, 0].astype(jnp.bfloat16),
+                        jnp.where(ok, t, -1), interpret=interp)
+    lc["win"] = {"nope": win["win_nope"], "scale": win["win_scale"], "rope": win["win_rope"]}
+    lc["win_pos"] = win["win_pos"]
+    slots = jnp.arange(B)
+    if ratio > 0:
+        ent, eidx, comp = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio,
+                                             freqs, cfg, nm, "")
+        pool = {"cmp_nope": lc["cmp"]["nope"], "cmp_scale": lc["cmp"]["scale"],
+                "cmp_rope": lc["cmp"]["rope"]}
+        idx_pool, key = None, None
+        if ratio == 4:
+            kI, _, _ = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs,
+                                          cfg, nm, "i")
+            idx_pool, key = dict(lc["idx"]), kI[:, 0].astype(F32)
+        pool, idx_pool = flush_compressed(pool, idx_pool, ent[:, 0].astype(jnp.bfloat16), key,
+                                          comp[:, 0].astype(jnp.int32), eidx[:, 0], bt_rows,
+                                          fmt=cs.index_format, interpret=interp)
+        lc["cmp"] = {"nope": pool["cmp_nope"], "scale": pool["cmp_scale"], "rope": pool["cmp_rope"]}
+        if ratio == 4:
+            lc["idx"] = {k: idx_pool[k] for k in lc["idx"]}
+            ip = L.block_params(ap, "indexer.")
+            qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm)
+            pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
+            qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
+            wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
+            idx = indexer_topk(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"], bt_rows, t,
+                               cfg.index_topk, interpret=interp)
+        else:
+            idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
+        cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
+    else:  # window only: an empty compressed list over a one-row dummy pool
+        cmp = (jnp.zeros((1, 1, 448), jnp.float8_e4m3fn), jnp.full((1, 1, 8), 127, jnp.uint8),
+               jnp.zeros((1, 1, 64), jnp.bfloat16))
+        idx = jnp.full((B, 64), -1, jnp.int32)
+    o = sparse_decode_attention(q[:, 0], (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"],
+                                          lc["win_pos"]), cmp, bt_rows, idx, t, ap["attn_sink"],
+                                interpret=interp)
+    return o[:, None].astype(F32)
+
+
 def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg: Config,
                      cs: CacheSpec, nm: Numerics, ratio: int):
     """Attention for a chunk with the paged cache. Returns (out [B, T, D], new layer cache)."""
@@ -105,6 +176,12 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     freqs = L.rope_freqs(cfg, ratio)
     q, kv, cq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm)
     lc = dict(lc)
+    if cs.kernels != "off" and T == 1:
+        if B != cs.max_requests:
+            raise ValueError("the kernel decode path runs all request slots (B == max_requests)")
+        o = _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg,
+                              cs, nm, ratio, freqs)
+        return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
     # ---- window: ring contents before this step + the chunk's own rows
     ring = decode_kv(cs, _rows(lc["win"], slots), nm.jdtype)  # [B, W, K]
     ring_pos = _rows(lc["win_pos"], slots)

@@ -224,3 +224,49 @@ def block_params(params: dict, prefix: str) -> dict:
     """The sub-dict of one block with the prefix stripped: block_params(p, 'layers.3.')."""
     n = len(prefix)
     return {k[n:]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+# ---------------------------------------------------------------------------------------
+# Fast on-device random init (for full-width benchmarks): same formats and conditioning as
+# init_params, drawn with jax.random straight into the storage layout.
+# ---------------------------------------------------------------------------------------
+def _device_leaf(spec: ParamSpec, key, cfg: Config):
+    shp = spec.shape
+    k1, k2 = jax.random.split(key)
+    if spec.fmt == "i32":  # tid2eid: k distinct experts per token
+        r = jax.random.uniform(k1, (shp[0], cfg.n_routed_experts))
+        return jnp.argsort(r, -1)[:, :shp[1]].astype(jnp.int32)
+    std = {"linear": 1.0 / np.sqrt(shp[-1]), "hc_fn": 1.0 / np.sqrt(shp[-1]), "embed": 1.0,
+           "normal": 1.0, "small": 0.1, "ape": 0.5, "norm": 0.1, "hc_scale": 0.0}[spec.init]
+    if spec.fmt in ("bf16", "f32"):
+        v = jax.random.normal(k1, shp, jnp.float32) * std
+        if spec.init == "norm":
+            v = v + 1.0
+        if spec.init == "hc_scale":
+            v = jax.random.uniform(k1, shp, jnp.float32, 0.2, 1.0)
+        return v.astype(jnp.bfloat16 if spec.fmt == "bf16" else jnp.float32)
+    *lead, o, i = shp
+    if spec.fmt == "fp8":  # e4m3 values ~N(0, 64^2) with block scale 2^-6 * std
+        w = jnp.clip(jax.random.normal(k1, shp, jnp.float32) * 64, -448, 448)
+        e = int(np.round(np.log2(std / 64))) + 127
+        sc = jnp.full((*lead, -(-o // 128), -(-i // 128)), e, jnp.uint8)
+        return Q.Fp8Weight(w.astype(jnp.float8_e4m3fn),
+                           jax.lax.bitcast_convert_type(sc, jnp.float8_e8m0fnu))
+    if spec.fmt == "fp4":  # uniform e2m1 codes (std ~2.9) with scale ~ std / 2.9
+        codes = jax.random.randint(k1, (*lead, o, i), 0, 16, jnp.int32)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+        e = int(np.round(np.log2(std / 2.9))) + 127
+        sc = jnp.full((*lead, o, i // 32), e, jnp.uint8)
+        return Q.Fp4Weight(jax.lax.bitcast_convert_type(packed, jnp.int8),
+                           jax.lax.bitcast_convert_type(sc, jnp.float8_e8m0fnu))
+    raise ValueError(f"device init does not support {spec.fmt!r}")
+
+
+def init_params_device(cfg: Config, seed: int = 0, include_mtp: bool = False) -> dict:
+    """Random parameters generated on the default device (no host copy): for full-width
+    layer sets in benchmarks. Not value-identical to init_params."""
+    out = {}
+    for j, (k, spec) in enumerate(describe(cfg, include_mtp).items()):
+        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(k.encode()))
+        out[k] = _device_leaf(spec, key, cfg)
+    return out
