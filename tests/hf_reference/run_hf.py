@@ -163,7 +163,6 @@ def _sorted_topk(idx: torch.Tensor) -> np.ndarray:
 def _hook_all(model, out: dict, record_intermediates: bool):
     """Register forward hooks that copy intermediates into `out`; returns the handles."""
     handles = []
-    B_T = {}
 
     def rec(key, fn):
         def hook(mod, args, res):
@@ -196,7 +195,6 @@ def _hook_all(model, out: dict, record_intermediates: bool):
             if isinstance(comp, M.DeepseekV4CSACompressor):
                 handles.append(comp.indexer.register_forward_hook(
                     rec(f"indexer_topk.layer{i}", lambda m, a, r: _sorted_topk(r))))
-    del B_T
     return handles
 
 
