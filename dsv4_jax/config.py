@@ -248,7 +248,7 @@ def tiny() -> Config:
     return Config(name="tiny", vocab_size=1024, hidden_size=256, num_hidden_layers=5,
                   num_attention_heads=8, q_lora_rank=128, o_groups=2, o_lora_rank=128,
                   n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                  num_hash_layers=2, index_n_heads=16, index_topk=16,
+                  num_hash_layers=2, index_n_heads=32, index_topk=16,
                   compress_ratios=(0, 4, 128, 4, 128, 0))
 
 

@@ -361,22 +361,44 @@ def expert_ffn(w1, w2, w3, x, weight, cfg: Config, nm: Numerics):
 
 
 def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None):
-    """x [B, T, D], tokens [B, T] -> [B, T, D]. Dense over experts with a combine mask
-    (fine for CPU-sized models; the GPU path replaces it)."""
+    """x [B, T, D], tokens [B, T] -> [B, T, D]. Few tokens (decode): gather the selected
+    experts' stored weights (reads only those experts); many tokens: loop over all experts
+    with a combine mask."""
     idx, w = route(p, x, tokens, cfg, hash_layer)
-    E = cfg.n_routed_experts
-    comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if debug is not None:
         debug["router_idx"], debug["router_w"] = idx, w
+    B, T, D = x.shape
+    if B * T * k < E:
+        out = _moe_gathered(p, x.reshape(B * T, D), idx.reshape(B * T, k),
+                            w.reshape(B * T, k), cfg, nm).reshape(B, T, D)
+    else:
+        comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
 
-    def one(e, acc):
-        sub = lambda wt: jax.tree.map(lambda a: a[e], wt)
-        y = expert_ffn(sub(p["experts.w1"]), sub(p["experts.w2"]), sub(p["experts.w3"]), x,
-                       comb[..., e], cfg, nm)
-        return acc + y
+        def one(e, acc):
+            sub = lambda wt: jax.tree.map(lambda a: a[e], wt)
+            y = expert_ffn(sub(p["experts.w1"]), sub(p["experts.w2"]), sub(p["experts.w3"]), x,
+                           comb[..., e], cfg, nm)
+            return acc + y
 
-    out = jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
+        out = jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
     if cfg.n_shared_experts:
         out = out + expert_ffn(p["shared_experts.w1"], p["shared_experts.w2"],
                                p["shared_experts.w3"], x, None, cfg, nm)
     return out.astype(nm.jdtype)
+
+
+def _moe_gathered(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):
+    """Per token, its k experts: weights gathered in their stored format [N, k, out, in]."""
+    sel = lambda wt: jax.tree.map(lambda a: a[idx_NK], wt)
+    xq = fp8_block_sim(x_ND, 128) if nm.act_quant else x_ND
+    W1, W3 = dequant(sel(p["experts.w1"])), dequant(sel(p["experts.w3"]))
+    h1 = jnp.einsum("nd,nkid->nki", xq.astype(F32), W1, preferred_element_type=F32)
+    h3 = jnp.einsum("nd,nkid->nki", xq.astype(F32), W3, preferred_element_type=F32)
+    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit) * w_NK[..., None]
+    h = h.astype(nm.jdtype)
+    if nm.act_quant:
+        h = fp8_block_sim(h, 128)
+    W2 = dequant(sel(p["experts.w2"]))
+    y = jnp.einsum("nki,nkdi->nkd", h.astype(F32), W2, preferred_element_type=F32)
+    return y.sum(1)

@@ -306,3 +306,17 @@ def test_config_roundtrip_and_errors():
             config.Config.from_hf_dict(dd)
     with pytest.raises(ValueError, match="unknown preset"):
         config.get_preset("huge")
+
+
+@pytest.mark.parametrize("nm", [F32, Numerics(True, "bfloat16")], ids=["f32", "bf16-sim"])
+def test_moe_gathered_path_equals_dense_loop(tiny, nm):
+    """Few tokens read only their experts (decode path); it must equal the dense loop."""
+    cfg, params = tiny
+    fp = P.block_params(params, "layers.3.ffn.")
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((1, 3, cfg.hidden_size)), nm.jdtype)
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 3)))
+    a = L.moe(fp, x, tok, cfg, nm, False)  # 3 tokens x 2 experts < 8 experts: gathered
+    b = L.moe(fp, jnp.tile(x, (1, 3, 1)), jnp.tile(tok, (1, 3)), cfg, nm, False)[:, :3]
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=0, atol=1e-5 * float(jnp.abs(b).max()))
