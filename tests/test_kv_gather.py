@@ -47,7 +47,7 @@ def _seed():
 
 def test_gather_topk_interpret(interp):
     ks = jax.random.split(_seed(), 4)
-    NB, EPB, MAXB, B, K = 9, 4, 3, 2, 16
+    NB, EPB, MAXB, B, K = 9, 4, 3, 2, 8
     pool = _pool(ks[0], NB, EPB)
     bt = jax.random.permutation(ks[1], NB)[: B * MAXB].reshape(B, MAXB).astype(jnp.int32)
     bt = bt.at[1, 2].set(-1)
@@ -132,3 +132,14 @@ def test_gpu_matches_reference():
     win = {"win_nope": ne, "win_scale": s, "win_rope": r,
            "win_pos": jax.random.randint(ks[5], (B, 128), -1, 1000)}
     _same(jax.jit(kernel.gather_window)(win), reference.gather_window(win))
+
+
+def test_dispatch_switch():
+    import pallas_kernels.kv_gather as kvg
+    ks = jax.random.split(_seed(), 2)
+    n, s, r = _entries(ks[0], (2, 128))
+    win = {"win_nope": n, "win_scale": s, "win_rope": r,
+           "win_pos": jax.random.randint(ks[1], (2, 128), -1, 3)}
+    _same(kvg.gather_window(win, impl="xla"), reference.gather_window(win))
+    with pytest.raises(ValueError, match="impl"):
+        kvg.gather_window(win, impl="triton")

@@ -210,3 +210,13 @@ def test_gpu_matches_reference(fmt):
     ref = reference.flush_compressed(pool, idx, *args, fmt=fmt)
     _assert_same(out[0], ref[0])
     _assert_same(out[1], ref[1])
+
+
+def test_dispatch_switch():
+    import pallas_kernels.kv_scatter as kvs
+    ks = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
+    win = _window(ks[0], 4)
+    kv, pos = _rows(ks[1], 4, 512), jax.random.randint(ks[2], (4,), -1, 1000)
+    _assert_same(kvs.append_window(win, kv, pos, impl="xla"), reference.append_window(win, kv, pos))
+    with pytest.raises(ValueError, match="impl"):
+        kvs.append_window(win, kv, pos, impl="cuda")
