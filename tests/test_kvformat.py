@@ -198,8 +198,12 @@ def test_model_quant_sim_matches_kvformat():
         pytest.skip("dsv4_jax.quant exposes no fp8/fp4 simulation under a known name yet")
     np.testing.assert_array_equal(np.asarray(fp8(x[:, :448], 64), np.float32),
                                   np.asarray(kf.fp8_block_sim(x[:, :448], 64), np.float32))
+    np.testing.assert_array_equal(np.asarray(fp8(x, 128), np.float32),
+                                  np.asarray(kf.fp8_block_sim(x, 128), np.float32))
     np.testing.assert_array_equal(np.asarray(fp4(k, 32), np.float32),
                                   np.asarray(kf.fp4_block_sim(k, 32), np.float32))
+    big = jnp.asarray(_rand(rng, (256, 128)), jnp.float32)  # many e2m1 ties and magnitudes
+    np.testing.assert_array_equal(np.asarray(fp4(big, 32)), np.asarray(kf.fp4_block_sim(big, 32)))
 
 
 def test_bad_inputs_raise():
