@@ -21,6 +21,7 @@ the floor is therefore set by the largest single leaf (a Flash layer's stacked e
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -167,9 +168,8 @@ def _save_chunk(path: Path, tree: dict):
     without a copy and orbax writes straight from those buffers."""
     import jax
     import orbax.checkpoint as ocp
-    tree = jax.device_put(tree)
+    tree = jax.device_put(tree, jax.local_devices(backend="cpu")[0])  # host, even on GPU machines
     orbax_checkpointer().save(path, args=ocp.args.PyTreeSave(tree))
-    del tree
 
 
 def _atomic_json(path: Path, obj):
@@ -248,8 +248,10 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
                 fields = convert_leaf(source, key, specs_in[key], specs_out[key])
                 tree[key] = fields["value"] if "value" in fields else fields
                 meta["bytes"] += sum(v.nbytes for v in fields.values())
+                del fields  # else the last leaf outlives its chunk (one array over budget)
             _save_chunk(tmp / f"c{ci}", tree)
             del tree
+            gc.collect()  # orbax's save leaves reference cycles that pin the chunk's arrays
             meta["chunks"][f"c{ci}"] = keys
             chunk_in = sum(t.nbytes for k in keys for t in source.by_leaf[k])
             read_bytes += chunk_in
