@@ -62,6 +62,7 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, nargs="+", default=[2])
     ap.add_argument("--context", type=int, nargs="+", default=[140])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=128)
     a = ap.parse_args()
     cfg = config.get_preset(a.preset)
     if a.preset != "tiny":
@@ -74,7 +75,7 @@ if __name__ == "__main__":
     for B in a.batch:
         for ctx in a.context:
             r = run(cfg, params, B, ctx, a.steps, "interpret" if a.interpret else "on",
-                    timing=not a.interpret)
+                    chunk=a.chunk, timing=not a.interpret)
             print(f"{cfg.name} L={cfg.num_hidden_layers} " + " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                 flush=True)
