@@ -55,6 +55,7 @@ def execute(name: str, out_dir: Path, monkeypatch):
     return nb
 
 
+@pytest.mark.slow  # ~25 s + ~65 s of CPU, mostly XLA compilation
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_notebook_runs_and_draws(name, tmp_path, monkeypatch):
     nb = execute(name, tmp_path, monkeypatch)
