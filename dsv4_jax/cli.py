@@ -171,7 +171,7 @@ def build_parser():
     except ImportError:
         pass
     try:
-        from benchmarks.cli import register as reg_bench
+        from benchmarks.decode_bench import register as reg_bench
         reg_bench(sub)
     except ImportError:
         pass

@@ -1,0 +1,198 @@
+"""Decode-step benchmark against the HBM-bandwidth floor.
+
+    dsv4 bench decode --preset flash --layers 4 --batch 1 8 --context 4096 [--kernels on|off]
+    (or: PYTHONPATH=. python -m benchmarks.decode_bench ...)
+
+Synthetic weights in the real formats are drawn on the device; the cache of every request
+is filled with random FP8/FP4 contents at the given context (the step's cost does not
+depend on the values), so no prefill is needed. The floor is the bytes a decode step must
+read: every non-expert weight once, the routed experts the batch hits (expected distinct
+experts under uniform routing), the head, and each request's cache reads (window, CSA top-k
+entries + all indexer keys, all HCA entries), divided by the measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax import config as C, params as P
+from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
+from dsv4_jax.decode import compiled_step
+from dsv4_jax.quant import Numerics
+
+ENTRY_BYTES = 448 + 8 + 128  # FP8 nope + e8m0 scales + bf16 rope
+IDX_KEY_BYTES = 64 + 4  # fp4 codes + e8m0 per 32
+
+
+def measure_copy_bandwidth(nbytes=2 << 30, iters=20) -> float:
+    """Bytes read + written per second of a device-to-device copy."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / float(np.median(ts))
+
+
+def _leaf_bytes(leaf) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(leaf))
+
+
+def floor_bytes(cfg, B: int, ctx: int) -> dict:
+    """Bytes one decode step must move, per layer kind and in total."""
+    structs = P.abstract_params(cfg, include_mtp=False)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    distinct = E * (1 - (1 - k / E) ** B)  # expected distinct experts hit by B tokens
+    per_kind: dict[str, float] = {}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}."
+        w = 0.0
+        for name, leaf in structs.items():
+            if not name.startswith(pre):
+                continue
+            b = _leaf_bytes(leaf)
+            if ".ffn.experts." in name:
+                b = b / E * distinct
+            elif name.endswith("gate.tid2eid"):
+                b = 0  # B rows of the table
+            w += b
+        r = cfg.layer_ratio(i)
+        cache = BLOCK_TOKENS * ENTRY_BYTES  # the window ring
+        if r == 4:
+            cache += min(cfg.index_topk, ctx // 4) * ENTRY_BYTES + (ctx // 4) * IDX_KEY_BYTES
+        elif r == 128:
+            cache += (ctx // 128) * ENTRY_BYTES
+        kind = cfg.layer_kind(i)
+        per_kind.setdefault(kind, [0.0, 0])
+        per_kind[kind][0] += w + B * cache
+        per_kind[kind][1] += 1
+    head = _leaf_bytes(structs["head.weight"]) + _leaf_bytes(structs["hc_head_fn"])
+    total = sum(v[0] for v in per_kind.values()) + head
+    return {"per_kind": {k: (v[0] / v[1], v[1]) for k, v in per_kind.items()}, "head": head,
+            "total": total}
+
+
+def random_cache(cfg, cs, B: int, ctx: int, key):
+    """A cache whose first B requests hold `ctx` tokens of random (valid) contents."""
+    cache = init_cache(cfg, cs)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
+    out = []
+    for j, (path, a) in enumerate(leaves):
+        name = jax.tree_util.keystr(path)
+        kk = jax.random.fold_in(key, j)
+        if "win_pos" in name:
+            slots = jnp.arange(a.shape[1])
+            p = ctx - 1 - ((ctx - 1 - slots) % a.shape[1])  # latest position of each slot
+            out.append(jnp.where(p >= 0, p, -1)[None].repeat(a.shape[0], 0).astype(a.dtype))
+        elif a.dtype == jnp.float8_e4m3fn:
+            out.append(jnp.clip(jax.random.normal(kk, a.shape) * 64, -448, 448).astype(a.dtype))
+        elif a.dtype == jnp.uint8 and "scale" in name:
+            out.append(jnp.full(a.shape, 120, jnp.uint8))
+        elif a.dtype == jnp.uint8:
+            out.append(jax.random.randint(kk, a.shape, 0, 256, jnp.int32).astype(jnp.uint8))
+        elif "pv_z" in name:
+            out.append(a)
+        else:
+            out.append((jax.random.normal(kk, a.shape) * 0.1).astype(a.dtype))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0) -> dict:
+    nm = Numerics(act_quant=True, dtype="bfloat16")
+    mb = -(-(ctx + steps + 2) // BLOCK_TOKENS)
+    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
+                                kernels=kernels)
+    cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
+    table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
+    step = compiled_step(cfg, cs, nm)
+    toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
+    slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
+    t0 = time.perf_counter()
+    lg, cache = step(params, cache, toks, slots, jnp.full(B, ctx, jnp.int32), one, table)
+    lg.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    ts = []
+    for i in range(steps):
+        pos = jnp.full(B, ctx + 1 + i, jnp.int32)
+        t0 = time.perf_counter()
+        lg, cache = step(params, cache, toks, slots, pos, one, table)
+        lg.block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * float(np.median(ts)), "compile_s": compile_s}
+
+
+def _layers_cfg(cfg, ratios):
+    n = len(ratios)
+    return cfg.replace(num_hidden_layers=n, compress_ratios=tuple(ratios) + (0,),
+                       num_hash_layers=0)
+
+
+def main(args):
+    base = C.get_preset(args.preset)
+    n = args.layers or base.num_hidden_layers
+    cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
+                       num_hash_layers=min(base.num_hash_layers, n))
+    dev = jax.devices()[0]
+    bw = measure_copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
+    print(f"device {dev.device_kind}; measured copy bandwidth {bw / 1e9:.0f} GB/s; "
+          f"{cfg.name}: {n} layers, d={cfg.hidden_size}, H={cfg.num_attention_heads}")
+    params = P.init_params_device(cfg, args.seed)
+    rows = []
+    for B in args.batch:
+        for ctx in args.context:
+            fl = floor_bytes(cfg, B, ctx)
+            r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed)
+            floor_ms = 1e3 * fl["total"] / bw
+            rows.append((f"model({n}L)", B, ctx, r["ms"], floor_ms, fl["total"]))
+            print(f"B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
+                  f"floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} GB) -> "
+                  f"{100 * floor_ms / r['ms']:.1f}% of the bandwidth floor "
+                  f"(compile {r['compile_s']:.0f} s)", flush=True)
+            if args.per_kind:
+                kinds = {"swa": 0, "csa": 4, "hca": 128}
+                head_cfg = _layers_cfg(base, [])  # embed + head only
+                hp = P.init_params_device(head_cfg, args.seed)
+                t_head = bench(head_cfg, hp, B, ctx, "off", args.steps)["ms"]
+                for kind, ratio in kinds.items():
+                    if kind not in fl["per_kind"]:
+                        continue
+                    kc = _layers_cfg(base, [ratio])
+                    kp = P.init_params_device(kc, args.seed)
+                    t = bench(kc, kp, B, ctx, args.kernels, args.steps)["ms"] - t_head
+                    fb = fl["per_kind"][kind][0]
+                    rows.append((kind, B, ctx, t, 1e3 * fb / bw, fb))
+                    print(f"  {kind} layer: {t:.2f} ms, floor {1e3 * fb / bw:.3f} ms "
+                          f"({fb / 1e6:.0f} MB) -> {100 * 1e3 * fb / bw / t:.1f}%", flush=True)
+    print("\n| what | batch | context | ms/step | floor ms | bytes (GB) | % of floor |")
+    print("|---|---|---|---|---|---|---|")
+    for w, B, ctx, ms, fms, b in rows:
+        print(f"| {w} | {B} | {ctx} | {ms:.2f} | {fms:.3f} | {b / 1e9:.3f} | {100 * fms / ms:.1f}% |")
+
+
+def register(sub):
+    ap = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    d = ap.add_parser("decode", help="decode step vs the HBM-bandwidth floor")
+    d.add_argument("--preset", default="flash")
+    d.add_argument("--layers", type=int, default=0, help="first N layers (0 = all)")
+    d.add_argument("--batch", type=int, nargs="+", default=[1])
+    d.add_argument("--context", type=int, nargs="+", default=[4096])
+    d.add_argument("--kernels", choices=["off", "on"], default="off")
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--per-kind", action="store_true", help="also time one layer of each kind")
+    d.set_defaults(fn=main)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers(dest="cmd", required=True))
+    a = p.parse_args(["bench"] + __import__("sys").argv[1:])
+    a.fn(a)
