@@ -45,6 +45,21 @@ def check_scores(out, ref):
     np.testing.assert_allclose(out[fin], ref[fin], rtol=1e-5, atol=1e-5 * scale)
 
 
+def test_reference_fp8_format_matches_numpy():
+    # The pure-JAX path also serves the `fp8` key format (dequantised with kvformat).
+    q, w, _, bt, t = make_inputs(6, B=2, NB=6, MAXB=3)
+    k = jax.random.normal(jax.random.key(7), (6, 32, 128))
+    keys = kvformat.quantize_index_key(k, "fp8")
+    ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="fp8"))
+    kf = np.asarray(keys["idx_keys"].astype(jnp.float32)) * np.asarray(keys["idx_scale"])
+    qn, wn = np.asarray(q, np.float64), np.asarray(w, np.float64)
+    for b in range(2):
+        kb = kf[np.asarray(bt[b])].reshape(-1, 128).astype(np.float64)
+        s = (wn[b][:, None] * np.maximum(qn[b] @ kb.T, 0)).sum(0)
+        n = (int(t[b]) + 1) // 4
+        np.testing.assert_allclose(ref[b, :n], s[:n], rtol=1e-5, atol=1e-6 * np.abs(s).max())
+
+
 def test_reference_matches_numpy():
     q, w, keys, bt, t = make_inputs(0, B=2, NB=6, MAXB=3)
     ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t))
@@ -61,19 +76,21 @@ def test_reference_matches_numpy():
         assert (ref[b, n:] == -np.inf).all()
 
 
-def test_kernel_matches_reference():
+@pytest.mark.parametrize("variant", ["u32", "u8"])
+def test_kernel_matches_reference(variant):
     # t = 50: 12 eligible (partial first chunk); t = 511: all 128 eligible.
     q, w, keys, bt, t = make_inputs(1, t=[50, 511])
-    out = run_kernel(q, w, keys, bt, t)
+    out = run_kernel(q, w, keys, bt, t, variant=variant)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
-def test_kernel_multi_chunk_cta_and_unused_blocks():
+@pytest.mark.parametrize("variant", ["u32", "u8"])
+def test_kernel_multi_chunk_cta_and_unused_blocks(variant):
     # 2 chunks per CTA, odd MAXB (table padded), unused (-1) blocks past the context.
     q, w, keys, bt, _ = make_inputs(2, B=2, NB=12, MAXB=5)
     bt = bt.at[0, 3:].set(-1)
     t = jnp.asarray([4 * 32 * 3 - 3, 4 * 32 * 5 - 1], jnp.int32)
-    out = run_kernel(q, w, keys, bt, t, chunks_per_cta=2)
+    out = run_kernel(q, w, keys, bt, t, chunks_per_cta=2, variant=variant)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
@@ -98,23 +115,28 @@ def test_bad_inputs_raise():
     q, w, keys, bt, t = make_inputs(4)
     with pytest.raises(ValueError, match="idx_scale"):
         K.indexer_scores(q, w, keys["idx_codes"], keys["idx_scale"][..., :2], bt, t)
+    with pytest.raises(ValueError, match="variant"):
+        K.indexer_scores(q, w, keys["idx_codes"], keys["idx_scale"], bt, t, variant="u16")
     with pytest.raises(ValueError, match="indexer q"):
         K.indexer_scores(q[:, :32], w, keys["idx_codes"], keys["idx_scale"], bt, t)
 
 
-def test_cuda_lowering_flash_shapes():
+@pytest.mark.parametrize("variant", ["u32", "u8"])
+def test_cuda_lowering_flash_shapes(variant):
     B, NB, MAXB = 8, 8192, 1024      # 128K context
     S = jax.ShapeDtypeStruct
     args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    f = functools.partial(K.indexer_topk, topk=512)
+    f = functools.partial(K.indexer_topk, topk=512, variant=variant)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_matches_reference():
+@pytest.mark.parametrize("variant", ["u32", "u8"])
+def test_gpu_kernel_matches_reference(variant):
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
-    out = np.asarray(jax.jit(K.indexer_scores)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
+    f = functools.partial(K.indexer_scores, variant=variant)
+    out = np.asarray(jax.jit(f)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))

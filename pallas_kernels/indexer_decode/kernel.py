@@ -67,13 +67,22 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
-                   chunks_per_cta=None, interpret=None):
+                   chunks_per_cta=None, variant="u32", interpret=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
     w_BH [B, 64] f32 (already scaled), idx_codes uint8 [NB, 32, 64], idx_scale uint8
     [NB, 32, 4], block_table int32 [R >= B, MAXB] (row b used for request b), t_B int32 [B].
+
+    variant "u32" (GPU-verified): the code bytes are viewed as u32 words, 8 nibbles each.
+    Caveat: a width-changing bitcast is not free in XLA (its BitcastDtypesExpander rewrites
+    it into a pass over the whole array), so this variant pays one extra read + write of
+    the whole key pool per call. Variant "u8" reads the stored bytes directly (codes TMA'd
+    as uint8 blocks, nibbles split in registers); only the 4-byte scales go through the
+    bitcast pass. "u8" passes the interpreter and lowering tests but has NOT yet run on a GPU.
     """
+    if variant not in ("u32", "u8"):
+        raise ValueError(f"indexer variant must be 'u32' or 'u8', got {variant!r}")
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
     B = q_BHD.shape[0]
     NB = idx_codes.shape[0]
@@ -88,11 +97,16 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     bt = jnp.where(bt < 0, 0, bt)
     n_elig = jnp.minimum((t_B.astype(jnp.int32) + 1) // RATIO, n_max)
 
-    qp = permute_q(q_BHD)                                               # [B, 8, 64, 16]
     w = w_BH.astype(jnp.float32)
-    codes_u32 = lax.bitcast_convert_type(idx_codes.reshape(NB, EPB, 16, 4), jnp.uint32)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
-
+    if variant == "u8":
+        # Split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble).
+        qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
+        out = _indexer_call_u8(qh, w, idx_codes, scale_u32, bt, n_elig, cpc=cpc,
+                               n_ctas=n_ctas, interpret=interpret)
+        return out[:, :n_max]
+    qp = permute_q(q_BHD)                                               # [B, 8, 64, 16]
+    codes_u32 = lax.bitcast_convert_type(idx_codes.reshape(NB, EPB, 16, 4), jnp.uint32)
     out = _indexer_call(qp, w, codes_u32, scale_u32, bt, n_elig, cpc=cpc, n_ctas=n_ctas,
                         interpret=interpret)
     return out[:, :n_max]
@@ -197,6 +211,103 @@ def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
     )(qp, w, codes, scale, bt, n_elig)
 
 
+def _indexer_call_u8(qh, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
+    """As _indexer_call, reading uint8 code blocks: qh [B, 2, 64 h, 64] (dims 0..63, 64..127),
+    codes uint8 [NB, 32, 64], scale u32 [NB, 32] (4 e8m0 bytes per entry)."""
+    B = qh.shape[0]
+    WG = plgpu.Layout.WGMMA
+    ROW, COL = WG.reduce(1), WG.reduce(0)
+    tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    span = cpc * CHUNK
+    span_s = -(-span // 128) * 128
+
+    def kernel(q_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g,
+               q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar):
+        b = lax.axis_index("b")
+        cta = lax.axis_index("c")
+        ne = ne_g[b]
+        first = cta * cpc
+        n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
+
+        def issue(j, slot):
+            chunk = first + j
+            for half in range(2):
+                blk = bt_g[b, 2 * chunk + half]
+                rows = pl.ds(half * EPB, EPB)
+                plgpu.copy_gmem_to_smem(codes_g.at[blk], c_s.at[slot, rows], bar.at[slot])
+                plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, rows], bar.at[slot])
+
+        @pl.when(n_load > 0)
+        def _():
+            issue(0, 0)
+            plgpu.copy_gmem_to_smem(q_g.at[b], q_s, qbar)
+            plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
+
+        o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
+
+        @pl.when(n_load > 0)
+        def _():
+            plgpu.barrier_wait(qbar)
+
+        def body(j, carry):
+            slot = lax.rem(j, 2)
+
+            @pl.when(j + 1 < n_load)
+            def _():
+                issue(j + 1, 1 - slot)
+            plgpu.barrier_wait(bar.at[slot])
+
+            byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
+            sc = plgpu.load(sc_s.at[slot], layout=ROW)                      # u32 [64]
+            col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
+            first_block = col < 32
+            for half in range(2):      # low nibbles: dims 0..63; high: dims 64..127
+                e0 = lax.broadcast_in_dim((sc >> (16 * half)) & 0xFF, (CHUNK, 64), [0])
+                e1 = lax.broadcast_in_dim((sc >> (16 * half + 8)) & 0xFF, (CHUNK, 64), [0])
+                exp_bits = (jnp.where(first_block, e0, e1) - 1) << 23
+                nib = (byte >> (4 * half)) & 15
+                mag = nib & 7
+                sign = (nib & 8) << 28
+                # e2m1 * 2^(e-127) as f32 bits (see _indexer_call).
+                bits = exp_bits + (jnp.where(mag >= 2, mag, 0) << 22)
+                bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
+                k_s[half] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+
+            def mma(acc_ref):
+                for half in range(2):
+                    plgpu.wgmma(acc_ref, k_s.at[half], q_s.at[half].T)
+                return acc_ref[...]
+            s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
+            wv = plgpu.load(w_s, layout=COL)
+            score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
+            ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
+            o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
+            return carry
+
+        lax.fori_loop(0, n_load, body, 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, span)], o_g.at[b, pl.ds(first * CHUNK, span)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((B, n_ctas * span), jnp.float32),
+        grid=(B, n_ctas), grid_names=("b", "c"),
+        scratch_types=dict(
+            q_s=plgpu.SMEM((2, N_HEADS, 64), jnp.bfloat16, transforms=tr),
+            w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
+            c_s=plgpu.SMEM((2, CHUNK, 64), jnp.uint8),
+            sc_s=plgpu.SMEM((2, CHUNK), jnp.uint32),
+            k_s=plgpu.SMEM((2, CHUNK, 64), jnp.bfloat16, transforms=tr),
+            o_s=plgpu.SMEM((span_s,), jnp.float32),
+            qbar=plgpu.Barrier(num_arrivals=2),
+            bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
+        ),
+        interpret=interpret,
+    )(qh, w, codes, scale, bt, n_elig)
+
+
 def topk_from_scores(scores_BN, topk):
     """Top-k entry ids [B, topk] int32 by descending score; -1 where fewer are eligible."""
     B, N = scores_BN.shape
@@ -207,8 +318,8 @@ def topk_from_scores(scores_BN, topk):
 
 
 def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, *,
-                 chunks_per_cta=None, interpret=None):
+                 chunks_per_cta=None, variant="u32", interpret=None):
     """Kernel scores + XLA top-k: entry ids [B, topk] int32, -1 padded."""
     s = indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B,
-                       chunks_per_cta=chunks_per_cta, interpret=interpret)
+                       chunks_per_cta=chunks_per_cta, variant=variant, interpret=interpret)
     return topk_from_scores(s, topk)

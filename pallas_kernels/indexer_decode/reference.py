@@ -13,13 +13,21 @@ from dsv4_jax import kvformat
 RATIO = 4
 
 
+def _gather(pool, bt):
+    """pool[bt]; float8 pools go through a uint8 view (a float8 gather makes XLA upcast the
+    whole pool to f16 first)."""
+    if jnp.dtype(pool.dtype).itemsize == 1 and jnp.issubdtype(pool.dtype, jnp.floating):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(pool, jnp.uint8)[bt], pool.dtype)
+    return pool[bt]
+
+
 def indexer_scores_reference(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4"):
     """keys: dict of the pool's fields (e.g. {"idx_codes", "idx_scale"} for fp4)."""
     B = q_BHD.shape[0]
     bt = block_table[:B].astype(jnp.int32)
     MAXB = bt.shape[1]
     bt = jnp.where(bt < 0, 0, bt)
-    gathered = {k: v[bt] for k, v in keys.items()}                   # [B, MAXB, 32, ...]
+    gathered = {k: _gather(v, bt) for k, v in keys.items()}          # [B, MAXB, 32, ...]
     k_BND = kvformat.dequantize_index_key(gathered, fmt).reshape(B, MAXB * 32, 128)
     s_BHN = jnp.einsum("bhd,bnd->bhn", q_BHD.astype(jnp.float32), k_BND,
                        precision=lax.Precision.HIGHEST)

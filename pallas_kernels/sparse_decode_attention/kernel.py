@@ -63,6 +63,13 @@ def _prep(win, cmp, block_table, idx_BK, t_B):
     return rows, sf, bias, n_blocks.astype(jnp.int32)
 
 
+def gather_rows_fp8(pool_ND, rows):
+    """pool[rows] for an FP8 pool, gathered through a uint8 view: XLA's float normalisation
+    otherwise upcasts the WHOLE pool to f16 before a float8 gather (seen in the HLO)."""
+    u8 = lax.bitcast_convert_type(pool_ND, jnp.uint8)[rows]
+    return lax.bitcast_convert_type(u8, pool_ND.dtype)
+
+
 def default_splits(B, H, n_blk, num_sms=132):
     ctas = B * -(-H // HT) * 2
     return int(max(1, min(n_blk, -(-num_sms // ctas))))
@@ -72,6 +79,23 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                             splits=None, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     idx_BK must list valid ids first (-1 padding at the end), as top-k and HCA lists do."""
+    H = q_BHD.shape[1]
+    args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, splits=splits)
+    o, lse = _attn_call(*args, NS=NS, interpret=interpret)
+    sink = args[-1]
+    if NS == 1:
+        out = o[0]
+    else:   # merge the splits' (o_s, lse_s) with the sink in the denominator
+        m = jnp.maximum(jnp.max(lse, axis=0), sink[None, :])                  # [B, HP]
+        wgt = jnp.exp(lse - m[None])                                          # [NS, B, HP]
+        den = jnp.sum(wgt, axis=0) + jnp.exp(sink[None, :] - m)
+        out = jnp.einsum("sbh,sbhd->bhd", wgt, o.astype(jnp.float32)) / den[..., None]
+        out = out.astype(jnp.bfloat16)
+    return out[:, :H]
+
+
+def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None):
+    """The XLA side of the op (checks, per-key metadata, staging gather) -> (kernel args, NS)."""
     win_nope, win_scale, win_rope, win_pos = win
     cmp_nope, cmp_scale, cmp_rope = cmp
     B, H, Dq = q_BHD.shape
@@ -97,19 +121,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     # Staging gather of the selected compressed rows (FP8 + BF16, as stored): Mosaic's TMA
     # needs 128-byte aligned SMEM destinations and a 448-byte row copy cannot give that.
     cmp_rows = rows[:, WINDOW:]
-    staged_nope = cmp_nope.reshape(-1, NOPE)[cmp_rows]                         # [B, KP, 448]
+    staged_nope = gather_rows_fp8(cmp_nope.reshape(-1, NOPE), cmp_rows)       # [B, KP, 448]
     staged_rope = cmp_rope.reshape(-1, ROPE)[cmp_rows]                         # [B, KP, 64]
-    o, lse = _attn_call(q, win_nope, win_rope, staged_nope, staged_rope,
-                        sf, bias, n_blocks, sink, NS=NS, interpret=interpret)
-    if NS == 1:
-        out = o[0]
-    else:   # merge the splits' (o_s, lse_s) with the sink in the denominator
-        m = jnp.maximum(jnp.max(lse, axis=0), sink[None, :])                  # [B, HP]
-        wgt = jnp.exp(lse - m[None])                                          # [NS, B, HP]
-        den = jnp.sum(wgt, axis=0) + jnp.exp(sink[None, :] - m)
-        out = jnp.einsum("sbh,sbhd->bhd", wgt, o.astype(jnp.float32)) / den[..., None]
-        out = out.astype(jnp.bfloat16)
-    return out[:, :H]
+    return (q, win_nope, win_rope, staged_nope, staged_rope, sf, bias, n_blocks, sink), NS
 
 
 def _attn_call(q, wn, wr, cn, cr, sf, bias, n_blocks, sink, *, NS, interpret):

@@ -35,8 +35,11 @@ def gather_keys(win, cmp, block_table, idx_BK, t_B):
     blk = jnp.take_along_axis(block_table[:B], jnp.maximum(idx_BK, 0) // EPB, axis=1)
     blk = jnp.maximum(blk, 0)
     slot = jnp.maximum(idx_BK, 0) % EPB
-    kc = kvformat.dequantize_kv(cmp_nope[blk, slot], cmp_scale[blk, slot], cmp_rope[blk, slot],
-                                jnp.float32)
+    # Gather the FP8 rows through a uint8 view: a float8 gather makes XLA upcast the whole
+    # pool to f16 first.
+    nope = lax.bitcast_convert_type(lax.bitcast_convert_type(cmp_nope, jnp.uint8)[blk, slot],
+                                    cmp_nope.dtype)
+    kc = kvformat.dequantize_kv(nope, cmp_scale[blk, slot], cmp_rope[blk, slot], jnp.float32)
     keys = jnp.concatenate([kw, kc], axis=1)
     valid = jnp.concatenate([win_valid, idx_BK >= 0], axis=1)
     return keys, valid
