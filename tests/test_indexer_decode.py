@@ -94,6 +94,14 @@ def test_kernel_multi_chunk_cta_and_unused_blocks(variant):
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
+def test_kernel_fp8_format_matches_reference():
+    q, w, _, bt, t = make_inputs(8, t=[70, 511])
+    keys = kvformat.quantize_index_key(jax.random.normal(jax.random.key(9), (10, 32, 128)), "fp8")
+    f = functools.partial(K.score_keys, fmt="fp8", interpret=plgpu.InterpretGPUParams())
+    out = np.asarray(jax.jit(f)(q, w, keys, bt, t))
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="fp8")))
+
+
 def test_topk_matches_reference():
     q, w, keys, bt, t = make_inputs(3, t=[37, 500])
     out = run_kernel(q, w, keys, bt, t)
@@ -131,6 +139,10 @@ def test_cuda_lowering_flash_shapes(variant):
     f = functools.partial(K.indexer_topk, topk=512, variant=variant)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+    if variant == "u8":   # the fp8 key format shares this kernel
+        args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
+        lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu

@@ -1,4 +1,8 @@
-"""Lightning-indexer scoring at decode as a Pallas Mosaic-GPU kernel (Hopper, sm_90a).
+"""Lightning-indexer scoring at decode as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
+
+Entry points: indexer_scores (fp4 pool; variant "u32" GPU-verified, "u8" not yet run on a
+GPU), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
+topk_from_scores / indexer_topk (XLA top-k). `nvfp4` has no kernel (reference.py only).
 
 For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
@@ -66,6 +70,52 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
 
 
+def _grid(B, block_table, t_B, chunks_per_cta):
+    """Padded block table, eligible counts and the CTA split (chunks of 64 entries)."""
+    bt = block_table[:B].astype(jnp.int32)
+    MAXB = bt.shape[1]
+    n_max = MAXB * EPB
+    n_chunks = -(-n_max // CHUNK)
+    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
+    n_ctas = -(-n_chunks // cpc)
+    # Pad the table to whole CTAs; -1 (unused) blocks are redirected to block 0 and masked.
+    bt = jnp.pad(bt, ((0, 0), (0, n_ctas * cpc * 2 - MAXB)), constant_values=-1)
+    bt = jnp.where(bt < 0, 0, bt)
+    n_elig = jnp.minimum((t_B.astype(jnp.int32) + 1) // RATIO, n_max)
+    return bt, n_elig, n_max, cpc, n_ctas
+
+
+def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
+                       chunks_per_cta=None, interpret=None):
+    """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
+    idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). Interpreter- and lowering-tested only."""
+    B = q_BHD.shape[0]
+    if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
+        raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
+    if idx_keys.dtype != jnp.float8_e4m3fn or idx_keys.shape[1:] != (EPB, DIM):
+        raise ValueError(f"fp8 idx_keys must be float8_e4m3fn [NB, 32, 128], got {idx_keys.dtype} {idx_keys.shape}")
+    if idx_scale.shape != idx_keys.shape[:2] + (1,):
+        raise ValueError(f"fp8 idx_scale must be [NB, 32, 1], got {idx_scale.shape}")
+    bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
+    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
+                               idx_scale[..., 0].astype(jnp.float32), bt, n_elig, fmt="fp8",
+                               cpc=cpc, n_ctas=n_ctas, interpret=interpret)
+    return out[:, :n_max]
+
+
+def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", **kw):
+    """Kernel scores from a pool given as its dict of fields (as in reference.py)."""
+    if fmt == "fp4":
+        return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
+                              t_B, **kw)
+    if fmt == "fp8":
+        kw.pop("variant", None)
+        return indexer_scores_fp8(q_BHD, w_BH, keys["idx_keys"], keys["idx_scale"], block_table,
+                                  t_B, **kw)
+    raise NotImplementedError(f"no indexer kernel for key format {fmt!r} (use the reference)")
+
+
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, variant="u32", interpret=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
@@ -86,24 +136,14 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
     B = q_BHD.shape[0]
     NB = idx_codes.shape[0]
-    bt = block_table[:B].astype(jnp.int32)
-    MAXB = bt.shape[1]
-    n_max = MAXB * EPB
-    n_chunks = -(-n_max // CHUNK)
-    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
-    n_ctas = -(-n_chunks // cpc)
-    # Pad the table to whole CTAs; -1 (unused) blocks are redirected to block 0 and masked.
-    bt = jnp.pad(bt, ((0, 0), (0, n_ctas * cpc * 2 - MAXB)), constant_values=-1)
-    bt = jnp.where(bt < 0, 0, bt)
-    n_elig = jnp.minimum((t_B.astype(jnp.int32) + 1) // RATIO, n_max)
-
+    bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     w = w_BH.astype(jnp.float32)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     if variant == "u8":
         # Split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble).
         qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
-        out = _indexer_call_u8(qh, w, idx_codes, scale_u32, bt, n_elig, cpc=cpc,
-                               n_ctas=n_ctas, interpret=interpret)
+        out = _indexer_call_blocks(qh, w, idx_codes, scale_u32, bt, n_elig, fmt="fp4", cpc=cpc,
+                                   n_ctas=n_ctas, interpret=interpret)
         return out[:, :n_max]
     qp = permute_q(q_BHD)                                               # [B, 8, 64, 16]
     codes_u32 = lax.bitcast_convert_type(idx_codes.reshape(NB, EPB, 16, 4), jnp.uint32)
@@ -211,9 +251,11 @@ def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
     )(qp, w, codes, scale, bt, n_elig)
 
 
-def _indexer_call_u8(qh, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
-    """As _indexer_call, reading uint8 code blocks: qh [B, 2, 64 h, 64] (dims 0..63, 64..127),
-    codes uint8 [NB, 32, 64], scale u32 [NB, 32] (4 e8m0 bytes per entry)."""
+def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, interpret):
+    """As _indexer_call, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
+    64..127). fmt "fp4": codes uint8 [NB, 32, 64], scale u32 [NB, 32] (4 e8m0 bytes per
+    entry). fmt "fp8": codes e4m3 [NB, 32, 128], scale f32 [NB, 32] (applied to the scores:
+    relu(q . k * s) = s * relu(q . k) for s >= 0)."""
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
@@ -257,11 +299,16 @@ def _indexer_call_u8(qh, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret)
                 issue(j + 1, 1 - slot)
             plgpu.barrier_wait(bar.at[slot])
 
-            byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
-            sc = plgpu.load(sc_s.at[slot], layout=ROW)                      # u32 [64]
-            col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
-            first_block = col < 32
-            for half in range(2):      # low nibbles: dims 0..63; high: dims 64..127
+            sc = plgpu.load(sc_s.at[slot], layout=ROW)                      # [64]
+            if fmt == "fp8":
+                for half in range(2):   # e4m3 -> bf16 is exact
+                    x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
+                    k_s[half] = x.astype(jnp.float32).astype(jnp.bfloat16)
+            else:
+                byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
+                col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
+                first_block = col < 32
+            for half in range(2 if fmt == "fp4" else 0):   # low nibbles: dims 0..63, high: 64..127
                 e0 = lax.broadcast_in_dim((sc >> (16 * half)) & 0xFF, (CHUNK, 64), [0])
                 e1 = lax.broadcast_in_dim((sc >> (16 * half + 8)) & 0xFF, (CHUNK, 64), [0])
                 exp_bits = (jnp.where(first_block, e0, e1) - 1) << 23
@@ -279,6 +326,8 @@ def _indexer_call_u8(qh, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret)
                     plgpu.wgmma(acc_ref, k_s.at[half], q_s.at[half].T)
                 return acc_ref[...]
             s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
+            if fmt == "fp8":
+                s = s * lax.broadcast_in_dim(sc, s.shape, [0])
             wv = plgpu.load(w_s, layout=COL)
             score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
             ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
@@ -297,8 +346,8 @@ def _indexer_call_u8(qh, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret)
         scratch_types=dict(
             q_s=plgpu.SMEM((2, N_HEADS, 64), jnp.bfloat16, transforms=tr),
             w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
-            c_s=plgpu.SMEM((2, CHUNK, 64), jnp.uint8),
-            sc_s=plgpu.SMEM((2, CHUNK), jnp.uint32),
+            c_s=plgpu.SMEM((2, CHUNK) + codes.shape[2:], codes.dtype),
+            sc_s=plgpu.SMEM((2, CHUNK), scale.dtype),
             k_s=plgpu.SMEM((2, CHUNK, 64), jnp.bfloat16, transforms=tr),
             o_s=plgpu.SMEM((span_s,), jnp.float32),
             qbar=plgpu.Barrier(num_arrivals=2),

@@ -78,7 +78,8 @@ def default_splits(B, H, n_blk, num_sms=132):
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
                             splits=None, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
-    idx_BK must list valid ids first (-1 padding at the end), as top-k and HCA lists do."""
+    -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
+    with valid ids first (top-k output, HCA prefix) do the least work."""
     H = q_BHD.shape[1]
     args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, splits=splits)
     o, lse = _attn_call(*args, NS=NS, interpret=interpret)
