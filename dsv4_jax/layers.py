@@ -360,32 +360,46 @@ def expert_ffn(w1, w2, w3, x, weight, cfg: Config, nm: Numerics):
     return linear(h.astype(nm.jdtype), w2, nm, out_dtype=F32)
 
 
+# Expert parallelism: distributed.py installs a function here while it traces a sharded
+# program (same signature as routed_experts); None: all experts on this device.
+ROUTED_EXPERTS_HOOK = None
+
+
 def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None):
-    """x [B, T, D], tokens [B, T] -> [B, T, D]. Few tokens (decode): gather the selected
-    experts' stored weights (reads only those experts); many tokens: loop over all experts
-    with a combine mask."""
+    """x [B, T, D], tokens [B, T] -> [B, T, D]. Routing, then the routed experts
+    (`routed_experts`, or the expert-parallel hook), then the shared expert."""
     idx, w = route(p, x, tokens, cfg, hash_layer)
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if debug is not None:
         debug["router_idx"], debug["router_w"] = idx, w
-    B, T, D = x.shape
-    if B * T * k < E:
-        out = _moe_gathered(p, x.reshape(B * T, D), idx.reshape(B * T, k),
-                            w.reshape(B * T, k), cfg, nm).reshape(B, T, D)
-    else:
-        comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
-
-        def one(e, acc):
-            sub = lambda wt: jax.tree.map(lambda a: a[e], wt)
-            y = expert_ffn(sub(p["experts.w1"]), sub(p["experts.w2"]), sub(p["experts.w3"]), x,
-                           comb[..., e], cfg, nm)
-            return acc + y
-
-        out = jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
+    routed = ROUTED_EXPERTS_HOOK or routed_experts
+    out = routed(p, x, idx, w, cfg, nm)
     if cfg.n_shared_experts:
         out = out + expert_ffn(p["shared_experts.w1"], p["shared_experts.w2"],
                                p["shared_experts.w3"], x, None, cfg, nm)
     return out.astype(nm.jdtype)
+
+
+def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
+    """sum_k w[..., k] expert_{idx[..., k]}(x) over the E experts stacked in p["experts.*"]
+    (E = their leading dim: all experts, or one device's share). x [B, T, D], idx/w
+    [B, T, k] -> [B, T, D] f32. Few tokens (decode): gather the selected experts' stored
+    weights (reads only those experts); many tokens: loop over all E experts with a
+    combine mask (an index outside [0, E) combines nothing)."""
+    E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
+    k = idx.shape[-1]
+    B, T, D = x.shape
+    if B * T * k < E:
+        return _moe_gathered(p, x.reshape(B * T, D), idx.reshape(B * T, k),
+                             w.reshape(B * T, k), cfg, nm).reshape(B, T, D)
+    comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
+
+    def one(e, acc):
+        sub = lambda wt: jax.tree.map(lambda a: a[e], wt)
+        y = expert_ffn(sub(p["experts.w1"]), sub(p["experts.w2"]), sub(p["experts.w3"]), x,
+                       comb[..., e], cfg, nm)
+        return acc + y
+
+    return jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
 
 
 def _moe_gathered(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):

@@ -1,0 +1,288 @@
+"""Sharding over a device mesh: one rules table, expert and tensor parallelism, sharded
+forward and decode step. The same code runs on 1, 2, 4, 8 (or any number of) devices, and
+on several hosts after `jax.distributed.initialize()` (docs/SHARDING.md).
+
+Mesh axes ("data", "expert", "model"):
+  data    requests / batch rows (and the cache's request slots and pool blocks)
+  expert  routed experts (expert parallelism, EP)
+  model   tensor parallelism (TP) of attention heads, shared expert, vocab; the routed
+          experts are split over expert x model together, so every device that is not a
+          data replica holds E / (expert * model) whole experts.
+
+Every parameter (params.describe) and every cache array (`cache_logical_axes`) carries
+logical axis names; `RULES` maps them to mesh axes. A logical axis is split over its mesh
+axes when they exist, are not used by an earlier dim of the same array, and divide the
+dim; otherwise the dim is replicated (the same rule for every device count).
+
+Routed experts run inside `jax.shard_map` (`expert_parallel_moe`): routing is computed
+once outside; each device computes its local experts for the tokens routed to them (ids
+outside its range get weight 0) and a psum over the EP axes combines the outputs. The
+expert weights never move. Everything else is left to GSPMD (jit with in/out shardings).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from .cache import CacheSpec, cache_structs
+from .config import Config
+from .quant import Numerics
+from . import decode as D
+from . import layers as L
+from . import model as M
+from . import params as PR
+
+AXES = ("data", "expert", "model")
+
+# logical axis -> mesh axis (or a tuple of mesh axes, major first); absent: replicated.
+RULES: dict[str, str | tuple[str, ...]] = {
+    # parameters
+    "experts": ("expert", "model"),  # EP: whole routed experts per device
+    "heads": "model",  # attn_sink [H]
+    "heads_hd": "model",  # wq_b rows (H * head_dim): query heads
+    "o_groups_lora": "model",  # wo_a rows (groups), wo_b input columns
+    "mlp": "model",  # shared expert (routed ones: "model" is taken by "experts")
+    "idx_heads_hd": "model",  # indexer wq_b rows
+    "idx_heads": "model",  # indexer weights_proj rows
+    "vocab": "model",  # embedding and head rows, hash-routing table
+    # cache
+    "requests": "data",  # request slots: window ring, positions, compressor state
+    "pool_blocks": "data",  # paged pool blocks (see SHARDING.md: allocator is global)
+}
+# Replicated on purpose: embed, embed_hc, embed_in, q_lora, head_dim, group_hd, cmp_hd,
+# experts_r (router: computed once on every device), window, entries, cmp_rows, cmp_state,
+# kv_*/idx_* storage dims. The single shared K=V head cannot be split over "model".
+
+
+# ---------------------------------------------------------------------------------------
+# Mesh
+# ---------------------------------------------------------------------------------------
+def make_mesh(n_devices: int | None = None, *, expert: int | None = None,
+              model: int | None = None, data: int | None = None, devices=None) -> Mesh:
+    """A ("data", "expert", "model") mesh over the first n_devices of `devices` (default
+    jax.devices(): every device of every host). Unset sizes: data = 1, model = 1 and
+    expert takes the rest; if expert is set, model takes the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices) if n_devices is None else int(n_devices)
+    if not 0 < n <= len(devices):
+        raise ValueError(f"make_mesh: asked for {n} devices, {len(devices)} available")
+    data = 1 if data is None else data
+    if expert is None:
+        model = 1 if model is None else model
+        expert = n // (data * model) if n % (data * model) == 0 else 0
+    elif model is None:
+        model = n // (data * expert) if n % (data * expert) == 0 else 0
+    for name, v in (("data", data), ("expert", expert), ("model", model)):
+        if not (isinstance(v, int) and v > 0):
+            raise ValueError(f"make_mesh: axis {name!r} size must be a positive integer "
+                             f"dividing {n} devices, got {v!r} (data={data}, expert={expert}, "
+                             f"model={model})")
+    if data * expert * model != n:
+        raise ValueError(f"make_mesh: data {data} x expert {expert} x model {model} = "
+                         f"{data * expert * model} != {n} devices")
+    return jax.make_mesh((data, expert, model), AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices[:n])
+
+
+def axis_size(mesh: Mesh, axis) -> int:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    return math.prod(mesh.shape.get(a, 1) for a in axes)
+
+
+# ---------------------------------------------------------------------------------------
+# Logical axes -> PartitionSpec
+# ---------------------------------------------------------------------------------------
+def _mesh_axes_for(logical, n: int, mesh: Mesh, rules, used: set):
+    """The mesh axes (tuple) a dim of size n with this logical name is split over: the
+    rule's axes that exist with size > 1 and are not used yet; trailing ones dropped
+    until their product divides n."""
+    r = rules.get(logical) if logical else None
+    if r is None:
+        return ()
+    axes = [a for a in ((r,) if isinstance(r, str) else r)
+            if mesh.shape.get(a, 1) > 1 and a not in used]
+    while axes and n % axis_size(mesh, axes):
+        axes.pop()
+    return tuple(axes)
+
+
+def logical_to_pspec(axes, shape, mesh: Mesh, rules=None) -> P:
+    rules = RULES if rules is None else rules
+    out, used = [], set()
+    for ax, n in zip(axes, shape):
+        m = _mesh_axes_for(ax, n, mesh, rules, used)
+        used.update(m)
+        out.append(None if not m else m[0] if len(m) == 1 else m)
+    return P(*out)
+
+
+def _storage_axes(spec: PR.ParamSpec, s) -> tuple:
+    """Logical axes of one stored field of a (possibly quantised) parameter: leading
+    (stacking) dims always; the last two only where the stored size equals the logical
+    one (packed FP4 columns and block scales are not split)."""
+    nd = len(spec.shape)
+    return tuple(spec.axes[d] if d < nd and (n == spec.shape[d] or d < nd - 2) else None
+                 for d, n in enumerate(s.shape))
+
+
+def param_shardings(cfg: Config, mesh: Mesh, rules=None, include_mtp: bool = True) -> dict:
+    """NamedSharding tree shaped like params.abstract_params(cfg, include_mtp)."""
+    def leaf(spec):
+        return jax.tree.map(lambda s: NamedSharding(
+            mesh, logical_to_pspec(_storage_axes(spec, s), s.shape, mesh, rules)),
+            PR.storage_structs(spec))
+    return {k: leaf(v) for k, v in PR.describe(cfg, include_mtp).items()}
+
+
+def _kv_storage_axes(field: str) -> tuple:
+    return {"nope": ("kv_nope",), "scale": ("kv_scale",), "rope": ("kv_rope",),
+            "kv": ("kv_dim",)}.get(field, ("idx_dim",))
+
+
+def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
+    """Logical axis names of every cache array, a tree shaped like cache.cache_structs."""
+    def axes(path, s):
+        keys = [p.key for p in path]  # ["L<i>", name] or ["L<i>", group, field]
+        name = keys[1]
+        if name in ("win", "win_pos"):
+            lead = ("requests", "window")
+        elif name in ("cmp", "idx"):
+            lead = ("pool_blocks", "entries")
+        else:  # compressor state st_a, st_z, pv_a, pv_z, ist_*, ipv_*: [R, r, width]
+            lead = ("requests", "cmp_rows", "cmp_state")
+        rest = () if len(keys) == 2 else _kv_storage_axes(keys[2]) if name != "idx" else ("idx_dim",)
+        a = (lead + rest + (None,) * s.ndim)[:s.ndim]
+        return a
+    return jax.tree_util.tree_map_with_path(axes, cache_structs(cfg, cs))
+
+
+def cache_shardings(cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
+    return jax.tree.map(
+        lambda s, a: NamedSharding(mesh, logical_to_pspec(a, s.shape, mesh, rules)),
+        cache_structs(cfg, cs), cache_logical_axes(cfg, cs),
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _put(x, sharding):
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    # multi-host: every process holds the full host value and builds its own shards
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def shard_params(params: dict, cfg: Config, mesh: Mesh, rules=None) -> dict:
+    """Place a parameter tree (host or device arrays; with or without the MTP keys) on the
+    mesh by the rules."""
+    sh = param_shardings(cfg, mesh, rules, include_mtp=True)
+    unknown = sorted(set(params) - set(sh))
+    if unknown:
+        raise KeyError(f"shard_params: parameters not in the description: {unknown[:5]}")
+    return {k: jax.tree.map(_put, v, sh[k]) for k, v in params.items()}
+
+
+def shard_cache(cache: dict, cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
+    """Place a cache tree (cache.init_cache(cfg, cs)) on the mesh by the rules."""
+    return jax.tree.map(_put, cache, cache_shardings(cfg, cs, mesh, rules))
+
+
+# ---------------------------------------------------------------------------------------
+# Expert parallelism
+# ---------------------------------------------------------------------------------------
+def expert_axes(cfg: Config, mesh: Mesh, rules=None) -> tuple[str, ...]:
+    """Mesh axes the routed experts are split over (from the rules; () = not split)."""
+    return _mesh_axes_for("experts", cfg.n_routed_experts, mesh,
+                          RULES if rules is None else rules, set())
+
+
+def _batch_axis(mesh: Mesh, B: int):
+    return "data" if mesh.shape.get("data", 1) > 1 and B % mesh.shape["data"] == 0 else None
+
+
+def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, *, mesh: Mesh, ep):
+    """Routed experts with the experts split over mesh axes `ep` (same contract as
+    layers.routed_experts). x [B, T, D], idx/w [B, T, k] (routing computed once, outside)
+    -> [B, T, D] f32, combined with a psum over `ep`. Batch rows stay split over "data"
+    when they divide evenly."""
+    names = ("experts.w1", "experts.w2", "experts.w3")
+    ex = {k: p[k] for k in names}
+    bs = P(_batch_axis(mesh, x.shape[0]))
+
+    def local(ex, x, idx, w):
+        n_loc = jax.tree.leaves(ex["experts.w1"])[0].shape[0]  # E / |ep| experts here
+        loc = idx - jax.lax.axis_index(ep) * n_loc
+        mine = (loc >= 0) & (loc < n_loc)
+        y = L.routed_experts(ex, x, jnp.clip(loc, 0, n_loc - 1), jnp.where(mine, w, 0.0),
+                             cfg, nm)
+        return jax.lax.psum(y, ep)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(ep), bs, bs, bs), out_specs=bs,
+                         check_vma=False)(
+        ex, x, idx, w)
+
+
+@contextlib.contextmanager
+def expert_parallel(cfg: Config, mesh: Mesh, rules=None):
+    """While tracing under this context, layers.moe runs its routed experts expert-parallel
+    over the mesh (a no-op when the experts are not split). Not thread-safe: trace one
+    program at a time."""
+    ep = expert_axes(cfg, mesh, rules)
+    old = L.ROUTED_EXPERTS_HOOK
+    if ep:
+        L.ROUTED_EXPERTS_HOOK = functools.partial(expert_parallel_moe, mesh=mesh, ep=ep)
+    try:
+        yield
+    finally:
+        L.ROUTED_EXPERTS_HOOK = old
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded entry points
+# ---------------------------------------------------------------------------------------
+def _constrain_batch(x, mesh: Mesh):
+    b = _batch_axis(mesh, x.shape[0])
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(b))) if b else x
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_forward(cfg: Config, nm: Numerics, mesh: Mesh, include_mtp: bool = True):
+    """jit(model.forward) over the mesh: (params placed by shard_params, tokens [B, T]) ->
+    logits [B, T, V] f32 (replicated). One compilation per token shape."""
+    rep = NamedSharding(mesh, P())
+
+    def fwd(params, tokens):
+        with expert_parallel(cfg, mesh):
+            return M.forward(params, _constrain_batch(tokens, mesh), cfg, nm)
+
+    return jax.jit(fwd, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp), rep),
+                   out_shardings=rep)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
+                 include_mtp: bool = True):
+    """jit(decode.step) over the mesh with the cache donated and kept in its sharding:
+    (params, cache, tokens [B, T], slots, pos, nvalid [B], block_table [R, MAXB]) ->
+    (logits [B, V] f32 replicated, new cache). Same signature and results as
+    decode.compiled_step; one compilation per (B, T); the host only feeds small int
+    arrays (no host synchronisation inside the step)."""
+    if cs.kernels != "off":
+        raise ValueError("sharded_step runs the pure-JAX decode path (CacheSpec.kernels='off'); "
+                         "the Pallas kernels are single-device")
+    rep = NamedSharding(mesh, P())
+    csh = cache_shardings(cfg, cs, mesh)
+
+    def stp(params, cache, tokens, slots, pos, nvalid, block_table):
+        with expert_parallel(cfg, mesh):
+            return D.step(params, cache, _constrain_batch(tokens, mesh), slots, pos, nvalid,
+                          block_table, cfg, cs, nm)
+
+    return jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp), csh,
+                                      rep, rep, rep, rep, rep),
+                   out_shardings=(rep, csh), donate_argnums=(1,))
