@@ -228,7 +228,7 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
         shutil.rmtree(stale)
     total_in = source.total_bytes
     bar = _bar(total_in, progress)
-    done_parts, written, read_bytes = {}, 0, 0
+    done_parts, read_bytes = {}, 0
     src_bytes = {}
     for key in specs_in:
         src_bytes.setdefault(L.part_of(key), 0)
@@ -259,7 +259,6 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
         _atomic_json(tmp / "part.json", meta)
         os.replace(tmp, pdir)
         done_parts[part] = meta
-        written += meta["bytes"]
     bar.close()
 
     for name in SIDE_FILES:
