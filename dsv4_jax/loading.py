@@ -2,10 +2,10 @@
 `dsv4 convert`, or a HF-layout safetensors directory read directly.
 
 Arrays go straight to their target shardings (one device, or the NamedShardings of
-`sharding.param_shardings(cfg, mesh)`), built from abstract metadata: orbax restores each
-chunk with sharded targets, and the safetensors path builds every array with
-`jax.make_array_from_callback`, reading only the rows/experts each device holds. No copy of
-the whole model ever sits in host memory.
+`distributed.param_shardings(cfg, mesh)`, the layout the sharded model uses), built from
+abstract metadata: orbax restores each chunk with sharded targets, and the safetensors path
+builds every array with `jax.make_array_from_callback`, reading only the experts each device
+holds (other tensors: one tensor at a time). No copy of the whole model sits in host memory.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from . import sharding as S
 def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: bool = True):
     """Restore the checkpoint at `path` -> (Config, params).
 
-    `mesh`: a `jax.sharding.Mesh` to shard onto (axis names per `sharding.DEFAULT_RULES` or
-    `rules`), or None for the first device. `numerics_check`: after loading, verify on
-    device that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite and
+    `mesh`: a `jax.sharding.Mesh` with axes from ("data", "expert", "model") (rules:
+    `distributed.RULES`, or `rules`), or None for the first device. `numerics_check`: after
+    loading, verify on device that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite and
     `tid2eid` indexes real experts; a failure names the tensor.
     Raises `checkpoints.errors.CheckpointError` subclasses on any mismatch between the
     checkpoint and its config."""
