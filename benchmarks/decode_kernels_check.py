@@ -19,16 +19,25 @@ from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
 
 
-def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False):
+def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
+        random_cache=False):
     nm = Numerics(act_quant=True, dtype="bfloat16")
     mb = -(-(ctx + steps + 1) // 128)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
     base = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=chunk)
     rng = np.random.default_rng(seed)
-    lens = [ctx - 7 * b for b in range(B)]  # requests at different positions
-    slots = [base.bm.admit(n) for n in lens]
-    for s, n in zip(slots, lens):
-        base.prefill(s, rng.integers(0, cfg.vocab_size, n))
+    if random_cache:  # valid random FP8/FP4 contents at `ctx` tokens (full width: no prefill)
+        from benchmarks.decode_bench import random_cache as rc
+        base.cache = rc(cfg, cs, B, ctx, jax.random.key(seed))
+        slots = [base.bm.admit(ctx) for _ in range(B)]
+        for s in slots:
+            base.bm.ensure(s, ctx)
+            base.bm.advance(s, ctx)
+    else:
+        lens = [ctx - 7 * b for b in range(B)]  # requests at different positions
+        slots = [base.bm.admit(n) for n in lens]
+        for s, n in zip(slots, lens):
+            base.prefill(s, rng.integers(0, cfg.vocab_size, n))
     feed = rng.integers(0, cfg.vocab_size, (steps, B))
     out = {}
     for mode in ("off", kernels):
@@ -63,6 +72,7 @@ if __name__ == "__main__":
     ap.add_argument("--context", type=int, nargs="+", default=[140])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--random-cache", action="store_true")
     a = ap.parse_args()
     cfg = config.get_preset(a.preset)
     if a.preset != "tiny":
@@ -75,7 +85,7 @@ if __name__ == "__main__":
     for B in a.batch:
         for ctx in a.context:
             r = run(cfg, params, B, ctx, a.steps, "interpret" if a.interpret else "on",
-                    chunk=a.chunk, timing=not a.interpret)
+                    chunk=a.chunk, timing=not a.interpret, random_cache=a.random_cache)
             print(f"{cfg.name} L={cfg.num_hidden_layers} " + " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                 flush=True)
