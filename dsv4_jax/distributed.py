@@ -55,9 +55,13 @@ RULES: dict[str, str | tuple[str, ...]] = {
     "requests": "data",  # request slots: window ring, positions, compressor state
     "pool_blocks": "data",  # paged pool blocks (see SHARDING.md: allocator is global)
 }
-# Replicated on purpose: embed, embed_hc, embed_in, q_lora, head_dim, group_hd, cmp_hd,
-# experts_r (router: computed once on every device), window, entries, cmp_rows, cmp_state,
-# kv_*/idx_* storage dims. The single shared K=V head cannot be split over "model".
+# Logical axes kept whole on purpose (listed so a new axis name is a decision, not an
+# accident: tests check every name is in RULES or here). The router (experts_r) runs on
+# every device; the single shared K=V head (head_dim, kv_*) cannot be split over heads.
+REPLICATED = frozenset({
+    "embed", "embed_hc", "embed_in", "q_lora", "head_dim", "group_hd", "cmp_hd", "experts_r",
+    "window", "entries", "cmp_rows", "cmp_state", "kv_nope", "kv_scale", "kv_rope", "kv_dim",
+    "idx_dim"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,40 +129,49 @@ def logical_to_pspec(axes, shape, mesh: Mesh, rules=None) -> P:
 def _storage_axes(spec: PR.ParamSpec, s) -> tuple:
     """Logical axes of one stored field of a (possibly quantised) parameter: leading
     (stacking) dims always; the last two only where the stored size equals the logical
-    one (packed FP4 columns and block scales are not split)."""
+    one (packed FP4 columns and block scales are not split). Routed experts are split
+    only by whole experts (the expert-parallel MoE expects whole experts per device)."""
     nd = len(spec.shape)
+    if spec.axes[:1] == ("experts",):
+        return ("experts",) + (None,) * (len(s.shape) - 1)
     return tuple(spec.axes[d] if d < nd and (n == spec.shape[d] or d < nd - 2) else None
                  for d, n in enumerate(s.shape))
 
 
+def param_pspecs(spec: PR.ParamSpec, mesh, rules=None):
+    """PartitionSpecs of one parameter's stored arrays (a quant type of specs, or one)."""
+    return jax.tree.map(lambda s: logical_to_pspec(_storage_axes(spec, s), s.shape, mesh, rules),
+                        PR.storage_structs(spec))
+
+
 def param_shardings(cfg: Config, mesh: Mesh, rules=None, include_mtp: bool = True) -> dict:
     """NamedSharding tree shaped like params.abstract_params(cfg, include_mtp)."""
-    def leaf(spec):
-        return jax.tree.map(lambda s: NamedSharding(
-            mesh, logical_to_pspec(_storage_axes(spec, s), s.shape, mesh, rules)),
-            PR.storage_structs(spec))
-    return {k: leaf(v) for k, v in PR.describe(cfg, include_mtp).items()}
+    return {k: jax.tree.map(lambda p: NamedSharding(mesh, p), param_pspecs(v, mesh, rules))
+            for k, v in PR.describe(cfg, include_mtp).items()}
 
 
-def _kv_storage_axes(field: str) -> tuple:
-    return {"nope": ("kv_nope",), "scale": ("kv_scale",), "rope": ("kv_rope",),
-            "kv": ("kv_dim",)}.get(field, ("idx_dim",))
+# trailing (storage) dims of the entry formats: never split
+_FIELD_AXES = {"nope": "kv_nope", "scale": "kv_scale", "rope": "kv_rope", "kv": "kv_dim"}
 
 
 def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
-    """Logical axis names of every cache array, a tree shaped like cache.cache_structs."""
+    """Logical axis names of every cache array: a tree shaped like cache.cache_structs.
+      win.*    [R, W, ...]      requests, window, <field>
+      win_pos  [R, W]           requests, window
+      cmp.*    [NB, epb, ...]   pool_blocks, entries, <field>
+      idx.*    [NB, epb, ...]   pool_blocks, entries, idx_dim...
+      st_*, pv_*, ist_*, ipv_*  [R, r, width]  requests, cmp_rows, cmp_state"""
     def axes(path, s):
         keys = [p.key for p in path]  # ["L<i>", name] or ["L<i>", group, field]
-        name = keys[1]
+        name, field = keys[1], keys[2] if len(keys) > 2 else None
         if name in ("win", "win_pos"):
             lead = ("requests", "window")
         elif name in ("cmp", "idx"):
             lead = ("pool_blocks", "entries")
-        else:  # compressor state st_a, st_z, pv_a, pv_z, ist_*, ipv_*: [R, r, width]
+        else:
             lead = ("requests", "cmp_rows", "cmp_state")
-        rest = () if len(keys) == 2 else _kv_storage_axes(keys[2]) if name != "idx" else ("idx_dim",)
-        a = (lead + rest + (None,) * s.ndim)[:s.ndim]
-        return a
+        tail = (_FIELD_AXES.get(field, "idx_dim"),) if field else ()
+        return (lead + tail + ("idx_dim",) * s.ndim)[:s.ndim]
     return jax.tree_util.tree_map_with_path(axes, cache_structs(cfg, cs))
 
 

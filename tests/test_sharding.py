@@ -206,5 +206,63 @@ def test_expert_weights_never_all_gathered(results):
     assert ag["moe_gspmd"], "negative control: expected GSPMD to all-gather expert weights"
 
 
+
+# ---------------------------------------------------------------------------------------
+# Rules alone (no devices needed: a mesh is only its axis sizes here)
+# ---------------------------------------------------------------------------------------
+def _fake_mesh(data=1, expert=1, model=1):
+    from types import SimpleNamespace
+    return SimpleNamespace(shape={"data": data, "expert": expert, "model": model})
+
+
+def test_every_logical_axis_has_a_rule_or_is_replicated_on_purpose():
+    from dsv4_jax import config, distributed as DI, params as P
+    from dsv4_jax.cache import CacheSpec
+    import jax
+    cfg = config.flash()
+    names = {a for s in P.describe(cfg).values() for a in s.axes if a}
+    for cs in (CacheSpec(), CacheSpec(kv_format="raw", index_format="raw")):
+        tree = DI.cache_logical_axes(cfg, cs)
+        names |= {a for t in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
+                  for a in t if a}
+    assert names <= set(DI.RULES) | DI.REPLICATED, names - set(DI.RULES) - DI.REPLICATED
+    assert not set(DI.RULES) & DI.REPLICATED
+
+
+def test_rules_at_full_size_and_fallbacks():
+    from jax.sharding import PartitionSpec as PS
+    from dsv4_jax import config, distributed as DI, params as P
+    spec = DI.logical_to_pspec
+    # Flash on 64 devices: 256 experts -> 4 whole experts per device; 64 heads over 8
+    m = _fake_mesh(expert=8, model=8)
+    assert spec(("experts", "mlp", "embed"), (256, 2048, 4096), m) == PS(("expert", "model"), None, None)
+    assert spec(("heads_hd", "q_lora"), (64 * 512, 1024), m) == PS("model", None)
+    assert spec(("mlp", "embed"), (2048, 4096), m) == PS("model", None)  # shared expert
+    assert spec(("requests", "window", "kv_nope"), (8, 128, 448), _fake_mesh(data=4)) == PS("data", None, None)
+    # tiny's 8 experts over expert 4 x model 4: 16 does not divide 8 -> only "expert", and
+    # no split inside an expert (whole experts per device, packed and scale fields alike)
+    cfg = config.tiny()
+    w1 = P.describe(cfg)["layers.2.ffn.experts.w1"]
+    got = DI.param_pspecs(w1, _fake_mesh(expert=4, model=4))
+    assert (got.packed, got.scale) == (PS("expert", None, None),) * 2
+    assert DI.param_pspecs(w1, _fake_mesh(expert=3)).packed == PS(None, None, None)
+    # 6 request slots over data 4: replicated
+    assert spec(("requests", "window"), (6, 128), _fake_mesh(data=4)) == PS(None, None)
+    assert DI.expert_axes(cfg, _fake_mesh(expert=2, model=2)) == ("expert", "model")
+    assert DI.expert_axes(cfg, _fake_mesh(model=2)) == ("model",)
+    assert DI.expert_axes(cfg, _fake_mesh(data=8)) == ()
+
+
+def test_make_mesh_errors():
+    import jax
+    from dsv4_jax import distributed as DI
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match="available"):
+        DI.make_mesh(n + 1)
+    with pytest.raises(ValueError, match="devices"):
+        DI.make_mesh(n, expert=n + 1)
+    assert dict(DI.make_mesh(n).shape) == {"data": 1, "expert": n, "model": 1}
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])
