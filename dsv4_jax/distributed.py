@@ -22,6 +22,7 @@ expert weights never move. Everything else is left to GSPMD (jit with in/out sha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from .cache import CacheSpec, cache_structs
+from .cache import BlockManager, CacheSpec, PoolExhausted, blocks_needed, cache_structs
 from .config import Config
 from .quant import Numerics
 from . import decode as D
@@ -225,7 +226,11 @@ def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, *, mesh: Mesh, 
     when they divide evenly."""
     names = ("experts.w1", "experts.w2", "experts.w3")
     ex = {k: p[k] for k in names}
-    bs = P(_batch_axis(mesh, x.shape[0]))
+    ctx = jax.sharding.get_abstract_mesh()
+    if not ctx.empty and "data" in ctx.manual_axes:  # inside the data-parallel step
+        on, bs, manual = ctx, P(), set(ep)
+    else:
+        on, bs, manual = mesh, P(_batch_axis(mesh, x.shape[0])), set(mesh.axis_names)
 
     def local(ex, x, idx, w):
         n_loc = jax.tree.leaves(ex["experts.w1"])[0].shape[0]  # E / |ep| experts here
@@ -235,9 +240,8 @@ def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, *, mesh: Mesh, 
                              cfg, nm)
         return jax.lax.psum(y, ep)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(ep), bs, bs, bs), out_specs=bs,
-                         check_vma=False)(
-        ex, x, idx, w)
+    return jax.shard_map(local, mesh=on, in_specs=(P(ep), bs, bs, bs), out_specs=bs,
+                         axis_names=manual, check_vma=False)(ex, x, idx, w)
 
 
 @contextlib.contextmanager
@@ -277,6 +281,104 @@ def sharded_forward(cfg: Config, nm: Numerics, mesh: Mesh, include_mtp: bool = T
                    out_shardings=rep)
 
 
+def data_groups(cs: CacheSpec, mesh: Mesh) -> int:
+    """Number of data-parallel groups the step can run locally: the "data" size when it
+    divides both the request slots and the pool blocks, else 1."""
+    d = mesh.shape.get("data", 1)
+    return d if d > 1 and cs.max_requests % d == 0 and cs.num_blocks % d == 0 else 1
+
+
+class DataParallelBlockManager(BlockManager):
+    """A BlockManager whose request slots and pool blocks are split into `groups`
+    contiguous ranges (the cache's "data" sharding): a request gets blocks of its own
+    group only, so the data-parallel step never reads another group's cache. groups=1 is
+    the plain BlockManager."""
+
+    def __init__(self, cfg: Config, cs: CacheSpec, groups: int):
+        if groups < 1 or cs.max_requests % groups or cs.num_blocks % groups:
+            raise ValueError(f"{groups} data groups must divide max_requests "
+                             f"{cs.max_requests} and num_blocks {cs.num_blocks}")
+        super().__init__(cfg, cs)
+        self.groups, self.r_loc, self.nb_loc = groups, cs.max_requests // groups, cs.num_blocks // groups
+        self.group_free = [list(range(g * self.nb_loc, (g + 1) * self.nb_loc))[::-1]
+                           for g in range(groups)]
+        self._sync()
+
+    def _sync(self):
+        self.free = [b for f in self.group_free for b in f]
+
+    def group(self, slot: int) -> int:
+        return slot // self.r_loc
+
+    def admit(self, prompt_len: int) -> int:
+        free_slots = np.flatnonzero(~self.active)
+        if prompt_len <= 0 or prompt_len > self.cs.capacity or len(free_slots) == 0:
+            return super().admit(prompt_len)  # raises the base class's clear error
+        # the free slot of the group with the most free blocks (balances the groups)
+        slot = int(max(free_slots, key=lambda s: (len(self.group_free[self.group(s)]), -s)))
+        self.active[slot] = True
+        self.length[slot] = 0
+        return slot
+
+    def ensure(self, slot: int, new_len: int) -> None:
+        self.free = self.group_free[self.group(slot)]  # the base class pops from self.free
+        try:
+            super().ensure(slot, new_len)
+        finally:
+            self._sync()
+
+    def ensure_many(self, new_lens: dict[int, int]) -> None:
+        for g in range(self.groups):  # all or nothing: check every group first
+            extra = sum(max(0, blocks_needed(self.cfg, n) - int((self.table[s] >= 0).sum()))
+                        for s, n in new_lens.items() if self.group(s) == g)
+            if extra > len(self.group_free[g]):
+                raise PoolExhausted(
+                    f"block pool exhausted in data group {g}: the step needs {extra} more "
+                    f"block(s) for requests {sorted(new_lens)}, {len(self.group_free[g])} free "
+                    f"of {self.nb_loc}")
+        super().ensure_many(new_lens)
+
+    def release(self, slot: int) -> None:
+        g = self.group(slot)
+        self.free = self.group_free[g]
+        try:
+            super().release(slot)
+        finally:
+            self._sync()
+
+
+def check_data_parallel_batch(slots, cs: CacheSpec, groups: int) -> None:
+    """The data-parallel step splits the batch rows into `groups` equal contiguous chunks;
+    chunk g must use request slots of group g (host check, numpy input)."""
+    slots = np.asarray(slots)
+    B = len(slots)
+    if groups == 1 or B % groups:
+        return
+    want = np.arange(B) // (B // groups)
+    got = slots // (cs.max_requests // groups)
+    if (got != want).any():
+        raise ValueError(f"data-parallel step: batch rows split into {groups} chunks must use "
+                         f"slots of their own group ({cs.max_requests // groups} slots each), "
+                         f"got slots {slots.tolist()}")
+
+
+class ShardedStep:
+    """The jitted sharded step plus a host-side check of the batch layout (only when the
+    slots are a host array: no device synchronisation). Attribute access (lower,
+    _cache_size, ...) goes to the jitted function."""
+
+    def __init__(self, jitted, cs: CacheSpec, groups: int):
+        self.jitted, self.cs, self.groups = jitted, cs, groups
+
+    def __call__(self, params, cache, tokens, slots, pos, nvalid, block_table):
+        if isinstance(slots, np.ndarray):
+            check_data_parallel_batch(slots, self.cs, self.groups)
+        return self.jitted(params, cache, tokens, slots, pos, nvalid, block_table)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+
 @functools.lru_cache(maxsize=None)
 def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
                  include_mtp: bool = True):
@@ -284,18 +386,41 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
     (params, cache, tokens [B, T], slots, pos, nvalid [B], block_table [R, MAXB]) ->
     (logits [B, V] f32 replicated, new cache). Same signature and results as
     decode.compiled_step; one compilation per (B, T); the host only feeds small int
-    arrays (no host synchronisation inside the step)."""
+    arrays (no host synchronisation inside the step).
+
+    With G = data_groups(cs, mesh) > 1 and B divisible by G, the step runs data-parallel:
+    a shard_map over "data" in which each group steps its own B/G rows against its own
+    slots and pool blocks (local indices; use DataParallelBlockManager and put group g's
+    requests in the g-th chunk of rows); expert and tensor parallelism inside as usual.
+    Other shapes (e.g. a one-request prefill chunk) run the same step under plain GSPMD."""
     if cs.kernels != "off":
         raise ValueError("sharded_step runs the pure-JAX decode path (CacheSpec.kernels='off'); "
                          "the Pallas kernels are single-device")
     rep = NamedSharding(mesh, P())
     csh = cache_shardings(cfg, cs, mesh)
+    G = data_groups(cs, mesh)
+    cs_loc = dataclasses.replace(cs, max_requests=cs.max_requests // G,
+                                 num_blocks=cs.num_blocks // G)
+    dspec = jax.tree.map(lambda _: P("data"), cache_structs(cfg, cs))
+
+    def local(params, cache, tokens, slots, pos, nvalid, block_table):
+        g = jax.lax.axis_index("data")
+        slots = slots - g * cs_loc.max_requests
+        block_table = jnp.where(block_table >= 0, block_table - g * cs_loc.num_blocks, -1)
+        return D.step(params, cache, tokens, slots, pos, nvalid, block_table, cfg, cs_loc, nm)
 
     def stp(params, cache, tokens, slots, pos, nvalid, block_table):
         with expert_parallel(cfg, mesh):
+            if G > 1 and tokens.shape[0] % G == 0:
+                d = P("data")
+                return jax.shard_map(local, mesh=mesh, in_specs=(P(), dspec, d, d, d, d, d),
+                                     out_specs=(d, dspec), axis_names={"data"},
+                                     check_vma=False)(params, cache, tokens, slots, pos,
+                                                      nvalid, block_table)
             return D.step(params, cache, _constrain_batch(tokens, mesh), slots, pos, nvalid,
                           block_table, cfg, cs, nm)
 
-    return jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp), csh,
-                                      rep, rep, rep, rep, rep),
-                   out_shardings=(rep, csh), donate_argnums=(1,))
+    jitted = jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp),
+                                        csh, rep, rep, rep, rep, rep),
+                     out_shardings=(rep, csh), donate_argnums=(1,))
+    return ShardedStep(jitted, cs, G)

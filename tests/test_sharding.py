@@ -47,6 +47,14 @@ def _expert_allgathers(hlo: str):
     return bad
 
 
+def _collectives(hlo: str) -> dict:
+    out = {}
+    for m in re.finditer(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                         r"(-start)?\(", hlo):
+        out[m.group(1)] = out.get(m.group(1), 0) + 1
+    return out
+
+
 def worker(out_path):
     import jax
     import jax.numpy as jnp
@@ -79,41 +87,60 @@ def worker(out_path):
     cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=2)
     dtok = rng.integers(0, cfg.vocab_size, (N_STEPS, 2, 1)).astype(np.int32)
 
-    def run(step, params, cache):
-        bm = BlockManager(cfg, cs)
-        slots = np.array([bm.admit(1), bm.admit(1)], np.int32)
+    def run(step, params, cache, rows=2, steps=N_STEPS):
+        # the same block placement for every run (pools compare leaf by leaf): slots and
+        # blocks split into 2 groups, as the data-parallel step on 8 devices needs
+        bm = DI.DataParallelBlockManager(cfg, cs, 2)
+        slots = np.array([bm.admit(1) for _ in range(rows)], np.int32)
         logits, sizes, donated = [], [], True
-        for t in range(N_STEPS):
+        for t in range(steps):
             for s in slots:
                 bm.ensure(int(s), t + 1)
             old = cache
-            lg, cache = step(params, cache, dtok[t], slots, np.full(2, t, np.int32),
-                             np.ones(2, np.int32), bm.table)
+            lg, cache = step(params, cache, dtok[t, :rows], slots, np.full(rows, t, np.int32),
+                             np.ones(rows, np.int32), bm.table)
             donated &= all(x.is_deleted() for x in jax.tree.leaves(old))
             logits.append(np.asarray(lg))
             sizes.append(step._cache_size())
         return np.stack(logits), cache, sizes, donated
 
-    ref_lg, ref_cache, _, _ = run(compiled_step(cfg, cs, nm), params, init_cache(cfg, cs))
+    def cache_rel(a, b):
+        return max(_rel(np.where(np.isfinite(y), x, 0), np.where(np.isfinite(y), y, 0))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    ref_step = compiled_step(cfg, cs, nm)
+    ref_lg, ref_cache, _, _ = run(ref_step, params, init_cache(cfg, cs))
     for n in DECODE_MESHES:
         mesh = meshes[n]
         step = DI.sharded_step(cfg, cs, nm, mesh)
+        res.setdefault("data_groups", {})[n] = step.groups
+        sp = DI.shard_params(params, cfg, mesh)
         cache0 = DI.shard_cache(init_cache(cfg, cs), cfg, cs, mesh)
-        lg, cache, sizes, donated = run(step, DI.shard_params(params, cfg, mesh), cache0)
+        lg, cache, sizes, donated = run(step, sp, cache0)
         res["decode"][n] = [_rel(lg[t], ref_lg[t]) for t in range(N_STEPS)]
-        res["cache"][n] = max(_rel(np.where(np.isfinite(b), a, 0), np.where(np.isfinite(b), b, 0))
-                              for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)))
-        res["cache_sharding_kept"] = all(
+        res["cache"][n] = cache_rel(cache, ref_cache)
+        res.setdefault("cache_sharding_kept", {})[n] = all(
             a.sharding == s for a, s in zip(jax.tree.leaves(cache),
                                             jax.tree.leaves(DI.cache_shardings(cfg, cs, mesh))))
         res["compiles"][n] = sizes
         res["donated"][n] = donated
-        hlo = step.lower(DI.shard_params(params, cfg, mesh), cache, dtok[0], np.zeros(2, np.int32),
-                         np.zeros(2, np.int32), np.ones(2, np.int32),
-                         np.full((2, 2), -1, np.int32)).compile().as_text()
+        hlo = step.lower(sp, cache, dtok[0], np.arange(2, dtype=np.int32), np.zeros(2, np.int32),
+                         np.ones(2, np.int32), np.full((2, 2), -1, np.int32)).compile().as_text()
         res["allgathers"][f"step{n}"] = _expert_allgathers(hlo)
+        res.setdefault("collectives", {})[n] = _collectives(hlo)
         print(f"decode {n} devices: rel {max(res['decode'][n]):.2e}, cache {res['cache'][n]:.2e}, "
-              f"compiles {sizes}", flush=True)
+              f"compiles {sizes}, collectives {res['collectives'][n]}", flush=True)
+        if n == 8:  # one request (B=1 does not split over "data"): the plain GSPMD path
+            a = run(ref_step, params, init_cache(cfg, cs), rows=1, steps=3)
+            b = run(step, sp, DI.shard_cache(init_cache(cfg, cs), cfg, cs, mesh), rows=1, steps=3)
+            res["decode_b1"] = [_rel(x, y) for x, y in zip(b[0], a[0])] + [cache_rel(b[1], a[1])]
+            print(f"decode 8 devices, one request: {res['decode_b1']}", flush=True)
+            try:
+                step(sp, b[1], dtok[0], np.array([1, 0], np.int32), np.zeros(2, np.int32),
+                     np.ones(2, np.int32), np.full((2, 2), -1, np.int32))
+                res["bad_layout_error"] = ""
+            except ValueError as e:
+                res["bad_layout_error"] = str(e)
 
     # ---- the MoE layer alone: gathered (1 token) and dense (16 tokens) expert paths, and
     # GSPMD without the expert-parallel hook as the negative control for the HLO check
@@ -182,7 +209,11 @@ def test_sharded_decode_equals_single_device(results):
         errs = results["decode"][str(n)]
         assert len(errs) == N_STEPS and max(errs) < TOL, f"{n} devices: {errs}"
         assert results["cache"][str(n)] < TOL  # same cache contents, sharded
-    assert results["cache_sharding_kept"]
+        assert results["cache_sharding_kept"][str(n)]
+    # 8 devices: data 2 -> the data-parallel step (each group its own slots and blocks)
+    assert results["data_groups"] == {"2": 1, "8": 2}
+    assert max(results["decode_b1"]) < TOL  # B=1 on 8 devices: the GSPMD path
+    assert "own group" in results["bad_layout_error"]
 
 
 def test_decode_compiles_once_and_donates(results):
