@@ -295,5 +295,35 @@ def test_make_mesh_errors():
     assert dict(DI.make_mesh(n).shape) == {"data": 1, "expert": n, "model": 1}
 
 
+
+def test_data_parallel_block_manager_keeps_groups_apart():
+    from dsv4_jax import config, distributed as DI
+    from dsv4_jax.cache import CacheSpec, PoolExhausted
+    cfg = config.tiny()
+    cs = CacheSpec(max_requests=4, num_blocks=6, max_blocks=3)
+    with pytest.raises(ValueError, match="must divide"):
+        DI.DataParallelBlockManager(cfg, cs, 4)  # 6 blocks do not split in 4
+    bm = DI.DataParallelBlockManager(cfg, cs, 2)  # slots {0,1} | {2,3}, blocks {0,1,2} | {3,4,5}
+    a = bm.admit(10)
+    bm.ensure(a, 300)  # 3 blocks: all of a's group
+    b = bm.admit(10)  # goes to the other group (more free blocks)
+    assert bm.group(a) != bm.group(b)
+    bm.ensure(b, 130)
+    for s in (a, b):
+        blocks = bm.table[s][bm.table[s] >= 0]
+        assert ((blocks // 3) == bm.group(s)).all(), (s, bm.table)
+    c = bm.admit(10)
+    assert bm.group(c) == bm.group(b)
+    snap = bm.snapshot()
+    with pytest.raises(PoolExhausted, match="data group"):  # 3 blocks asked, 2 free there
+        bm.ensure_many({c: 300})
+    assert bm.snapshot()[0] == snap[0] and (bm.snapshot()[1] == snap[1]).all()
+    bm.release(a)
+    assert sorted(bm.group_free[bm.group(a)]) == [0, 1, 2] and len(bm.free) == 5
+    DI.check_data_parallel_batch(np.array([0, 2]), cs, 2)
+    with pytest.raises(ValueError, match="own group"):
+        DI.check_data_parallel_batch(np.array([2, 0]), cs, 2)
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])
