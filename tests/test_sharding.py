@@ -59,7 +59,7 @@ def worker(out_path):
     import jax
     import jax.numpy as jnp
     from dsv4_jax import config, distributed as DI, layers as L, model as M, params as P
-    from dsv4_jax.cache import BlockManager, CacheSpec, init_cache
+    from dsv4_jax.cache import CacheSpec, init_cache
     from dsv4_jax.decode import compiled_step
     from dsv4_jax.quant import Numerics
 
