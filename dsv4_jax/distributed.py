@@ -17,7 +17,9 @@ dim; otherwise the dim is replicated (the same rule for every device count).
 Routed experts run inside `jax.shard_map` (`expert_parallel_moe`): routing is computed
 once outside; each device computes its local experts for the tokens routed to them (ids
 outside its range get weight 0) and a psum over the EP axes combines the outputs. The
-expert weights never move. Everything else is left to GSPMD (jit with in/out shardings).
+expert weights never move. Tensor parallelism is left to GSPMD (jit with in/out
+shardings). The decode step runs data-parallel (a shard_map over "data": each group steps
+its own request slots and pool blocks, `DataParallelBlockManager`) when the batch splits.
 """
 from __future__ import annotations
 
@@ -299,7 +301,8 @@ class DataParallelBlockManager(BlockManager):
             raise ValueError(f"{groups} data groups must divide max_requests "
                              f"{cs.max_requests} and num_blocks {cs.num_blocks}")
         super().__init__(cfg, cs)
-        self.groups, self.r_loc, self.nb_loc = groups, cs.max_requests // groups, cs.num_blocks // groups
+        self.groups = groups
+        self.r_loc, self.nb_loc = cs.max_requests // groups, cs.num_blocks // groups
         self.group_free = [list(range(g * self.nb_loc, (g + 1) * self.nb_loc))[::-1]
                            for g in range(groups)]
         self._sync()

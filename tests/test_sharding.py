@@ -266,10 +266,12 @@ def test_rules_at_full_size_and_fallbacks():
     spec = DI.logical_to_pspec
     # Flash on 64 devices: 256 experts -> 4 whole experts per device; 64 heads over 8
     m = _fake_mesh(expert=8, model=8)
-    assert spec(("experts", "mlp", "embed"), (256, 2048, 4096), m) == PS(("expert", "model"), None, None)
+    assert (spec(("experts", "mlp", "embed"), (256, 2048, 4096), m)
+            == PS(("expert", "model"), None, None))
     assert spec(("heads_hd", "q_lora"), (64 * 512, 1024), m) == PS("model", None)
     assert spec(("mlp", "embed"), (2048, 4096), m) == PS("model", None)  # shared expert
-    assert spec(("requests", "window", "kv_nope"), (8, 128, 448), _fake_mesh(data=4)) == PS("data", None, None)
+    assert (spec(("requests", "window", "kv_nope"), (8, 128, 448), _fake_mesh(data=4))
+            == PS("data", None, None))
     # tiny's 8 experts over expert 4 x model 4: 16 does not divide 8 -> only "expert", and
     # no split inside an expert (whole experts per device, packed and scale fields alike)
     cfg = config.tiny()
