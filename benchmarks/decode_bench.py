@@ -146,31 +146,33 @@ def main(args):
           f"{cfg.name}: {n} layers, d={cfg.hidden_size}, H={cfg.num_attention_heads}")
     params = P.init_params_device(cfg, args.seed)
     rows = []
-    for B in args.batch:
-        for ctx in args.context:
-            fl = floor_bytes(cfg, B, ctx)
-            r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed)
-            floor_ms = 1e3 * fl["total"] / bw
-            rows.append((f"model({n}L)", B, ctx, r["ms"], floor_ms, fl["total"]))
-            print(f"B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
-                  f"floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} GB) -> "
-                  f"{100 * floor_ms / r['ms']:.1f}% of the bandwidth floor "
-                  f"(compile {r['compile_s']:.0f} s)", flush=True)
-            if args.per_kind:
-                kinds = {"swa": 0, "csa": 4, "hca": 128}
-                head_cfg = _layers_cfg(base, [])  # embed + head only
-                hp = P.init_params_device(head_cfg, args.seed)
-                t_head = bench(head_cfg, hp, B, ctx, "off", args.steps)["ms"]
-                for kind, ratio in kinds.items():
-                    if kind not in fl["per_kind"]:
-                        continue
-                    kc = _layers_cfg(base, [ratio])
-                    kp = P.init_params_device(kc, args.seed)
-                    t = bench(kc, kp, B, ctx, args.kernels, args.steps)["ms"] - t_head
-                    fb = fl["per_kind"][kind][0]
-                    rows.append((kind, B, ctx, t, 1e3 * fb / bw, fb))
-                    print(f"  {kind} layer: {t:.2f} ms, floor {1e3 * fb / bw:.3f} ms "
-                          f"({fb / 1e6:.0f} MB) -> {100 * 1e3 * fb / bw / t:.1f}%", flush=True)
+    from tqdm.auto import tqdm
+    sweep = [(B, ctx) for B in args.batch for ctx in args.context]
+    for B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
+        fl = floor_bytes(cfg, B, ctx)
+        r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed)
+        floor_ms = 1e3 * fl["total"] / bw
+        rows.append((f"model({n}L)", B, ctx, r["ms"], floor_ms, fl["total"]))
+        print(f"B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
+              f"floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} GB) -> "
+              f"{100 * floor_ms / r['ms']:.1f}% of the bandwidth floor "
+              f"(compile {r['compile_s']:.0f} s)", flush=True)
+        if args.per_kind:
+            # one layer of a kind = time([SWA, kind]) - time([SWA]) (embedding + head cancel)
+            kinds = {"swa": 0, "csa": 4, "hca": 128}
+            one_cfg = _layers_cfg(base, [0])
+            t_one = bench(one_cfg, P.init_params_device(one_cfg, args.seed), B, ctx,
+                          args.kernels, args.steps)["ms"]
+            for kind, ratio in kinds.items():
+                if kind not in fl["per_kind"]:
+                    continue
+                kc = _layers_cfg(base, [0, ratio])
+                kp = P.init_params_device(kc, args.seed)
+                t = bench(kc, kp, B, ctx, args.kernels, args.steps)["ms"] - t_one
+                fb = fl["per_kind"][kind][0]
+                rows.append((kind, B, ctx, t, 1e3 * fb / bw, fb))
+                print(f"  {kind} layer: {t:.2f} ms, floor {1e3 * fb / bw:.3f} ms "
+                      f"({fb / 1e6:.0f} MB) -> {100 * 1e3 * fb / bw / t:.1f}%", flush=True)
     print("\n| what | batch | context | ms/step | floor ms | bytes (GB) | % of floor |")
     print("|---|---|---|---|---|---|---|")
     for w, B, ctx, ms, fms, b in rows:

@@ -128,8 +128,10 @@ class Engine:
     """Owns the cache, the block manager and the compiled programs for one model."""
 
     def __init__(self, cfg: Config, params, *, numerics: Numerics = Numerics(),
-                 cache_spec: CacheSpec | None = None, prefill_chunk: int = 128):
+                 cache_spec: CacheSpec | None = None, prefill_chunk: int = 128,
+                 progress: bool = True):
         self.cfg, self.params, self.nm = cfg, params, numerics
+        self.progress = progress
         self.cs = cache_spec or CacheSpec.for_numerics(numerics)
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -159,7 +161,11 @@ class Engine:
         self._check_tokens(prompt)
         start = int(self.bm.length[slot])
         logits = None
-        for s in range(0, len(prompt), self.chunk):
+        starts = range(0, len(prompt), self.chunk)
+        if len(starts) > 8 and self.progress:  # long prompts: show prefill progress
+            from tqdm.auto import tqdm
+            starts = tqdm(starts, desc=f"prefill slot {slot}", unit="chunk", leave=False)
+        for s in starts:
             part = prompt[s:s + self.chunk]
             self.bm.ensure(slot, start + s + len(part))
             buf = np.zeros((1, self.chunk), np.int32)
