@@ -40,35 +40,18 @@ class Numerics:
 # ---------------------------------------------------------------------------------------
 # Block-scaled simulation (quantise + dequantise), power-of-two (ue8m0) scales
 # ---------------------------------------------------------------------------------------
-def _pow2_scale(amax, qmax, floor):
-    """2^ceil(log2(max(amax, floor) / qmax)), computed exactly on the exponent."""
-    a = jnp.maximum(amax, floor) / qmax
-    m, e = jnp.frexp(a)  # a = m * 2^e, m in [0.5, 1)
-    e = jnp.where(m == 0.5, e - 1, e)  # exact powers of two keep their exponent
-    return jnp.ldexp(jnp.ones_like(a), e)
+def fp8_block_sim(x, block: int = 128):
+    """Per-`block` e4m3 quantise-dequantise with power-of-two (ue8m0) scales, amax floored
+    at 1e-4; returns x's dtype. One implementation with the cache format (kvformat)."""
+    from .kvformat import fp8_block_sim as sim
+    return sim(x, block)
 
 
-def _blocked(x, block):
-    *lead, n = x.shape
-    if n % block:
-        raise ValueError(f"last dim {n} is not a multiple of the quantisation block {block}")
-    return x.reshape(*lead, n // block, block)
-
-
-def fp8_block_sim(x, block: int = 128, amax_floor: float = 1e-4):
-    """Per-`block` e4m3 quantise-dequantise with power-of-two scales; returns x's dtype."""
-    xf = _blocked(x.astype(jnp.float32), block)
-    s = _pow2_scale(jnp.max(jnp.abs(xf), -1, keepdims=True), FP8_MAX, amax_floor)
-    q = jnp.clip(xf / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return (q * s).reshape(x.shape).astype(x.dtype)
-
-
-def fp4_block_sim(x, block: int = 32, amax_floor: float = 6 * 2.0 ** -126):
-    """Per-`block` e2m1 quantise-dequantise with power-of-two scales; returns x's dtype."""
-    xf = _blocked(x.astype(jnp.float32), block)
-    s = _pow2_scale(jnp.max(jnp.abs(xf), -1, keepdims=True), FP4_MAX, amax_floor)
-    q = jnp.clip(xf / s, -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn).astype(jnp.float32)
-    return (q * s).reshape(x.shape).astype(x.dtype)
+def fp4_block_sim(x, block: int = 32):
+    """Per-`block` e2m1 quantise-dequantise with power-of-two scales, amax floored at
+    6 * 2^-126; returns x's dtype."""
+    from .kvformat import fp4_block_sim as sim
+    return sim(x, block)
 
 
 # ---------------------------------------------------------------------------------------
