@@ -129,16 +129,27 @@ class Engine:
 
     def __init__(self, cfg: Config, params, *, numerics: Numerics = Numerics(),
                  cache_spec: CacheSpec | None = None, prefill_chunk: int = 128,
-                 progress: bool = True):
+                 progress: bool = True, mesh=None):
+        """mesh: a jax Mesh (dsv4_jax.distributed.make_mesh) to run sharded: parameters and
+        cache are placed by the sharding rules and every step runs expert / tensor / data
+        parallel; generation then streams step by step (the fused loop is single-device)."""
         self.cfg, self.params, self.nm = cfg, params, numerics
         self.progress = progress
         self.cs = cache_spec or CacheSpec.for_numerics(numerics)
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.chunk = prefill_chunk
+        self.mesh = mesh
         self.cache = init_cache(cfg, self.cs)
-        self.bm = BlockManager(cfg, self.cs)
-        self._step = compiled_step(cfg, self.cs, numerics)
+        if mesh is None:
+            self.bm = BlockManager(cfg, self.cs)
+            self._step = compiled_step(cfg, self.cs, numerics)
+        else:
+            from . import distributed as dist
+            self.params = dist.shard_params(params, cfg, mesh)
+            self.cache = dist.shard_cache(self.cache, cfg, self.cs, mesh)
+            self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
+            self._step = dist.sharded_step(cfg, self.cs, numerics, mesh)
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
 
@@ -259,7 +270,7 @@ class Engine:
                                      sampler=sampler, seed=seed + i, stop_ids=stop_ids,
                                      jit_loop=jit_loop)
             return out
-        if not jit_loop:
+        if not jit_loop or self.mesh is not None:
             res = [[] for _ in prompts]
             for stepv in self.stream(prompts, max_new_tokens=max_new_tokens, sampler=sampler,
                                      seed=seed, stop_ids=stop_ids):

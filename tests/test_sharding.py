@@ -329,3 +329,36 @@ def test_data_parallel_block_manager_keeps_groups_apart():
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+_ENGINE_SCRIPT = r'''
+import json, sys
+import numpy as np
+from dsv4_jax import config, params as P
+from dsv4_jax.cache import CacheSpec
+from dsv4_jax.distributed import make_mesh
+from dsv4_jax.generate import Engine
+from dsv4_jax.quant import Numerics
+cfg = config.tiny()
+p = P.init_params(cfg, int(sys.argv[1]))
+nm = Numerics(False, "float32")
+cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=4)
+rng = np.random.default_rng(int(sys.argv[1]))
+prompts = [rng.integers(0, cfg.vocab_size, 35).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
+a = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32).generate(
+    prompts, max_new_tokens=5, jit_loop=False)
+b = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32,
+           mesh=make_mesh(2, expert=2)).generate(prompts, max_new_tokens=5)
+print(json.dumps({"single": a, "mesh": b}))
+'''
+
+
+def test_engine_on_a_mesh_generates_the_same_tokens(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    seed = str(int(np.random.default_rng().integers(1 << 30)))
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, seed], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["single"] == res["mesh"]
