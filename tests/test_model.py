@@ -130,17 +130,19 @@ def test_simulation_on_stays_close_to_port(tiny):
 # Derived properties
 # ---------------------------------------------------------------------------------------
 def test_sinkhorn_doubly_stochastic():
-    cfg = config.tiny()
+    """20 iterations (the reference's count) end on a column normalisation: columns sum to 1
+    to 1e-5, rows to <6e-4 (measured) on unit-scale logits; by 60 iterations both to 1e-5."""
     rng = np.random.default_rng()
-    X = jnp.asarray(rng.standard_normal((3, 5, 4, cfg.hidden_size)), jnp.float32)
-    # mixing logits of unit scale, as trained mHC weights give (20 Sinkhorn iterations
-    # converge to 1e-5 there; near-one-hot logits would need more)
-    fn = jnp.asarray(rng.standard_normal((24, 4 * cfg.hidden_size)) / np.sqrt(4 * cfg.hidden_size),
-                     jnp.float32)
-    pre, post, C = L.hc_weights(X, fn, jnp.asarray([0.5, 0.5, 1.0]),
-                                jnp.asarray(rng.standard_normal(24), jnp.float32), cfg)
-    np.testing.assert_allclose(C.sum(-1), 1, atol=1e-5)
-    np.testing.assert_allclose(C.sum(-2), 1, atol=1e-5)
+    for iters, row_tol in ((20, 5e-3), (60, 1e-5)):
+        cfg = config.tiny().replace(hc_sinkhorn_iters=iters)
+        X = jnp.asarray(rng.standard_normal((3, 5, 4, cfg.hidden_size)), jnp.float32)
+        fn = jnp.asarray(rng.standard_normal((24, 4 * cfg.hidden_size))
+                         / np.sqrt(4 * cfg.hidden_size), jnp.float32)
+        pre, post, C = L.hc_weights(X, fn, jnp.asarray([0.5, 0.5, 1.0]),
+                                    jnp.asarray(rng.standard_normal(24), jnp.float32), cfg)
+        np.testing.assert_allclose(C.sum(-2), 1, atol=1e-5)
+        np.testing.assert_allclose(C.sum(-1), 1, atol=row_tol)
+        assert (np.asarray(C) > 0).all()
     assert (np.asarray(post) > 0).all() and (np.asarray(post) < 2).all()
     assert (np.asarray(pre) > cfg.hc_eps).all()
 
