@@ -180,6 +180,9 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if hasattr(args, "func"):  # make-checkpoint / convert / inspect (checkpoints.cli)
+        from checkpoints.cli import run
+        raise SystemExit(run(args))
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

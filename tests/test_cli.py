@@ -1,0 +1,45 @@
+"""The `dsv4` command line end to end on the tiny preset: a synthetic checkpoint, conversion,
+inspection, generation from the converted checkpoint, and teacher-forced logits that equal
+the engine's."""
+import json
+
+import numpy as np
+import pytest
+
+from dsv4_jax import cli, config, params as P
+from dsv4_jax.generate import Engine
+from dsv4_jax.quant import Numerics
+
+
+def run(argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+        raise SystemExit(0)
+    return e.value.code
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    seed = int(np.random.default_rng().integers(1000))
+    assert run(["make-checkpoint", "--preset", "tiny", "--seed", str(seed), "--quiet", str(src)]) in (0, None)
+    assert run(["convert", str(src), str(dst), "--quiet"]) in (0, None)
+    assert run(["inspect", str(dst)]) in (0, None)
+    assert "csa" in capsys.readouterr().out
+    assert run(["convert", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2  # clear error
+    tokens = np.random.default_rng().integers(0, 1024, (2, 20)).astype(np.int32)
+    np.save(tmp_path / "t.npy", tokens)
+    out = tmp_path / "o.npz"
+    assert run(["logits", "--checkpoint", str(dst), "--tokens", str(tmp_path / "t.npy"),
+                "--prefill-len", "15", "--act-quant", "off", "--dtype", "float32",
+                "--out", str(out)]) in (0, None)
+    got = np.load(out)["logits"]
+    assert got.shape == (2, 6, 1024)
+    cfg = config.tiny()
+    eng = Engine(cfg, P.init_params(cfg, seed), numerics=Numerics(False, "float32"))
+    np.testing.assert_allclose(got, eng.teacher_forced_logits(tokens, 15), rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    assert run(["generate", "--checkpoint", str(dst), "--user", "hi", "--max-new-tokens", "3",
+                "--act-quant", "off", "--dtype", "float32"]) in (0, None)
+    cap = capsys.readouterr()
+    assert "tokens/s" in cap.err
+    json.loads(cap.out.strip().splitlines()[-1])  # the parsed completion
