@@ -117,7 +117,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", **kw):
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
-                   chunks_per_cta=None, variant="u32", interpret=None):
+                   chunks_per_cta=None, variant="u8", interpret=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -129,7 +129,8 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     it into a pass over the whole array), so this variant pays one extra read + write of
     the whole key pool per call. Variant "u8" reads the stored bytes directly (codes TMA'd
     as uint8 blocks, nibbles split in registers); only the 4-byte scales go through the
-    bitcast pass. "u8" passes the interpreter and lowering tests but has NOT yet run on a GPU.
+    bitcast pass. "u8" (the default) ran on the H100 on 2026-11-22: identical scores (rel err
+    8.8e-8) and top-k, 333 us vs 435 us for "u32" at B=64, 128K context.
     """
     if variant not in ("u32", "u8"):
         raise ValueError(f"indexer variant must be 'u32' or 'u8', got {variant!r}")
@@ -367,7 +368,7 @@ def topk_from_scores(scores_BN, topk):
 
 
 def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, *,
-                 chunks_per_cta=None, variant="u32", interpret=None):
+                 chunks_per_cta=None, variant="u8", interpret=None):
     """Kernel scores + XLA top-k: entry ids [B, topk] int32, -1 padded."""
     s = indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B,
                        chunks_per_cta=chunks_per_cta, variant=variant, interpret=interpret)
