@@ -170,8 +170,13 @@ def test_rope_interleaved_and_inverse():
     y = np.asarray(L.apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs))
     z = x[..., 448:].reshape(2, 9, 3, 32, 2)
     zc = (z[..., 0] + 1j * z[..., 1]) * np.exp(1j * pos[:, :, None, None] * freqs)
-    np.testing.assert_allclose(y[..., 448:].reshape(2, 9, 3, 32, 2)[..., 0], zc.real, atol=2e-4)
-    np.testing.assert_allclose(y[..., 448:].reshape(2, 9, 3, 32, 2)[..., 1], zc.imag, atol=2e-4)
+    # float32 angles (as the reference computes them) at positions up to 5000 carry ~3e-4
+    tol = 2e-3
+    np.testing.assert_allclose(y[..., 448:].reshape(2, 9, 3, 32, 2)[..., 0], zc.real, atol=tol)
+    np.testing.assert_allclose(y[..., 448:].reshape(2, 9, 3, 32, 2)[..., 1], zc.imag, atol=tol)
+    # a rotate-half layout would be far off (ARCHITECTURE.md 11)
+    half = np.concatenate([z[..., 0], z[..., 1]], -1)
+    assert np.abs(y[..., 448:] - half).max() > 0.1
     assert (y[..., :448] == x[..., :448]).all()
     back = L.apply_rope(jnp.asarray(y), jnp.asarray(pos), freqs, inverse=True)
     np.testing.assert_allclose(back, x, atol=1e-4)
