@@ -174,9 +174,12 @@ def test_rope_interleaved_and_inverse():
     tol = 2e-3
     np.testing.assert_allclose(y[..., 448:].reshape(2, 9, 3, 32, 2)[..., 0], zc.real, atol=tol)
     np.testing.assert_allclose(y[..., 448:].reshape(2, 9, 3, 32, 2)[..., 1], zc.imag, atol=tol)
-    # a rotate-half layout would be far off (ARCHITECTURE.md 11)
-    half = np.concatenate([z[..., 0], z[..., 1]], -1)
-    assert np.abs(y[..., 448:] - half).max() > 0.1
+    # the rotate-half layout (pairs k, k+32) is a different function (ARCHITECTURE.md 11)
+    r = x[..., 448:]
+    ang = pos[:, :, None, None] * freqs
+    x1, x2 = r[..., :32], r[..., 32:]
+    half = np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+    assert np.abs(y[..., 448:] - half).max() > 0.5
     assert (y[..., :448] == x[..., :448]).all()
     back = L.apply_rope(jnp.asarray(y), jnp.asarray(pos), freqs, inverse=True)
     np.testing.assert_allclose(back, x, atol=1e-4)
