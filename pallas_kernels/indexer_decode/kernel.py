@@ -1,7 +1,7 @@
 """Lightning-indexer scoring at decode as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
 
-Entry points: indexer_scores (fp4 pool; variant "u32" GPU-verified, "u8" not yet run on a
-GPU), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
+Entry points: indexer_scores (fp4 pool; variants "u8" (default) and "u32", both run on the
+H100), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
 topk_from_scores / indexer_topk (XLA top-k). `nvfp4` has no kernel (reference.py only).
 
 For each request b (one query token at position t_b):
