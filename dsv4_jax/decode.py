@@ -201,16 +201,8 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     if ratio > 0:
         epb = BLOCK_TOKENS // ratio
         NB = cs.num_blocks
-        cp = L.block_params(ap, "compressor.")
-        st = (lc["st_a"][slots], lc["st_z"][slots],
-              lc["pv_a"][slots] if ratio == 4 else None, lc["pv_z"][slots] if ratio == 4 else None)
-        ent, eidx, comp, (sa, sz, pa, pz) = compressor_chunk(
-            cp, x, tok_pos, pos, nvalid, *st, ratio, cfg.head_dim, freqs, cfg, nm, "main")
-        lc["st_a"] = lc["st_a"].at[slots].set(sa)
-        lc["st_z"] = lc["st_z"].at[slots].set(sz)
-        if ratio == 4:
-            lc["pv_a"] = lc["pv_a"].at[slots].set(pa)
-            lc["pv_z"] = lc["pv_z"].at[slots].set(pz)
+        ent, eidx, comp = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio,
+                                             freqs, cfg, nm, "")
         blk, sl = _pool_addr(eidx, comp, bt_rows, epb, NB)
         lc["cmp"] = _scatter(lc["cmp"], (blk, sl), encode_kv(cs, ent))
         cents = decode_kv(cs, _gather_entries(lc["cmp"], bt_rows, epb), nm.jdtype)  # [B, NE, K]
@@ -218,15 +210,8 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
         visible = (jnp.arange(NE)[None, None, :] < ((tok_pos + 1) // ratio)[:, :, None])
         if ratio == 4:
             ip = L.block_params(ap, "indexer.")
-            icp = L.block_params(ip, "compressor.")
-            ic = cfg.index_head_dim
-            ist = (lc["ist_a"][slots], lc["ist_z"][slots], lc["ipv_a"][slots], lc["ipv_z"][slots])
-            kI, _, _, (sa, sz, pa, pz) = compressor_chunk(
-                icp, x, tok_pos, pos, nvalid, *ist, ratio, ic, freqs, cfg, nm, "indexer")
-            lc["ist_a"] = lc["ist_a"].at[slots].set(sa)
-            lc["ist_z"] = lc["ist_z"].at[slots].set(sz)
-            lc["ipv_a"] = lc["ipv_a"].at[slots].set(pa)
-            lc["ipv_z"] = lc["ipv_z"].at[slots].set(pz)
+            kI, _, _ = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs,
+                                          cfg, nm, "i")
             lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
             keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm)
