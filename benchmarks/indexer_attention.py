@@ -6,8 +6,8 @@ N distinct input sets back to back (no L2 reuse between calls when the sets exce
 divided by N: host dispatch is amortised over N only, so ops under ~50 us read high.
 bytes = cache bytes the op must read + outputs; % = of the copy bandwidth measured in the
 same run; speedup = jitted pure-JAX reference / kernel path, both end to end.
-Options: --cases idx:B:ctx:topk,idxu8:B:ctx:topk,csa:B:H:K,hca:B (single cases),
---sets N, --variant u32|u8 (indexer), --check-attn SPLITS (small attention check).
+Options: --cases idx:B:ctx:topk,csa:B:H:K,hca:B (single cases),
+--sets N, --check-attn SPLITS (small attention check).
 """
 import argparse
 import json
@@ -81,12 +81,12 @@ def indexer_inputs(key, B, ctx):
     return q, w, codes, scale, bt, t
 
 
-def run_indexer(B, ctx, topk, bw, log, variant="u32"):
+def run_indexer(B, ctx, topk, bw, log):
     n = ctx // 4
     cache_bytes = B * n * 68
     sets = [indexer_inputs(jax.random.key(100 * B + i), B, ctx)
             for i in range(n_sets_for(cache_bytes * 3))]
-    kern = jax.jit(lambda *a: IK.indexer_scores(*a, variant=variant))
+    kern = jax.jit(lambda *a: IK.indexer_scores(*a))
     ref = jax.jit(lambda q, w, c, s, bt, t: IR.indexer_scores_reference(
         q, w, {"idx_codes": c, "idx_scale": s}, bt, t))
     a = sets[0]
@@ -97,14 +97,14 @@ def run_indexer(B, ctx, topk, bw, log, variant="u32"):
     ik = np.asarray(IK.topk_from_scores(jnp.asarray(sk), topk))
     ir = np.asarray(IR.topk_reference(jnp.asarray(sr), topk))
     overlap = float(np.mean([len(set(ik[b]) & set(ir[b])) / len(set(ir[b])) for b in range(B)]))
-    t_k = bench(lambda *x: IK.indexer_scores(*x, variant=variant), sets)
-    t_kt = bench(lambda *x: IK.indexer_topk(*x, topk, variant=variant), sets)
+    t_k = bench(lambda *x: IK.indexer_scores(*x), sets)
+    t_kt = bench(lambda *x: IK.indexer_topk(*x, topk), sets)
     ref_sets = sets[: max(2, min(len(sets), int(2e9 // (B * n * 128 * 4 * 2))))]
     t_r = bench(lambda q, w, c, s, bt, t: IR.indexer_topk_reference(
         q, w, {"idx_codes": c, "idx_scale": s}, bt, t, topk), ref_sets, reps=3)
     out_bytes = B * (n * 4)
     gbs = (cache_bytes + out_bytes) / t_k / 1e9
-    row = dict(op=f"indexer fp4 {variant}", B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
+    row = dict(op="indexer fp4", B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
                MB=(cache_bytes + out_bytes) / MB, GBs=gbs, pct=100 * gbs * 1e9 / bw,
                ref_us=t_r * 1e6, speedup=t_r / t_kt, rel_err=rel, mask_ok=ok_mask,
                topk_overlap=overlap)
@@ -170,8 +170,7 @@ def main():
     ap.add_argument("--only", choices=["indexer", "attn", "none"], default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="",
-                    help="comma list: idx:B:ctx:topk, idxu8:B:ctx:topk, csa:B:H:K or hca:B")
-    ap.add_argument("--variant", default="u32", choices=["u32", "u8"], help="indexer kernel variant")
+                    help="comma list: idx:B:ctx:topk, csa:B:H:K or hca:B")
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
     ap.add_argument("--check-attn", type=int, default=0, metavar="SPLITS",
                     help="only a small attention correctness check with this many splits")
@@ -196,9 +195,8 @@ def main():
             kind, *v = case.split(":")
             v = [int(x) for x in v]
             try:
-                if kind in ("idx", "idxu8"):
-                    rows.append(run_indexer(v[0], v[1], v[2], bw, log,
-                                            variant="u8" if kind == "idxu8" else "u32"))
+                if kind == "idx":
+                    rows.append(run_indexer(v[0], v[1], v[2], bw, log))
                 elif kind == "csa":
                     rows.append(run_attn(v[0], v[1], 32768, v[2], "csa", bw, log))
                 else:
@@ -226,7 +224,7 @@ def main():
                     if topk == 1024 and (ctx != 131072 or B not in (8, 64)):
                         continue
                     try:
-                        rows.append(run_indexer(B, ctx, topk, bw, log, args.variant))
+                        rows.append(run_indexer(B, ctx, topk, bw, log))
                     except Exception as e:   # keep going: report the failure in the table
                         print(f"indexer B={B} ctx={ctx}: {type(e).__name__}: {e}"[:2000], flush=True)
                     print(rows[-1] if rows else None, flush=True)

@@ -76,21 +76,19 @@ def test_reference_matches_numpy():
         assert (ref[b, n:] == -np.inf).all()
 
 
-@pytest.mark.parametrize("variant", ["u32", "u8"])
-def test_kernel_matches_reference(variant):
+def test_kernel_matches_reference():
     # t = 50: 12 eligible (partial first chunk); t = 511: all 128 eligible.
     q, w, keys, bt, t = make_inputs(1, t=[50, 511])
-    out = run_kernel(q, w, keys, bt, t, variant=variant)
+    out = run_kernel(q, w, keys, bt, t)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
-@pytest.mark.parametrize("variant", ["u32", "u8"])
-def test_kernel_multi_chunk_cta_and_unused_blocks(variant):
+def test_kernel_multi_chunk_cta_and_unused_blocks():
     # 2 chunks per CTA, odd MAXB (table padded), unused (-1) blocks past the context.
     q, w, keys, bt, _ = make_inputs(2, B=2, NB=12, MAXB=5)
     bt = bt.at[0, 3:].set(-1)
     t = jnp.asarray([4 * 32 * 3 - 3, 4 * 32 * 5 - 1], jnp.int32)
-    out = run_kernel(q, w, keys, bt, t, chunks_per_cta=2, variant=variant)
+    out = run_kernel(q, w, keys, bt, t, chunks_per_cta=2)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
@@ -123,32 +121,29 @@ def test_bad_inputs_raise():
     q, w, keys, bt, t = make_inputs(4)
     with pytest.raises(ValueError, match="idx_scale"):
         K.indexer_scores(q, w, keys["idx_codes"], keys["idx_scale"][..., :2], bt, t)
-    with pytest.raises(ValueError, match="variant"):
-        K.indexer_scores(q, w, keys["idx_codes"], keys["idx_scale"], bt, t, variant="u16")
+    with pytest.raises(ValueError, match="idx_codes"):
+        K.indexer_scores(q, w, keys["idx_codes"][..., :32], keys["idx_scale"], bt, t)
     with pytest.raises(ValueError, match="indexer q"):
         K.indexer_scores(q[:, :32], w, keys["idx_codes"], keys["idx_scale"], bt, t)
 
 
-@pytest.mark.parametrize("variant", ["u32", "u8"])
-def test_cuda_lowering_flash_shapes(variant):
+def test_cuda_lowering_flash_shapes():
     B, NB, MAXB = 8, 8192, 1024      # 128K context
     S = jax.ShapeDtypeStruct
     args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    f = functools.partial(K.indexer_topk, topk=512, variant=variant)
+    f = functools.partial(K.indexer_topk, topk=512)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    if variant == "u8":   # the fp8 key format shares this kernel
-        args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
-        lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+    # the fp8 key format shares this kernel
+    args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
+    lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["u32", "u8"])
-def test_gpu_kernel_matches_reference(variant):
+def test_gpu_kernel_matches_reference():
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
-    f = functools.partial(K.indexer_scores, variant=variant)
-    out = np.asarray(jax.jit(f)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
+    out = np.asarray(jax.jit(K.indexer_scores)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))

@@ -1,7 +1,6 @@
 """Lightning-indexer scoring at decode as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
 
-Entry points: indexer_scores (fp4 pool; variants "u8" (default) and "u32", both run on the
-H100), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
+Entry points: indexer_scores (fp4 pool; run on the H100), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
 topk_from_scores / indexer_topk (XLA top-k). `nvfp4` has no kernel (reference.py only).
 
 For each request b (one query token at position t_b):
@@ -13,12 +12,13 @@ the kernel's score row: an in-kernel top-k over up to 32K entries per request is
 it at this stage.
 
 Kernel shape pipeline, per CTA (request b, a range of `cpc` chunks of 64 entries):
-    codes u32 [64 e, 16 words]   (2 pool blocks, TMA)    scale u32 [64 e] (4 e8m0 bytes)
-    -> for nibble n in 0..7: K_n bf16 [64 e, 16] (exact: e2m1 * 2^k)  into SMEM
-    -> S^T [64 e, 64 h] = sum_n K_n @ qp_n^T                       (8 wgmma, f32 acc)
+    codes u8 [64 e, 64 bytes]   (2 pool blocks, TMA)    scale u32 [64 e] (4 e8m0 bytes)
+    -> low / high nibbles: K_half bf16 [64 e, 64] (exact: e2m1 * 2^k)  into SMEM
+    -> S^T [64 e, 64 h] = sum_half K_half @ q_half^T               (2 wgmma, f32 acc)
     -> score [64 e] = sum_h relu(S^T) * w[h]                          (f32)
-Nibble n of word j holds dim 4j + n//2 + 64*(n%2); the dim order inside the dot product
-does not matter, so q is permuted the same way outside the kernel (qp [B, 8, 64, 16]).
+Split-half packing: byte j holds dim j (low nibble) and dim j + 64 (high nibble).
+(An earlier variant viewed the codes as u32 words; XLA turns that width-changing bitcast
+into a pass over the whole pool, and it measured 435 us vs 333 us at B=64 / 128K: removed.)
 """
 import functools
 import math
@@ -34,19 +34,6 @@ DIM = 128
 EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
 CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
 RATIO = 4
-
-
-def _nibble_dims(n):
-    """Dims held by nibble n (0..7) of words 0..15: 4j + n//2 + 64*(n%2)."""
-    return [4 * j + n // 2 + 64 * (n % 2) for j in range(16)]
-
-
-def permute_q(q_BHD):
-    """q [B, 64, 128] -> qp [B, 8, 64, 16] bf16 in the kernel's nibble order."""
-    perm = jnp.array([d for n in range(8) for d in _nibble_dims(n)], jnp.int32)
-    B = q_BHD.shape[0]
-    qp = jnp.take(q_BHD.astype(jnp.bfloat16), perm, axis=2)        # [B, 64, 128]
-    return qp.reshape(B, N_HEADS, 8, 16).transpose(0, 2, 1, 3)
 
 
 def _check(q, w, codes, scale, block_table, t):
@@ -110,150 +97,35 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", **kw):
         return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
                               t_B, **kw)
     if fmt == "fp8":
-        kw.pop("variant", None)
         return indexer_scores_fp8(q_BHD, w_BH, keys["idx_keys"], keys["idx_scale"], block_table,
                                   t_B, **kw)
     raise NotImplementedError(f"no indexer kernel for key format {fmt!r} (use the reference)")
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
-                   chunks_per_cta=None, variant="u8", interpret=None):
+                   chunks_per_cta=None, interpret=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
     w_BH [B, 64] f32 (already scaled), idx_codes uint8 [NB, 32, 64], idx_scale uint8
     [NB, 32, 4], block_table int32 [R >= B, MAXB] (row b used for request b), t_B int32 [B].
-
-    variant "u32" (GPU-verified): the code bytes are viewed as u32 words, 8 nibbles each.
-    Caveat: a width-changing bitcast is not free in XLA (its BitcastDtypesExpander rewrites
-    it into a pass over the whole array), so this variant pays one extra read + write of
-    the whole key pool per call. Variant "u8" reads the stored bytes directly (codes TMA'd
-    as uint8 blocks, nibbles split in registers); only the 4-byte scales go through the
-    bitcast pass. "u8" (the default) ran on the H100 on 2026-11-22: identical scores (rel err
-    8.8e-8) and top-k, 333 us vs 435 us for "u32" at B=64, 128K context.
+    The stored code bytes are read directly (TMA of uint8 blocks, nibbles split in
+    registers); only the 4-byte scales are viewed as one u32 per entry. Ran on the H100 on
+    2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
     """
-    if variant not in ("u32", "u8"):
-        raise ValueError(f"indexer variant must be 'u32' or 'u8', got {variant!r}")
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
     B = q_BHD.shape[0]
-    NB = idx_codes.shape[0]
     bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
-    w = w_BH.astype(jnp.float32)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
-    if variant == "u8":
-        # Split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble).
-        qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
-        out = _indexer_call_blocks(qh, w, idx_codes, scale_u32, bt, n_elig, fmt="fp4", cpc=cpc,
-                                   n_ctas=n_ctas, interpret=interpret)
-        return out[:, :n_max]
-    qp = permute_q(q_BHD)                                               # [B, 8, 64, 16]
-    codes_u32 = lax.bitcast_convert_type(idx_codes.reshape(NB, EPB, 16, 4), jnp.uint32)
-    out = _indexer_call(qp, w, codes_u32, scale_u32, bt, n_elig, cpc=cpc, n_ctas=n_ctas,
-                        interpret=interpret)
+    # Split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble).
+    qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
+    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, scale_u32, bt, n_elig,
+                               fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret)
     return out[:, :n_max]
 
 
-def _indexer_call(qp, w, codes, scale, bt, n_elig, *, cpc, n_ctas, interpret):
-    B = qp.shape[0]
-    WG = plgpu.Layout.WGMMA
-    ROW = WG.reduce(1)   # one value per row (entry)
-    COL = WG.reduce(0)   # one value per column (head)
-    tr16 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    span = cpc * CHUNK
-    span_s = -(-span // 128) * 128     # a splat store needs a multiple of 128 elements
-
-    def kernel(qp_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g,
-               q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar):
-        b = lax.axis_index("b")
-        cta = lax.axis_index("c")
-        ne = ne_g[b]
-        first = cta * cpc
-        n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
-
-        def issue(j, slot):
-            chunk = first + j
-            for half in range(2):
-                blk = bt_g[b, 2 * chunk + half]
-                rows = pl.ds(half * EPB, EPB)
-                plgpu.copy_gmem_to_smem(codes_g.at[blk], c_s.at[slot, rows], bar.at[slot])
-                plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, rows], bar.at[slot])
-
-        @pl.when(n_load > 0)
-        def _():
-            issue(0, 0)
-            plgpu.copy_gmem_to_smem(qp_g.at[b], q_s, qbar)
-            plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
-
-        o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
-
-        @pl.when(n_load > 0)
-        def _():
-            plgpu.barrier_wait(qbar)
-
-        def body(j, carry):
-            slot = lax.rem(j, 2)
-
-            @pl.when(j + 1 < n_load)
-            def _():
-                issue(j + 1, 1 - slot)
-            plgpu.barrier_wait(bar.at[slot])
-
-            words = plgpu.load(c_s.at[slot], layout=WG)                 # u32 [64, 16]
-            sc = plgpu.load(sc_s.at[slot], layout=ROW)                  # u32 [64]
-            col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 16), 1, layout=WG)
-            lo_half = col < 8                                           # words 0..7: dims < 32 of the half
-            # exp_bits[p] = (e - 1) << 23 for the two scale blocks of half p (p = n % 2).
-            exp_bits = []
-            for p in range(2):
-                e0 = lax.broadcast_in_dim((sc >> (16 * p)) & 0xFF, (CHUNK, 16), [0])
-                e1 = lax.broadcast_in_dim((sc >> (16 * p + 8)) & 0xFF, (CHUNK, 16), [0])
-                exp_bits.append((jnp.where(lo_half, e0, e1) - 1) << 23)
-            for n in range(8):
-                mag = (words >> (4 * n)) & 7
-                sign = (words << (28 - 4 * n)) & jnp.uint32(0x80000000)
-                # e2m1 magnitude m * 2^(e-127): normal codes (m >= 2) put m's bits right under
-                # the exponent; m == 1 is half the scale; m == 0 is zero.
-                bits = exp_bits[n % 2] + (jnp.where(mag >= 2, mag, 0) << 22)
-                bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
-                k_s[n] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
-            plgpu.commit_smem()
-
-            def mma(acc_ref):
-                for n in range(8):
-                    plgpu.wgmma(acc_ref, k_s.at[n], q_s.at[n].T)
-                return acc_ref[...]
-            s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
-            wv = plgpu.load(w_s, layout=COL)
-            score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
-            ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
-            o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
-            return carry
-
-        lax.fori_loop(0, n_load, body, 0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, span)], o_g.at[b, pl.ds(first * CHUNK, span)])
-        plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((B, n_ctas * span), jnp.float32),
-        grid=(B, n_ctas), grid_names=("b", "c"),
-        scratch_types=dict(
-            q_s=plgpu.SMEM((8, N_HEADS, 16), jnp.bfloat16, transforms=tr16),
-            w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
-            c_s=plgpu.SMEM((2, CHUNK, 16), jnp.uint32),
-            sc_s=plgpu.SMEM((2, CHUNK), jnp.uint32),
-            k_s=plgpu.SMEM((8, CHUNK, 16), jnp.bfloat16, transforms=tr16),
-            o_s=plgpu.SMEM((span_s,), jnp.float32),
-            qbar=plgpu.Barrier(num_arrivals=2),
-            bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
-        ),
-        interpret=interpret,
-    )(qp, w, codes, scale, bt, n_elig)
-
-
 def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, interpret):
-    """As _indexer_call, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
+    """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scale u32 [NB, 32] (4 e8m0 bytes per
     entry). fmt "fp8": codes e4m3 [NB, 32, 128], scale f32 [NB, 32] (applied to the scores:
     relu(q . k * s) = s * relu(q . k) for s >= 0)."""
@@ -316,7 +188,8 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
                 nib = (byte >> (4 * half)) & 15
                 mag = nib & 7
                 sign = (nib & 8) << 28
-                # e2m1 * 2^(e-127) as f32 bits (see _indexer_call).
+                # e2m1 magnitude m * 2^(e-127) as f32 bits: normal codes (m >= 2) put m's
+                # bits right under the exponent; m == 1 is half the scale; m == 0 is zero.
                 bits = exp_bits + (jnp.where(mag >= 2, mag, 0) << 22)
                 bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
                 k_s[half] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
@@ -368,8 +241,8 @@ def topk_from_scores(scores_BN, topk):
 
 
 def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, *,
-                 chunks_per_cta=None, variant="u8", interpret=None):
+                 chunks_per_cta=None, interpret=None):
     """Kernel scores + XLA top-k: entry ids [B, topk] int32, -1 padded."""
     s = indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B,
-                       chunks_per_cta=chunks_per_cta, variant=variant, interpret=interpret)
+                       chunks_per_cta=chunks_per_cta, interpret=interpret)
     return topk_from_scores(s, topk)
