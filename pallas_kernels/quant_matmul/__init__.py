@@ -1,0 +1,26 @@
+"""Grouped quantised matmul for decode: weight-streaming Mosaic-GPU kernel + XLA reference.
+
+    y_GMN = grouped_matmul(x_GMK, expert_G, w, impl="pallas" | "interpret" | "xla")
+"""
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.quant_matmul.kernel import check_inputs, default_splits, grouped_matmul_pallas
+from pallas_kernels.quant_matmul.reference import grouped_matmul_reference
+
+
+def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", **kernel_kw):
+    """y[g, m, n] = sum_k x[g, m, k] * dequant(w)[expert_G[g], n, k], f32 [G, M, N].
+
+    x_GMK bf16 [G, M, K] (M a multiple of 8, 8..256); expert_G int32 [G] (ids outside
+    [0, E) mark empty groups: zero rows, weights not read); w Fp8Weight [E, N, K] or
+    Fp4Weight. impl: "pallas" (Hopper kernel), "interpret" (the same kernel on the
+    Mosaic-GPU interpreter, CPU), "xla" (dequantise + einsum)."""
+    if impl == "xla":
+        check_inputs(x_GMK, expert_G, w, for_kernel=False)
+        return grouped_matmul_reference(x_GMK, expert_G, w)
+    if impl == "interpret":
+        return grouped_matmul_pallas(x_GMK, expert_G, w, interpret=plgpu.InterpretGPUParams(),
+                                     **kernel_kw)
+    if impl == "pallas":
+        return grouped_matmul_pallas(x_GMK, expert_G, w, **kernel_kw)
+    raise ValueError(f"impl must be 'pallas', 'interpret' or 'xla', got {impl!r}")
