@@ -34,7 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dsv4_jax.quant import Fp4Weight, Fp8Weight
 
 TN = 128          # weight rows (n) per CTA: the wgmma M side
-TK = 128          # k per pipeline step (one FP8 scale block; 64 packed FP4 bytes)
+TK = 128          # k per FP8 pipeline step (one FP8 scale block)
+TKP = 128         # packed bytes per FP4 pipeline step (256 k, 8 scale blocks)
 NUM_SMS = 132     # H100 SXM
 WG = plgpu.Layout.WGMMA
 ROW = WG.reduce(1)
@@ -78,117 +79,224 @@ def check_inputs(x_GMK, expert_G, w, for_kernel=True):
                              f"got {w.scale.dtype} {w.scale.shape}")
 
 
-def default_splits(G, N, K, num_sms=NUM_SMS):
-    """K splits per (group, n tile): enough CTAs for ~2 per SM, each still streaming
-    several K steps. Must divide K // TK."""
-    KT = K // TK
-    ctas = G * (N // TN)
-    best = 1
-    for s in range(1, KT + 1):
-        if KT % s == 0 and ctas * s <= 2 * num_sms:
-            best = s
-    return best
+def _steps(fmt, K):
+    return K // TK if fmt == "fp8" else K // (2 * TKP)
+
+
+def _valid_split(fmt, K, s):
+    """FP4 CTAs load their scales [tn, nk*8] with one TMA: 16-byte multiple, <= 256 wide."""
+    KT = _steps(fmt, K)
+    if KT % s:
+        return False
+    nk = KT // s
+    return fmt == "fp8" or (nk % 2 == 0 and nk * (TKP // 16) <= 256)
+
+
+def default_splits(fmt, G, N, K, tn=TN, num_sms=NUM_SMS):
+    """K splits per (group, n tile): the most that keep the grid within ~2 CTAs per SM."""
+    ok = [s for s in range(1, _steps(fmt, K) + 1) if _valid_split(fmt, K, s)]
+    if not ok:
+        raise ValueError(f"no valid K split for {fmt} K={K}")
+    fits = [s for s in ok if G * (N // tn) * s <= 2 * num_sms]
+    return max(fits) if fits else min(ok)
+
+
+SMEM_BUDGET = 225 * 1024
+
+
+def _smem_bytes(fmt, tn, M, stages, nk):
+    if fmt == "fp8":
+        per_stage = tn * TK + M * TK * 2
+        fixed = tn * TK * 2
+    else:
+        per_stage = tn * TKP + M * TKP * 2 * 2
+        fixed = tn * TKP * 2 * 2 + tn * nk * (TKP // 16)
+    return per_stage * stages + fixed
+
+
+def choose_stages(fmt, tn, M, nk, max_stages=4):
+    """Pipeline depth: up to `max_stages` weight tiles in flight, within the SMEM budget."""
+    st = max(1, min(max_stages, nk))
+    while st > 1 and _smem_bytes(fmt, tn, M, st, nk) > SMEM_BUDGET:
+        st -= 1
+    if _smem_bytes(fmt, tn, M, st, nk) > SMEM_BUDGET:
+        raise ValueError(f"{fmt} tiles for M={M} do not fit in shared memory")
+    return st
 
 
 def _u8(a):
     return lax.bitcast_convert_type(a, jnp.uint8)
 
 
-def _pow2(e_u8, shape):
-    """e8m0 byte (scalar) -> f32 2^(e-127) splat to `shape` (e = 0 gives 0, not 2^-127).
-    Built as a vector: Mosaic GPU does not lower scalar bitcasts."""
-    bits = lax.broadcast(e_u8.astype(jnp.int32) << 23, shape)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _fp8_call(x_GMK, ex_G, w_ENK, sc_ENK, *, splits, stages, interpret):
-    """f32 partials [S, G, N, M] from e4m3 weights + e8m0 (uint8) 128x128 block scales."""
+def fp4_x_layout(x_GMK):
+    """bf16 [G, M, K] -> [G, 2, K/32, M, 16]: x[g, m, 32c + 2i + h] at [g, h, c, m, i], i.e.
+    de-interleaved (h = 0: even k, the low nibbles) in chunks of 16 packed columns (one
+    e8m0 scale block), each chunk an [M, 16] wgmma operand."""
     G, M, K = x_GMK.shape
-    E, N, _ = w_ENK.shape
-    KT = K // TK
-    nk = KT // splits
-    stages = max(1, min(stages, nk))
+    return x_GMK.reshape(G, M, K // 32, 16, 2).transpose(0, 4, 2, 1, 3)
+
+
+def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpret):
+    """f32 partials [S, G, N, M] (transposed outputs, one per K split).
+
+    fmt "fp8": x bf16 [G, M, K], w e4m3 [E, N, K], sc uint8 [E, N/128, K/128].
+    fmt "fp4": x bf16 fp4_x_layout [G, 2, K/32, M, 16], w uint8 [E, N, K/2],
+               sc uint8 [E, N, K/32]."""
+    E = w.shape[0]
+    nk = _steps(fmt, K) // splits                  # K steps per CTA
+    NC = TKP // 16                                 # FP4 scale blocks per step
     tr8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     tr16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tr32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    if fmt == "fp8":
+        bufs = [plgpu.SMEM((stages, tn, TK), jnp.float8_e4m3fn, transforms=tr8),   # w_s
+                plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16),         # x_s
+                plgpu.SMEM((tn, TK), jnp.bfloat16, transforms=tr16)]                # wb_s
+    else:
+        bufs = [plgpu.SMEM((stages, tn, TKP), jnp.uint8),                          # w_s
+                plgpu.SMEM((stages, 2, NC, M, 16), jnp.bfloat16, transforms=tr32),  # x_s
+                plgpu.SMEM((2, NC, tn, 16), jnp.bfloat16, transforms=tr32),         # wb_s
+                plgpu.SMEM((tn, nk * NC), jnp.uint8)]                               # sc_s
 
-    def kernel(x_g, ex_g, w_g, sc_g, o_g, w_s, x_s, wb_s, o_s, bar):
+    def kernel(x_g, ex_g, w_g, sc_g, o_g, bar, sbar):
         g = lax.axis_index("g")
         nt = lax.axis_index("n")
         sp = lax.axis_index("s")
         e = ex_g[g]
-        valid = (e >= 0) & (e < E)
+        valid = (e >= 0) & (e < E)             # empty group: no copies, zero output
         e = jnp.where(valid, e, 0)
         k0 = sp * nk
-        rows = pl.ds(nt * TN, TN)
+        rows = pl.ds(nt * tn, tn)
 
-        def issue(j, slot):
-            kk = pl.ds((k0 + j) * TK, TK)
-            plgpu.copy_gmem_to_smem(w_g.at[e, rows, kk], w_s.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(x_g.at[g, :, kk], x_s.at[slot], bar.at[slot])
+        def stream(w_s, x_s, wb_s, sc_s=None):
+            def issue(j, slot):
+                if fmt == "fp8":
+                    kk = pl.ds((k0 + j) * TK, TK)
+                    plgpu.copy_gmem_to_smem(w_g.at[e, rows, kk], w_s.at[slot], bar.at[slot])
+                    plgpu.copy_gmem_to_smem(x_g.at[g, :, kk], x_s.at[slot], bar.at[slot])
+                else:
+                    plgpu.copy_gmem_to_smem(w_g.at[e, rows, pl.ds((k0 + j) * TKP, TKP)],
+                                            w_s.at[slot], bar.at[slot])
+                    for h in range(2):     # (one 5-D copy would exceed the TMA's dims)
+                        plgpu.copy_gmem_to_smem(x_g.at[g, h, pl.ds((k0 + j) * NC, NC)],
+                                                x_s.at[slot, h], bar.at[slot])
 
-        def mma(acc_ref):
-            @pl.when(valid)
-            def _():
-                for j in range(stages):
-                    issue(j, j)
+            def fp8_step(acc_ref, j, slot, sc_raw):
+                # 2^(e-127) splat (built as a vector: scalar bitcasts do not lower)
+                s = lax.bitcast_convert_type(
+                    lax.broadcast(sc_raw.astype(jnp.int32) << 23, (64, TK)), jnp.float32)
+                for r in range(tn // 64):           # 64 rows at a time: register pressure
+                    r64 = pl.ds(64 * r, 64)
+                    wv = plgpu.load(w_s.at[slot, r64], layout=WG).astype(jnp.float32)
+                    wb_s[r64] = (wv * s).astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, wb_s, x_s.at[slot].T)
 
-                def body(j, sc_raw):
-                    slot = lax.rem(j, stages)
-                    # next step's scale byte, loaded early so its latency hides
-                    sc_next = sc_g[e, nt, k0 + jnp.minimum(j + 1, nk - 1)]
-                    plgpu.barrier_wait(bar.at[slot])
-                    wv = plgpu.load(w_s.at[slot], layout=WG).astype(jnp.float32)
-                    wb_s[...] = (wv * _pow2(sc_raw, (TN, TK))).astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, wb_s, x_s.at[slot].T)
-                    plgpu.wgmma_wait(0)
+            def fp4_step(acc_ref, j, slot):
+                # The step's scales [tn, NC] -> f32 multipliers 2^(e-127) * 2^14 (undoing
+                # the f16 bias trick below); one per-row vector per scale block by a masked
+                # row sum (a strided SMEM column load does not lower).
+                scl = plgpu.load(sc_s.at[:, pl.ds(j * NC, NC)], layout=WG, optimized=False)
+                mult_all = lax.bitcast_convert_type((scl.astype(jnp.int32) + 14) << 23,
+                                                    jnp.float32)
+                col = plgpu.broadcasted_iota(jnp.int32, (tn, NC), 1, layout=WG)
+                for c in range(NC):                 # 16 packed bytes = one scale block
+                    b = plgpu.load(w_s.at[slot, :, pl.ds(16 * c, 16)], layout=WG,
+                                   optimized=False).astype(jnp.int32)             # [tn, 16]
+                    mult = jnp.where(col == c, mult_all, 0.0).sum(axis=1)         # [tn]
+                    mult = lax.broadcast_in_dim(mult, (tn, 16), [0])
+                    for h, nib in ((0, b & 15), (1, b >> 4)):
+                        # e2m1 magnitude bits m under the f16 exponent (m << 9) encode
+                        # exactly e2m1(m) * 2^-14 (m = 1 is an f16 subnormal, kept by the
+                        # cvt to f32); the sign goes to bit 15.
+                        f16 = ((nib & 7) << 9) | ((nib & 8) << 12)
+                        f16 = lax.bitcast_convert_type(f16.astype(jnp.int16), jnp.float16)
+                        wb_s[h, c] = (f16.astype(jnp.float32) * mult).astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                for h in range(2):
+                    for c in range(NC):
+                        plgpu.wgmma(acc_ref, wb_s.at[h, c], x_s.at[slot, h, c].T)
 
-                    @pl.when(j + stages < nk)
-                    def _():
-                        issue(j + stages, slot)
-                    return sc_next
+            def mma(acc_ref):
+                @pl.when(valid)
+                def _():
+                    if fmt == "fp4":
+                        plgpu.copy_gmem_to_smem(sc_g.at[e, rows, pl.ds(k0 * NC, nk * NC)],
+                                                sc_s, sbar)
+                    for j in range(stages):
+                        issue(j, j)
+                    if fmt == "fp4":
+                        plgpu.barrier_wait(sbar)
 
-                lax.fori_loop(0, nk, body, sc_g[e, nt, k0])
-            return acc_ref[...]
+                    def body(j, sc_raw):
+                        slot = lax.rem(j, stages)
+                        if fmt == "fp8":
+                            # next step's scale byte, loaded early so its latency hides
+                            sc_next = sc_g[e, (nt * tn) // 128, k0 + jnp.minimum(j + 1, nk - 1)]
+                        plgpu.barrier_wait(bar.at[slot])
+                        if fmt == "fp8":
+                            fp8_step(acc_ref, j, slot, sc_raw)
+                        else:
+                            fp4_step(acc_ref, j, slot)
+                        plgpu.wgmma_wait(0)          # frees wb_s and this stage's slot
 
-        acc = pl.run_scoped(mma, plgpu.ACC((TN, M), jnp.float32))
-        o_s[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[sp, g, rows])
-        plgpu.wait_smem_to_gmem(0)
+                        @pl.when(j + stages < nk)
+                        def _():
+                            issue(j + stages, slot)
+                        return sc_next if fmt == "fp8" else sc_raw
+
+                    init = sc_g[e, (nt * tn) // 128, k0] if fmt == "fp8" else jnp.int32(0)
+                    lax.fori_loop(0, nk, body, init)
+                return acc_ref[...]
+
+            return pl.run_scoped(mma, plgpu.ACC((tn, M), jnp.float32))
+
+        acc = pl.run_scoped(stream, *bufs)       # the stream buffers are freed here
+
+        def store(o_s):
+            o_s[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[sp, g, rows])
+            plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(store, plgpu.SMEM((tn, M), jnp.float32))
 
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, G, N, M), jnp.float32),
-        grid=(G, N // TN, splits), grid_names=("g", "n", "s"),
+        grid=(G, N // tn, splits), grid_names=("g", "n", "s"),
         scratch_types=dict(
-            w_s=plgpu.SMEM((stages, TN, TK), jnp.float8_e4m3fn, transforms=tr8),
-            x_s=plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16),
-            wb_s=plgpu.SMEM((TN, TK), jnp.bfloat16, transforms=tr16),
-            o_s=plgpu.SMEM((TN, M), jnp.float32),
-            bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            bar=plgpu.Barrier(num_arrivals=2 if fmt == "fp8" else 3, num_barriers=stages),
+            sbar=plgpu.Barrier(num_arrivals=1),
         ),
         interpret=interpret,
-    )(x_GMK, ex_G, w_ENK, sc_ENK)
+    )(x, ex_G, w, sc)
 
 
-def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=4, interpret=None):
-    """The kernel path: f32 [G, M, N]. See the module docstring."""
+def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=None,
+                          interpret=None):
+    """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
+    output tile), `stages` (pipeline depth) and `tn` (64 or 128 weight rows per CTA) are
+    tuning knobs; the defaults fill the H100."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
-    S = splits or default_splits(G, N, K)
-    if (K // TK) % S:
-        raise ValueError(f"splits={S} must divide K/{TK}={K // TK}")
+    fmt = "fp8" if isinstance(w, Fp8Weight) else "fp4"
+    if fmt == "fp4" and K % 512:
+        raise ValueError(f"the FP4 kernel needs K % 512 == 0 (scale rows in 16-byte "
+                         f"units), got K={K}")
+    tn = tn or (TN if M <= 128 else 64)      # acc [tn, M] f32 must fit in registers
+    if tn not in (64, 128) or N % tn:
+        raise ValueError(f"tn must be 64 or 128 and divide N={N}, got {tn}")
+    S = splits or default_splits(fmt, G, N, K, tn)
+    if not _valid_split(fmt, K, S):
+        raise ValueError(f"splits={S} is not a valid K split for {fmt} K={K}")
+    nk = _steps(fmt, K) // S
+    st = choose_stages(fmt, tn, M, nk, **({"max_stages": stages} if stages else {}))
     ex = expert_G.astype(jnp.int32)
-    if isinstance(w, Fp8Weight):
-        part = _fp8_call(x_GMK, ex, w.w, _u8(w.scale), splits=S, stages=stages,
-                         interpret=interpret)
+    if fmt == "fp8":
+        args = (x_GMK, ex, w.w, _u8(w.scale))
     else:
-        part = _fp4_call(x_GMK, ex, _u8(w.packed), _u8(w.scale), splits=S, stages=stages,
-                         interpret=interpret)
+        args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
+    part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
+                        interpret=interpret)
     return part.sum(0).transpose(0, 2, 1)
-
-
-def _fp4_call(*args, **kw):
-    raise NotImplementedError("FP4 kernel not written yet")
