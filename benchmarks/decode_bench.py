@@ -46,9 +46,18 @@ def _leaf_bytes(leaf) -> int:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(leaf))
 
 
-def floor_bytes(cfg, B: int, ctx: int) -> dict:
-    """Bytes one decode step must move, per layer kind and in total."""
+def floor_bytes(cfg, B: int, ctx: int, mesh=None) -> dict:
+    """Bytes one decode step must move, per layer kind and in total; with a mesh, per
+    device (each parameter's shard as placed by distributed.param_shardings; the cache is
+    replicated unless split over "data")."""
     structs = P.abstract_params(cfg, include_mtp=False)
+    if mesh is not None:
+        from dsv4_jax.distributed import param_shardings
+        sh = param_shardings(cfg, mesh, include_mtp=False)
+        structs = {k: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(s.shard_shape(a.shape),
+                                                                     a.dtype), v, sh[k])
+                   for k, v in structs.items()}
+        B = B // mesh.shape.get("data", 1) or 1
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     distinct = E * (1 - (1 - k / E) ** B)  # expected distinct experts hit by B tokens
     per_kind: dict[str, float] = {}
@@ -105,14 +114,20 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0) -> dict:
-    nm = Numerics(act_quant=True, dtype="bfloat16")
+def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,
+          matmul: str = "xla", mesh=None) -> dict:
+    nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
     mb = -(-(ctx + steps + 2) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=kernels)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
-    step = compiled_step(cfg, cs, nm)
+    if mesh is None:
+        step = compiled_step(cfg, cs, nm)
+    else:
+        from dsv4_jax.distributed import shard_cache, sharded_step
+        cache = shard_cache(cache, cfg, cs, mesh)
+        step = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
     t0 = time.perf_counter()
@@ -142,18 +157,29 @@ def main(args):
                        num_hash_layers=min(base.num_hash_layers, n))
     dev = jax.devices()[0]
     bw = measure_copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
-    print(f"device {dev.device_kind}; measured copy bandwidth {bw / 1e9:.0f} GB/s; "
-          f"{cfg.name}: {n} layers, d={cfg.hidden_size}, H={cfg.num_attention_heads}")
-    params = P.init_params_device(cfg, args.seed)
+    mesh = None
+    if args.devices:
+        from dsv4_jax.distributed import make_mesh, param_shardings
+        mesh = make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
+    print(f"device {dev.device_kind} x {args.devices or 1}"
+          f"{' mesh ' + str(dict(mesh.shape)) if mesh else ''}; measured copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s per device; {cfg.name}: {n} layers, d={cfg.hidden_size}, "
+          f"H={cfg.num_attention_heads}; kernels={args.kernels}", flush=True)
+    t0 = time.perf_counter()
+    params = P.init_params_device(
+        cfg, args.seed, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else None)
+    jax.block_until_ready(params)
+    print(f"synthetic weights drawn on device in {time.perf_counter() - t0:.0f} s "
+          f"({P.nbytes(cfg, include_mtp=False) / 1e9:.1f} GB)", flush=True)
     rows = []
     from tqdm.auto import tqdm
-    sweep = [(B, ctx) for B in args.batch for ctx in args.context]
-    for B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
-        fl = floor_bytes(cfg, B, ctx)
-        r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed)
+    sweep = [(mm, B, ctx) for mm in args.matmul for B in args.batch for ctx in args.context]
+    for mm, B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
+        fl = floor_bytes(cfg, B, ctx, mesh)
+        r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh)
         floor_ms = 1e3 * fl["total"] / bw
-        rows.append((f"model({n}L)", B, ctx, r["ms"], floor_ms, fl["total"]))
-        print(f"B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
+        rows.append((f"model({n}L) matmul={mm}", B, ctx, r["ms"], floor_ms, fl["total"]))
+        print(f"matmul={mm} B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
               f"floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} GB) -> "
               f"{100 * floor_ms / r['ms']:.1f}% of the bandwidth floor "
               f"(compile {r['compile_s']:.0f} s)", flush=True)
@@ -162,13 +188,14 @@ def main(args):
             kinds = {"swa": 0, "csa": 4, "hca": 128}
             one_cfg = _layers_cfg(base, [0])
             t_one = bench(one_cfg, P.init_params_device(one_cfg, args.seed), B, ctx,
-                          args.kernels, args.steps)["ms"]
+                          args.kernels, args.steps, matmul=mm)["ms"]
             for kind, ratio in kinds.items():
                 if kind not in fl["per_kind"]:
                     continue
                 kc = _layers_cfg(base, [0, ratio])
                 kp = P.init_params_device(kc, args.seed)
-                t = bench(kc, kp, B, ctx, args.kernels, args.steps)["ms"] - t_one
+                t = bench(kc, kp, B, ctx, args.kernels, args.steps,
+                          matmul=mm)["ms"] - t_one
                 fb = fl["per_kind"][kind][0]
                 rows.append((kind, B, ctx, t, 1e3 * fb / bw, fb))
                 print(f"  {kind} layer: {t:.2f} ms, floor {1e3 * fb / bw:.3f} ms "
@@ -190,6 +217,13 @@ def register(sub):
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--per-kind", action="store_true", help="also time one layer of each kind")
+    d.add_argument("--matmul", choices=["xla", "pallas"], nargs="+", default=["xla"],
+                   help="quantised linears/experts: XLA and/or the weight-streaming kernels")
+    d.add_argument("--devices", type=int, default=0,
+                   help="run sharded over a mesh of this many devices (0: one device)")
+    d.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
+    d.add_argument("--model", type=int, default=None, help="mesh model-axis size")
+    d.add_argument("--data", type=int, default=None, help="mesh data-axis size")
     d.set_defaults(fn=main)
 
 

@@ -238,7 +238,7 @@ def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, *, mesh: Mesh, 
         n_loc = jax.tree.leaves(ex["experts.w1"])[0].shape[0]  # E / |ep| experts here
         loc = idx - jax.lax.axis_index(ep) * n_loc
         mine = (loc >= 0) & (loc < n_loc)
-        y = L.routed_experts(ex, x, jnp.clip(loc, 0, n_loc - 1), jnp.where(mine, w, 0.0),
+        y = L.routed_experts(ex, x, jnp.where(mine, loc, -1), jnp.where(mine, w, 0.0),
                              cfg, nm)
         return jax.lax.psum(y, ep)
 

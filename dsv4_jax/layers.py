@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from .quant import Numerics, fp8_block_sim, fp4_block_sim, linear, dequant
+from .quant import (Numerics, Fp8Weight, fp8_block_sim, fp4_block_sim, grouped_linear, linear,
+                    dequant)
 from . import kvformat
 
 F32 = jnp.float32
@@ -269,8 +270,17 @@ def attn_output(p, o, pos, freqs, cfg: Config, nm: Numerics):
     G = cfg.o_groups
     o = apply_rope(o.astype(nm.jdtype), pos, freqs, inverse=True)
     og = o.reshape(B, T, G, H // G * K)
-    wo_a = dequant(p["wo_a"], nm.jdtype).reshape(G, cfg.o_lora_rank, H // G * K)
-    z = jnp.einsum("btgk,gok->btgo", og, wo_a, preferred_element_type=F32).astype(nm.jdtype)
+    w = p["wo_a"]
+    if (nm.matmul != "xla" and isinstance(w, Fp8Weight) and cfg.o_lora_rank % 128 == 0
+            and B * T <= KERNEL_MAX_ROWS):  # groups = "experts" of the weight-streaming kernel
+        wg = Fp8Weight(w.w.reshape(G, cfg.o_lora_rank, -1),
+                       w.scale.reshape(G, cfg.o_lora_rank // 128, -1))
+        z = grouped_linear(og.reshape(B * T, G, -1).transpose(1, 0, 2),
+                           jnp.arange(G, dtype=jnp.int32), wg, nm)  # [G, B*T, ol]
+        z = z.transpose(1, 0, 2).reshape(B, T, G, -1).astype(nm.jdtype)
+    else:
+        wo_a = dequant(w, nm.jdtype).reshape(G, cfg.o_lora_rank, H // G * K)
+        z = jnp.einsum("btgk,gok->btgo", og, wo_a, preferred_element_type=F32).astype(nm.jdtype)
     return linear(z.reshape(B, T, G * cfg.o_lora_rank), p["wo_b"], nm)
 
 
@@ -381,16 +391,20 @@ def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None):
 
 def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
     """sum_k w[..., k] expert_{idx[..., k]}(x) over the E experts stacked in p["experts.*"]
-    (E = their leading dim: all experts, or one device's share). x [B, T, D], idx/w
-    [B, T, k] -> [B, T, D] f32. Few tokens (decode): gather the selected experts' stored
-    weights (reads only those experts); many tokens: loop over all E experts with a
-    combine mask (an index outside [0, E) combines nothing)."""
+    (E = their leading dim: all experts, or one device's share; an index outside [0, E)
+    combines nothing and reads no weights). x [B, T, D], idx/w [B, T, k] -> [B, T, D] f32.
+    Few tokens (decode): the (token, expert) pairs are grouped by expert into tiles
+    (`expert_schedule`) and each tile reads its expert's stored weights once (the Pallas
+    weight-streaming kernel with nm.matmul="pallas"); many tokens: loop over all E experts
+    with a combine mask."""
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     k = idx.shape[-1]
     B, T, D = x.shape
-    if B * T * k < E:
-        return _moe_gathered(p, x.reshape(B * T, D), idx.reshape(B * T, k),
-                             w.reshape(B * T, k), cfg, nm).reshape(B, T, D)
+    pairs = B * T * k
+    if pairs < E or (nm.matmul != "xla" and pairs <= KERNEL_MAX_ROWS * k):
+        tile = 1 if (nm.matmul == "xla" and B * T == 1) else 8
+        return _moe_scheduled(p, x.reshape(B * T, D), idx.reshape(B * T, k),
+                              w.reshape(B * T, k), cfg, nm, tile).reshape(B, T, D)
     comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
 
     def one(e, acc):
@@ -402,17 +416,52 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
     return jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
 
 
-def _moe_gathered(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):
-    """Per token, its k experts: weights gathered in their stored format [N, k, out, in]."""
-    sel = lambda wt: jax.tree.map(lambda a: a[idx_NK], wt)
+# Largest token count the weight-streaming kernels take (their activation rows are the
+# wgmma N side); more tokens (prefill) go to XLA.
+KERNEL_MAX_ROWS = 128
+
+
+def expert_schedule(idx_NK, E: int, tile: int):
+    """Group (token, expert) pairs by expert into tiles of `tile` rows (static shapes).
+    idx_NK int [N, k] -> (slot_expert [S] (-1: empty slot), slot [P], row [P], token [P])
+    for the P = N*k pairs; pair j (token j // k) goes to row `row[j]` of tile `slot[j]`.
+    Each expert's pairs fill ceil(count/tile) consecutive tiles, so S = ceil(P/tile) +
+    min(E, P) always suffices. Indices outside [0, E) land in no tile's expert (-1)."""
+    N, k = idx_NK.shape
+    P = N * k
+    e = idx_NK.reshape(P).astype(jnp.int32)
+    e = jnp.where((e >= 0) & (e < E), e, E)  # invalid -> bucket E (computed nowhere)
+    tok = jnp.arange(P, dtype=jnp.int32) // k
+    if tile == 1:
+        return jnp.where(e < E, e, -1), jnp.arange(P, dtype=jnp.int32), jnp.zeros_like(e), tok
+    order = jnp.argsort(e, stable=True)
+    es = e[order]
+    counts = jnp.zeros(E + 1, jnp.int32).at[e].add(1)
+    ntile = -(-counts // tile)
+    first_tile = jnp.cumsum(ntile) - ntile
+    first_pair = jnp.cumsum(counts) - counts
+    r = jnp.arange(P, dtype=jnp.int32) - first_pair[es]
+    slot_sorted = first_tile[es] + r // tile
+    S = -(-P // tile) + min(E + 1, P)
+    slot_expert = jnp.full(S, -1, jnp.int32).at[slot_sorted].set(jnp.where(es < E, es, -1))
+    inv = jnp.argsort(order)  # sorted position of each pair
+    return slot_expert, slot_sorted[inv], (r % tile)[inv], tok
+
+
+def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int):
+    """Routed experts over expert tiles: x [N, D], idx/w [N, k] -> [N, D] f32."""
+    N, D = x_ND.shape
+    E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
+    slot_expert, slot, row, tok = expert_schedule(idx_NK, E, tile)
+    S = slot_expert.shape[0]
     xq = fp8_block_sim(x_ND, 128) if nm.act_quant else x_ND
-    W1, W3 = dequant(sel(p["experts.w1"])), dequant(sel(p["experts.w3"]))
-    h1 = jnp.einsum("nd,nkid->nki", xq.astype(F32), W1, preferred_element_type=F32)
-    h3 = jnp.einsum("nd,nkid->nki", xq.astype(F32), W3, preferred_element_type=F32)
-    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit) * w_NK[..., None]
+    X = jnp.zeros((S, tile, D), xq.dtype).at[slot, row].set(xq[tok])
+    Wr = jnp.zeros((S, tile), F32).at[slot, row].set(w_NK.reshape(-1).astype(F32))
+    h1 = grouped_linear(X, slot_expert, p["experts.w1"], nm)
+    h3 = grouped_linear(X, slot_expert, p["experts.w3"], nm)
+    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit) * Wr[..., None]
     h = h.astype(nm.jdtype)
     if nm.act_quant:
         h = fp8_block_sim(h, 128)
-    W2 = dequant(sel(p["experts.w2"]))
-    y = jnp.einsum("nki,nkdi->nkd", h.astype(F32), W2, preferred_element_type=F32)
-    return y.sum(1)
+    y = grouped_linear(h, slot_expert, p["experts.w2"], nm)  # [S, tile, D]
+    return jnp.zeros((N, D), F32).at[tok].add(y[slot, row])

@@ -13,6 +13,7 @@ name (`layers.3.attn_norm.weight`). Routed experts are stacked along a leading e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -262,11 +263,26 @@ def _device_leaf(spec: ParamSpec, key, cfg: Config):
     raise ValueError(f"device init does not support {spec.fmt!r}")
 
 
-def init_params_device(cfg: Config, seed: int = 0, include_mtp: bool = False) -> dict:
-    """Random parameters generated on the default device (no host copy): for full-width
-    layer sets in benchmarks. Not value-identical to init_params."""
+@functools.lru_cache(maxsize=None)
+def _device_leaf_fn(spec: ParamSpec, cfg: Config, sh_leaves: tuple, sh_tree):
+    """One compiled initialiser per (spec, sharding): layers repeat their specs."""
+    sh = None if sh_tree is None else jax.tree.unflatten(sh_tree, sh_leaves)
+    return jax.jit(lambda key: _device_leaf(spec, key, cfg), out_shardings=sh)
+
+
+def init_params_device(cfg: Config, seed: int = 0, include_mtp: bool = False,
+                       shardings: dict | None = None) -> dict:
+    """Random parameters generated on the device (no host copy): for full-width layer sets
+    in benchmarks. Not value-identical to init_params. `shardings` (name -> sharding tree,
+    e.g. distributed.param_shardings) draws each array straight into its shards, so a
+    model larger than one device's memory never lands on one device."""
     out = {}
-    for j, (k, spec) in enumerate(describe(cfg, include_mtp).items()):
+    for k, spec in describe(cfg, include_mtp).items():
         key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(k.encode()))
-        out[k] = _device_leaf(spec, key, cfg)
+        if shardings is None:
+            fn = _device_leaf_fn(spec, cfg, (), None)
+        else:
+            leaves, tree = jax.tree.flatten(shardings[k])
+            fn = _device_leaf_fn(spec, cfg, tuple(leaves), tree)
+        out[k] = fn(key)
     return out

@@ -18,6 +18,7 @@ import numpy as np
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+MATMUL_IMPLS = ("xla", "pallas", "interpret")
 E2M1_TABLE = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -31,10 +32,24 @@ class Numerics:
     (bf16 like the reference; f32 for tight comparisons)."""
     act_quant: bool = True
     dtype: str = "bfloat16"
+    matmul: str = "xla"  # quantised linears/experts: "xla" | "pallas" | "interpret"
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"Numerics.dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.matmul not in MATMUL_IMPLS:
+            raise ValueError(f"Numerics.matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
 
     @property
     def jdtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def bf16_operands(self) -> bool:
+        """Quantised matmuls take bf16 operands (f32 accumulation): exact for the weights
+        (power-of-two scales) and for FP8-simulated activations; bf16 activations
+        otherwise, as in the reference. False only for f32 runs without simulation."""
+        return self.act_quant or self.dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,15 +148,71 @@ def dequant(w, dtype=jnp.float32):
     return w.dequant(dtype) if is_quantized(w) else w.astype(dtype)
 
 
+def dequant_bf16(w):
+    """Weight -> (bf16 [..., out, in], f32 post-scale or None), exactly: e4m3 / e2m1 values
+    times power-of-two or e4m3 block scales fit bf16's 8 significant bits; NVFP4's fp32
+    global scale is returned separately to multiply the matmul's output."""
+    if isinstance(w, NvFp4Weight):
+        v = unpack_e2m1(w.packed) * jnp.repeat(w.scale.astype(jnp.float32), 16, axis=-1)
+        return v.astype(jnp.bfloat16), w.scale2.astype(jnp.float32)
+    return dequant(w, jnp.bfloat16), None
+
+
+def _kernel_ok(w, nm: Numerics) -> bool:
+    return (nm.matmul != "xla" and isinstance(w, (Fp8Weight, Fp4Weight))
+            and w.shape[-2] % 128 == 0 and w.shape[-1] % 128 == 0)
+
+
+def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
+    """y[g] = x[g] @ W[expert_G[g]].T -> f32 [G, M, out]; W stacked [E, out, in]; an
+    expert index outside [0, E) gives zero rows. x must already be act-quant simulated.
+    The Pallas weight-streaming kernel when `nm.matmul` asks for it (reads the stored
+    bytes once), else gather + exact bf16 dequantisation + einsum in XLA."""
+    if _kernel_ok(w, nm) and nm.bf16_operands:
+        from pallas_kernels.quant_matmul import grouped_matmul
+        M = x_GMK.shape[1]
+        Mp = -(-M // 8) * 8
+        xp = jnp.pad(x_GMK.astype(jnp.bfloat16), ((0, 0), (0, Mp - M), (0, 0)))
+        return grouped_matmul(xp, expert_G.astype(jnp.int32), w, impl=nm.matmul)[:, :M]
+    E = w.shape[0]
+    ok = (expert_G >= 0) & (expert_G < E)
+    Wg = jax.tree.map(lambda a: a[jnp.clip(expert_G, 0, E - 1)], w)
+    if nm.bf16_operands:
+        W, post = dequant_bf16(Wg)
+        y = jnp.einsum("gmi,goi->gmo", x_GMK.astype(jnp.bfloat16), W,
+                       preferred_element_type=jnp.float32)
+        y = y if post is None else y * post[:, None, None]
+    else:
+        y = jnp.einsum("gmi,goi->gmo", x_GMK.astype(jnp.float32), dequant(Wg, jnp.float32),
+                       preferred_element_type=jnp.float32)
+    return jnp.where(ok[:, None, None], y, 0.0)
+
+
 def linear(x, w, nm: Numerics, *, out_dtype=None):
-    """y = x @ W.T for any weight format. Quantised weights get the FP8 activation
-    simulation (per token per 128 channels) when `nm.act_quant`; fp32 accumulation."""
+    """y = x @ W.T for any weight format, f32 accumulation. Quantised weights get the FP8
+    activation simulation (per token per 128 channels) when `nm.act_quant`; then operands
+    are bf16 (exact, see `dequant_bf16`) unless running f32 without simulation; with
+    `nm.matmul` = "pallas" the weight-streaming kernel reads FP8/FP4 weights as stored."""
     out_dtype = out_dtype or nm.jdtype
-    if is_quantized(w) and nm.act_quant:
+    if not is_quantized(w):  # plain bf16 / f32 weights (small): f32 as before
+        y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
+                       preferred_element_type=jnp.float32)
+        return y.astype(out_dtype)
+    if nm.act_quant:
         x = fp8_block_sim(x, 128)
-    W = dequant(w, jnp.float32)
-    y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), W,
-                   preferred_element_type=jnp.float32)
+    stacked = (w.w if isinstance(w, Fp8Weight) else w.packed).ndim > 2
+    if _kernel_ok(w, nm) and nm.bf16_operands and not stacked:
+        wE = jax.tree.map(lambda a: a[None], w)
+        y = grouped_linear(x.reshape(1, -1, x.shape[-1]), jnp.zeros((1,), jnp.int32), wE, nm)
+        return y[0].reshape(*x.shape[:-1], -1).astype(out_dtype)
+    if nm.bf16_operands:
+        W, post = dequant_bf16(w)
+        y = jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), W,
+                       preferred_element_type=jnp.float32)
+        y = y if post is None else y * post
+    else:
+        y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequant(w, jnp.float32),
+                       preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
