@@ -153,7 +153,7 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16),         # x_s
                 plgpu.SMEM((tn, TK), jnp.bfloat16, transforms=tr16)]                # wb_s
     else:
-        bufs = [plgpu.SMEM((stages, tn, TKP), jnp.uint8),                          # w_s
+        bufs = [plgpu.SMEM((stages, tn, TKP), jnp.uint8, transforms=tr8),          # w_s
                 plgpu.SMEM((stages, 2, NC, M, 16), jnp.bfloat16, transforms=tr32),  # x_s
                 plgpu.SMEM((2, NC, tn, 16), jnp.bfloat16, transforms=tr32),         # wb_s
                 plgpu.SMEM((tn, nk * NC), jnp.uint8)]                               # sc_s
@@ -200,9 +200,9 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 mult_all = lax.bitcast_convert_type((scl.astype(jnp.int32) + 14) << 23,
                                                     jnp.float32)
                 col = plgpu.broadcasted_iota(jnp.int32, (tn, NC), 1, layout=WG)
+                b_all = plgpu.load(w_s.at[slot], layout=WG)                      # [tn, 128]
                 for c in range(NC):                 # 16 packed bytes = one scale block
-                    b = plgpu.load(w_s.at[slot, :, pl.ds(16 * c, 16)], layout=WG,
-                                   optimized=False).astype(jnp.int32)             # [tn, 16]
+                    b = b_all[:, 16 * c:16 * (c + 1)].astype(jnp.int32)           # [tn, 16]
                     mult = jnp.where(col == c, mult_all, 0.0).sum(axis=1)         # [tn]
                     mult = lax.broadcast_in_dim(mult, (tn, 16), [0])
                     for h, nib in ((0, b & 15), (1, b >> 4)):

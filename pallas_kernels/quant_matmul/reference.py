@@ -7,15 +7,24 @@ weights are dequantised per group (gather of the used experts, then dequantise),
 path reads only the experts it uses, like the kernel, but writes their f32 copies.
 """
 import jax.numpy as jnp
+from jax import lax
 
 from dsv4_jax.quant import Fp4Weight, Fp8Weight
+
+
+def _gather(a, idx):
+    """a[idx]; 1-byte float arrays go through a uint8 view (XLA upcasts a whole float8
+    array before gathering from it)."""
+    if a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8)[idx], a.dtype)
+    return a[idx]
 
 
 def _take(w, idx_G):
     """The pytree w with every leaf's leading (expert) axis indexed by idx_G."""
     if isinstance(w, Fp8Weight):
-        return Fp8Weight(w.w[idx_G], w.scale[idx_G])
-    return Fp4Weight(w.packed[idx_G], w.scale[idx_G])
+        return Fp8Weight(_gather(w.w, idx_G), _gather(w.scale, idx_G))
+    return Fp4Weight(_gather(w.packed, idx_G), _gather(w.scale, idx_G))
 
 
 def grouped_matmul_reference(x_GMK, expert_G, w, *, dtype=jnp.float32):

@@ -1,0 +1,256 @@
+"""Grouped quantised matmul at DeepSeek-V4-Flash decode shapes: correctness on the GPU vs
+the XLA reference, then device time of the kernel vs the XLA paths it replaces.
+
+    PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT [--sweep] [--budget 240]
+
+Timing: CUPTI device time of every kernel a call launches (the kernel plus its small XLA
+epilogue; for the baselines the dequantise fusion plus the GEMM), median over many calls
+after warm-up. Calls rotate over enough weight copies / experts (>= ~200 MB) that the
+50 MB L2 cannot serve repeats. GB/s counts the weight bytes of the used experts as stored
+(FP8: 1 B/param + scales; FP4: 0.5 B/param + 1 B per 32). The copy ceiling is a 1 GiB
+device-to-device copy (bytes read + written) measured in the same run.
+
+Baselines: (a) `f32`: dequantise to f32 + f32 einsum (the current dsv4_jax path);
+(b) `bf16`: dequantise to bf16 + bf16 einsum with f32 accumulation (exact, same function);
+(c) `fp8dot` (dense FP8 only): x quantised to e4m3 per 128-K block, per-block batched
+lax.dot_general on e4m3 operands, scales applied to the f32 block products (a different,
+lossier function: timing only).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dsv4_jax.quant import Fp4Weight, Fp8Weight
+from pallas_kernels.quant_matmul import grouped_matmul
+from pallas_kernels.quant_matmul import kernel as K
+from pallas_kernels.quant_matmul.reference import _gather, grouped_matmul_reference
+
+FP8_DENSE = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096),
+             ("wo_b", 4096, 8192), ("shared w1/w3", 2048, 4096), ("shared w2", 4096, 2048),
+             ("indexer wq_b", 8192, 1024)]
+ROTATE_BYTES = 200e6
+
+
+def cupti_median(fn, arg_list):
+    """Median per-call device time (s) over arg_list, via CUPTI kernel timings."""
+    from jax._src.lib import mosaic_gpu as mgpu_lib
+    ext = mgpu_lib._mosaic_gpu_ext
+    jax.block_until_ready(fn(*arg_list[0]))
+    jax.block_until_ready([fn(*a) for a in arg_list[:3]])
+    ext._cupti_init()
+    try:
+        outs = [fn(*a) for a in arg_list]
+        jax.block_until_ready(outs)
+    finally:
+        t = ext._cupti_get_timings(True)
+    n = len(arg_list)
+    if not t:
+        return float("nan"), []
+    if len(t) % n:
+        return sum(ms for _, ms in t) / n * 1e-3, sorted({k for k, _ in t})
+    k = len(t) // n
+    per = [sum(ms for _, ms in t[i * k:(i + 1) * k]) for i in range(n)]
+    return statistics.median(per) * 1e-3, [name for name, _ in t[:k]]
+
+
+def copy_bandwidth():
+    a = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+    f = jax.jit(lambda a: a + 1.0)
+    t, _ = cupti_median(f, [(a,)] * 10)
+    del a
+    return 2 * 1024 ** 3 / t
+
+
+def rand_fp8_bank(key, E, N, Kd):
+    k1, k2 = jax.random.split(key)
+    b = jax.random.bits(k1, (E, N, Kd), jnp.uint8)
+    b = jnp.where((b & 0x7F) == 0x7F, b ^ 1, b)          # no NaN codes
+    sc = jax.random.randint(k2, (E, N // 128, Kd // 128), 120, 134).astype(jnp.uint8)
+    return Fp8Weight(lax.bitcast_convert_type(b, jnp.float8_e4m3fn),
+                     lax.bitcast_convert_type(sc, jnp.float8_e8m0fnu))
+
+
+def rand_fp4_bank(key, E, N, Kd):
+    k1, k2 = jax.random.split(key)
+    p = lax.bitcast_convert_type(jax.random.bits(k1, (E, N, Kd // 2), jnp.uint8), jnp.int8)
+    sc = jax.random.randint(k2, (E, N, Kd // 32), 118, 136).astype(jnp.uint8)
+    return Fp4Weight(p, lax.bitcast_convert_type(sc, jnp.float8_e8m0fnu))
+
+
+def expert_bytes(w):
+    E = w.shape[0]
+    leaves = jax.tree.leaves(w)
+    return sum(l.size * l.dtype.itemsize for l in leaves) / E
+
+
+def fp8dot(x_GMK, expert_G, w):
+    """(c): e4m3 x e4m3 per-128-K-block products with f32 output, block scales after."""
+    G, M, Kd = x_GMK.shape
+    E, N, _ = w.shape
+    KT = Kd // 128
+    e = jnp.clip(expert_G, 0, E - 1)
+    wq = _gather(w.w, e).reshape(G, N, KT, 128)
+    ws = _gather(w.scale, e).astype(jnp.float32)                               # [G, N/128, KT]
+    xb = x_GMK.astype(jnp.float32).reshape(G, M, KT, 128)
+    amax = jnp.maximum(jnp.abs(xb).max(-1), 1e-4)
+    xs = jnp.exp2(jnp.ceil(jnp.log2(amax / 448.0)))                   # [G, M, KT]
+    xq = jnp.clip(xb / xs[..., None], -448, 448).astype(jnp.float8_e4m3fn)
+    yb = lax.dot_general(xq, wq, (((3,), (3,)), ((0, 2), (0, 2))),
+                         preferred_element_type=jnp.float32)          # [G, KT, M, N]
+    s = xs.transpose(0, 2, 1)[..., None] * jnp.repeat(ws, 128, axis=1).transpose(0, 2, 1)[:, :, None, :]
+    return (yb * s).sum(1)
+
+
+def run_config(name, fmt, bank, G, M, Kd, N, rotate_experts, impls, log, kernel_kw=None):
+    """Time impls on one shape; returns a result dict (plus correctness for the kernel)."""
+    kernel_kw = kernel_kw or {}
+    E = bank.shape[0]
+    x = jax.random.normal(jax.random.key(M * 7 + G), (G, M, Kd), jnp.float32).astype(jnp.bfloat16)
+    n = max(24, 2 * len(rotate_experts))
+    args = [(x, rotate_experts[i % len(rotate_experts)], bank) for i in range(n)]
+    wbytes = G * expert_bytes(bank)
+    fns = {
+        "kernel": jax.jit(lambda x, e, w: grouped_matmul(x, e, w, **kernel_kw)),
+        "f32": jax.jit(lambda x, e, w: grouped_matmul_reference(x, e, w, dtype=jnp.float32)),
+        "bf16": jax.jit(lambda x, e, w: grouped_matmul_reference(x, e, w, dtype=jnp.bfloat16)),
+        "fp8dot": jax.jit(fp8dot),
+    }
+    res = dict(name=name, fmt=fmt, G=G, M=M, N=N, K=Kd, weight_MB=wbytes / 1e6, **kernel_kw)
+    # correctness: one empty group where G > 1
+    ex = np.asarray(rotate_experts[0]).copy()
+    if G > 1:
+        ex[1] = -1
+    ex = jnp.asarray(ex)
+    y = np.asarray(fns["kernel"](x, ex, bank))
+    r = np.asarray(fns["bf16"](x, ex, bank))
+    res["rel_err"] = float(np.abs(y - r).max() / np.abs(r).max())
+    res["empty_zero"] = bool(G == 1 or (y[1] == 0).all())
+    res["finite"] = bool(np.isfinite(y).all())
+    for impl in impls:
+        t, kernels = cupti_median(fns[impl], args)
+        res[f"t_{impl}_us"] = t * 1e6
+        res[f"kernels_{impl}"] = len(kernels)
+    res["GBps"] = wbytes / (res["t_kernel_us"] * 1e-6) / 1e9
+    log.write(json.dumps(res) + "\n")
+    log.flush()
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def dense_rotation(nbytes):
+    return max(2, min(64, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds; stop starting new configs after")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="M=8 only")
+    args = ap.parse_args()
+    t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "quant_matmul.jsonl"), "w")
+    dev = jax.devices()[0]
+    bw = copy_bandwidth()
+    print(f"device {dev.device_kind}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    log.write(json.dumps(dict(device=dev.device_kind, copy_GBps=bw / 1e9)) + "\n")
+    Ms = (8,) if args.quick else (8, 32, 64)
+    results = []
+    key = jax.random.key(1)
+
+    def left():
+        return args.budget - (time.time() - t0)
+
+    # FP8 dense linears: G = 1, a bank of R copies as E, rotated
+    for name, N, Kd in FP8_DENSE:
+        R = dense_rotation(N * Kd)
+        bank = rand_fp8_bank(key, R, N, Kd)
+        rot = [jnp.asarray([i], jnp.int32) for i in range(R)]
+        for M in Ms:
+            if left() < 0:
+                break
+            impls = ["kernel", "f32", "bf16"] + (["fp8dot"] if M in (8, 64) else [])
+            results.append(run_config(name, "fp8", bank, 1, M, Kd, N, rot, impls, log))
+        del bank
+    # FP8 grouped wo_a: E = G = 8 per copy
+    N, Kd = 1024, 4096
+    R = dense_rotation(8 * N * Kd)
+    bank = rand_fp8_bank(key, 8 * R, N, Kd)
+    rot = [jnp.arange(8 * i, 8 * i + 8, dtype=jnp.int32) for i in range(R)]
+    for M in Ms:
+        if left() > 0:
+            results.append(run_config("wo_a (E=G=8)", "fp8", bank, 8, M, Kd, N, rot,
+                                      ["kernel", "f32", "bf16"], log))
+    del bank
+    # Routed experts, E = 256: FP4 as stored, and the FP8 offline conversion
+    for fmt in ("fp4", "fp8"):
+        for name, N, Kd in (("expert w1/w3", 2048, 4096), ("expert w2", 4096, 2048)):
+            if left() < 0:
+                break
+            bank = (rand_fp4_bank if fmt == "fp4" else rand_fp8_bank)(key, 256, N, Kd)
+            cases = [(6, M) for M in (Ms if fmt == "fp4" else (8,))] + [(64, 8)]
+            for G, M in cases:
+                if left() < 0:
+                    break
+                rot = [jnp.asarray((np.arange(G) * 37 + i * G * 37 + i) % 256, jnp.int32)
+                       for i in range(max(4, math.ceil(ROTATE_BYTES / (G * N * Kd / 2))))]
+                results.append(run_config(f"{name} ({fmt})", fmt, bank, G, M, Kd, N, rot,
+                                          ["kernel", "f32", "bf16"], log))
+            del bank
+    # Tuning sweep: K splits and pipeline depth
+    if args.sweep:
+        for name, fmt, G, N, Kd in (("wq_b", "fp8", 1, 32768, 1024), ("wo_b", "fp8", 1, 4096, 8192),
+                                    ("shared w1/w3", "fp8", 1, 2048, 4096),
+                                    ("expert w1/w3 (fp4)", "fp4", 6, 2048, 4096)):
+            if left() < 0:
+                break
+            E = 256 if fmt == "fp4" else dense_rotation(N * Kd)
+            bank = (rand_fp4_bank if fmt == "fp4" else rand_fp8_bank)(key, E, N, Kd)
+            rot = ([jnp.asarray([i], jnp.int32) for i in range(E)] if fmt == "fp8" else
+                   [jnp.asarray((np.arange(G) + i * G) % 256, jnp.int32) for i in range(40)])
+            S0 = K.default_splits(fmt, G, N, Kd)
+            variants = [dict(splits=s) for s in (S0 // 2, S0 * 2) if s >= 1 and K._valid_split(fmt, Kd, s)]
+            variants += [dict(stages=2), dict(stages=6)]
+            for kw in variants:
+                if left() < 0:
+                    break
+                results.append(run_config(name + " sweep", fmt, bank, G, 8, Kd, N, rot,
+                                          ["kernel"], log, kernel_kw=kw))
+            del bank
+    log.close()
+    lines = table(results, bw, dev.device_kind)
+    open(os.path.join(args.out, "quant_matmul.md"), "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"total {time.time() - t0:.0f} s")
+
+
+def table(results, bw, device):
+    out = [f"device: {device}; copy bandwidth (1 GiB D2D, read+write): {bw / 1e9:.0f} GB/s", "",
+           "| matrix | fmt | G | M | N x K | weight MB | kernel us | GB/s | % copy BW | "
+           "f32 path us (x) | bf16 path us (x) | fp8 dot us (x) | rel err | empty=0 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        tk = r["t_kernel_us"]
+
+        def cmp(k):
+            t = r.get(f"t_{k}_us")
+            return f"{t:.1f} ({t / tk:.2f}x)" if t is not None else "-"
+        extra = "".join(f" {k}={r[k]}" for k in ("splits", "stages") if k in r)
+        out.append(f"| {r['name']}{extra} | {r['fmt']} | {r['G']} | {r['M']} | {r['N']} x {r['K']} | "
+                   f"{r['weight_MB']:.1f} | {tk:.1f} | {r['GBps']:.0f} | {100 * r['GBps'] * 1e9 / bw:.0f}% | "
+                   f"{cmp('f32')} | {cmp('bf16')} | {cmp('fp8dot')} | {r['rel_err']:.1e} | "
+                   f"{'yes' if r['empty_zero'] and r['finite'] else 'NO'} |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
