@@ -37,6 +37,24 @@ FP8_DENSE = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096),
              ("wo_b", 4096, 8192), ("shared w1/w3", 2048, 4096), ("shared w2", 4096, 2048),
              ("indexer wq_b", 8192, 1024)]
 ROTATE_BYTES = 200e6
+SWEEP_SHAPES = [("wq_b", "fp8", 1, 32768, 1024, 8), ("wo_b", "fp8", 1, 4096, 8192, 8),
+                ("wo_b", "fp8", 1, 4096, 8192, 64), ("shared w1/w3", "fp8", 1, 2048, 4096, 8),
+                ("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 64, 4096, 2048, 8)]
+
+
+def sweep_variants(fmt, G, N, Kd):
+    out = []
+    for tn in (128, 64):
+        for tkp in ((None,) if fmt == "fp8" else (128, 64)):
+            for stages in (2, 4):
+                S0 = K.default_splits(fmt, G, N, Kd, tn, tkp or K.TKP)
+                for S in (S0, 2 * S0):
+                    if K._valid_split(fmt, Kd, S, tkp or K.TKP):
+                        kw = dict(tn=tn, stages=stages, splits=S)
+                        if tkp:
+                            kw["tkp"] = tkp
+                        out.append(kw)
+    return out
 
 
 def cupti_median(fn, arg_list):
@@ -155,6 +173,7 @@ def main():
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; stop starting new configs after")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="M=8 only")
+    ap.add_argument("--sweep-only", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -171,7 +190,7 @@ def main():
         return args.budget - (time.time() - t0)
 
     # FP8 dense linears: G = 1, a bank of R copies as E, rotated
-    for name, N, Kd in FP8_DENSE:
+    for name, N, Kd in ([] if args.sweep_only else FP8_DENSE):
         R = dense_rotation(N * Kd)
         bank = rand_fp8_bank(key, R, N, Kd)
         rot = [jnp.asarray([i], jnp.int32) for i in range(R)]
@@ -186,13 +205,13 @@ def main():
     R = dense_rotation(8 * N * Kd)
     bank = rand_fp8_bank(key, 8 * R, N, Kd)
     rot = [jnp.arange(8 * i, 8 * i + 8, dtype=jnp.int32) for i in range(R)]
-    for M in Ms:
+    for M in ([] if args.sweep_only else Ms):
         if left() > 0:
             results.append(run_config("wo_a (E=G=8)", "fp8", bank, 8, M, Kd, N, rot,
                                       ["kernel", "f32", "bf16"], log))
     del bank
     # Routed experts, E = 256: FP4 as stored, and the FP8 offline conversion
-    for fmt in ("fp4", "fp8"):
+    for fmt in (() if args.sweep_only else ("fp4", "fp8")):
         for name, N, Kd in (("expert w1/w3", 2048, 4096), ("expert w2", 4096, 2048)):
             if left() < 0:
                 break
@@ -206,24 +225,19 @@ def main():
                 results.append(run_config(f"{name} ({fmt})", fmt, bank, G, M, Kd, N, rot,
                                           ["kernel", "f32", "bf16"], log))
             del bank
-    # Tuning sweep: K splits and pipeline depth
+    # Tuning sweep: tile rows, FP4 step width, pipeline depth, K splits (kernel only)
     if args.sweep:
-        for name, fmt, G, N, Kd in (("wq_b", "fp8", 1, 32768, 1024), ("wo_b", "fp8", 1, 4096, 8192),
-                                    ("shared w1/w3", "fp8", 1, 2048, 4096),
-                                    ("expert w1/w3 (fp4)", "fp4", 6, 2048, 4096)):
+        for name, fmt, G, N, Kd, M in SWEEP_SHAPES:
             if left() < 0:
                 break
-            E = 256 if fmt == "fp4" else dense_rotation(N * Kd)
+            E = 256 if fmt == "fp4" else dense_rotation(G * N * Kd) * G
             bank = (rand_fp4_bank if fmt == "fp4" else rand_fp8_bank)(key, E, N, Kd)
-            rot = ([jnp.asarray([i], jnp.int32) for i in range(E)] if fmt == "fp8" else
-                   [jnp.asarray((np.arange(G) + i * G) % 256, jnp.int32) for i in range(40)])
-            S0 = K.default_splits(fmt, G, N, Kd)
-            variants = [dict(splits=s) for s in (S0 // 2, S0 * 2) if s >= 1 and K._valid_split(fmt, Kd, s)]
-            variants += [dict(stages=2), dict(stages=6)]
-            for kw in variants:
+            nrot = max(4, math.ceil(ROTATE_BYTES / (G * N * Kd / (2 if fmt == "fp4" else 1))))
+            rot = [jnp.asarray((np.arange(G) + i * G) % E, jnp.int32) for i in range(min(nrot, 64))]
+            for kw in sweep_variants(fmt, G, N, Kd):
                 if left() < 0:
                     break
-                results.append(run_config(name + " sweep", fmt, bank, G, 8, Kd, N, rot,
+                results.append(run_config(name + " sweep", fmt, bank, G, M, Kd, N, rot,
                                           ["kernel"], log, kernel_kw=kw))
             del bank
     log.close()
@@ -244,7 +258,7 @@ def table(results, bw, device):
         def cmp(k):
             t = r.get(f"t_{k}_us")
             return f"{t:.1f} ({t / tk:.2f}x)" if t is not None else "-"
-        extra = "".join(f" {k}={r[k]}" for k in ("splits", "stages") if k in r)
+        extra = "".join(f" {k}={r[k]}" for k in ("tn", "tkp", "stages", "splits") if k in r)
         out.append(f"| {r['name']}{extra} | {r['fmt']} | {r['G']} | {r['M']} | {r['N']} x {r['K']} | "
                    f"{r['weight_MB']:.1f} | {tk:.1f} | {r['GBps']:.0f} | {100 * r['GBps'] * 1e9 / bw:.0f}% | "
                    f"{cmp('f32')} | {cmp('bf16')} | {cmp('fp8dot')} | {r['rel_err']:.1e} | "

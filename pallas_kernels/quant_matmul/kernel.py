@@ -79,22 +79,23 @@ def check_inputs(x_GMK, expert_G, w, for_kernel=True):
                              f"got {w.scale.dtype} {w.scale.shape}")
 
 
-def _steps(fmt, K):
-    return K // TK if fmt == "fp8" else K // (2 * TKP)
+def _steps(fmt, K, tkp=TKP):
+    return K // TK if fmt == "fp8" else K // (2 * tkp)
 
 
-def _valid_split(fmt, K, s):
-    """FP4 CTAs load their scales [tn, nk*8] with one TMA: 16-byte multiple, <= 256 wide."""
-    KT = _steps(fmt, K)
+def _valid_split(fmt, K, s, tkp=TKP):
+    """FP4 CTAs load their scales [tn, nk*tkp/16] with one TMA: a 16-byte multiple, at
+    most 256 wide."""
+    KT = _steps(fmt, K, tkp)
     if KT % s:
         return False
-    nk = KT // s
-    return fmt == "fp8" or (nk % 2 == 0 and nk * (TKP // 16) <= 256)
+    nsc = KT // s * (tkp // 16)
+    return fmt == "fp8" or (nsc % 16 == 0 and nsc <= 256)
 
 
-def default_splits(fmt, G, N, K, tn=TN, num_sms=NUM_SMS):
+def default_splits(fmt, G, N, K, tn=TN, tkp=TKP, num_sms=NUM_SMS):
     """K splits per (group, n tile): the most that keep the grid within ~2 CTAs per SM."""
-    ok = [s for s in range(1, _steps(fmt, K) + 1) if _valid_split(fmt, K, s)]
+    ok = [s for s in range(1, _steps(fmt, K, tkp) + 1) if _valid_split(fmt, K, s, tkp)]
     if not ok:
         raise ValueError(f"no valid K split for {fmt} K={K}")
     fits = [s for s in ok if G * (N // tn) * s <= 2 * num_sms]
@@ -104,22 +105,22 @@ def default_splits(fmt, G, N, K, tn=TN, num_sms=NUM_SMS):
 SMEM_BUDGET = 225 * 1024
 
 
-def _smem_bytes(fmt, tn, M, stages, nk):
+def _smem_bytes(fmt, tn, M, stages, nk, tkp=TKP):
     if fmt == "fp8":
         per_stage = tn * TK + M * TK * 2
         fixed = tn * TK * 2
     else:
-        per_stage = tn * TKP + M * TKP * 2 * 2
-        fixed = tn * TKP * 2 * 2 + tn * nk * (TKP // 16)
+        per_stage = tn * tkp + M * tkp * 2 * 2
+        fixed = tn * tkp * 2 * 2 + tn * nk * (tkp // 16)
     return per_stage * stages + fixed
 
 
-def choose_stages(fmt, tn, M, nk, max_stages=4):
+def choose_stages(fmt, tn, M, nk, max_stages=4, tkp=TKP):
     """Pipeline depth: up to `max_stages` weight tiles in flight, within the SMEM budget."""
     st = max(1, min(max_stages, nk))
-    while st > 1 and _smem_bytes(fmt, tn, M, st, nk) > SMEM_BUDGET:
+    while st > 1 and _smem_bytes(fmt, tn, M, st, nk, tkp) > SMEM_BUDGET:
         st -= 1
-    if _smem_bytes(fmt, tn, M, st, nk) > SMEM_BUDGET:
+    if _smem_bytes(fmt, tn, M, st, nk, tkp) > SMEM_BUDGET:
         raise ValueError(f"{fmt} tiles for M={M} do not fit in shared memory")
     return st
 
@@ -136,15 +137,15 @@ def fp4_x_layout(x_GMK):
     return x_GMK.reshape(G, M, K // 32, 16, 2).transpose(0, 4, 2, 1, 3)
 
 
-def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpret):
+def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpret, tkp=TKP):
     """f32 partials [S, G, N, M] (transposed outputs, one per K split).
 
     fmt "fp8": x bf16 [G, M, K], w e4m3 [E, N, K], sc uint8 [E, N/128, K/128].
     fmt "fp4": x bf16 fp4_x_layout [G, 2, K/32, M, 16], w uint8 [E, N, K/2],
                sc uint8 [E, N, K/32]."""
     E = w.shape[0]
-    nk = _steps(fmt, K) // splits                  # K steps per CTA
-    NC = TKP // 16                                 # FP4 scale blocks per step
+    nk = _steps(fmt, K, tkp) // splits             # K steps per CTA
+    NC = tkp // 16                                 # FP4 scale blocks per step
     tr8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     tr16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     tr32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
@@ -153,7 +154,8 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16),         # x_s
                 plgpu.SMEM((tn, TK), jnp.bfloat16, transforms=tr16)]                # wb_s
     else:
-        bufs = [plgpu.SMEM((stages, tn, TKP), jnp.uint8, transforms=tr8),          # w_s
+        trw = (plgpu.TilingTransform((8, tkp)), plgpu.SwizzleTransform(tkp))
+        bufs = [plgpu.SMEM((stages, tn, tkp), jnp.uint8, transforms=trw),          # w_s
                 plgpu.SMEM((stages, 2, NC, M, 16), jnp.bfloat16, transforms=tr32),  # x_s
                 plgpu.SMEM((2, NC, tn, 16), jnp.bfloat16, transforms=tr32),         # wb_s
                 plgpu.SMEM((tn, nk * NC), jnp.uint8)]                               # sc_s
@@ -175,7 +177,7 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                     plgpu.copy_gmem_to_smem(w_g.at[e, rows, kk], w_s.at[slot], bar.at[slot])
                     plgpu.copy_gmem_to_smem(x_g.at[g, :, kk], x_s.at[slot], bar.at[slot])
                 else:
-                    plgpu.copy_gmem_to_smem(w_g.at[e, rows, pl.ds((k0 + j) * TKP, TKP)],
+                    plgpu.copy_gmem_to_smem(w_g.at[e, rows, pl.ds((k0 + j) * tkp, tkp)],
                                             w_s.at[slot], bar.at[slot])
                     for h in range(2):     # (one 5-D copy would exceed the TMA's dims)
                         plgpu.copy_gmem_to_smem(x_g.at[g, h, pl.ds((k0 + j) * NC, NC)],
@@ -193,23 +195,25 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 plgpu.wgmma(acc_ref, wb_s, x_s.at[slot].T)
 
             def fp4_step(acc_ref, j, slot):
-                # The step's scales [tn, NC] -> f32 multipliers 2^(e-127) * 2^14 (undoing
-                # the f16 bias trick below); one per-row vector per scale block by a masked
-                # row sum (a strided SMEM column load does not lower).
-                scl = plgpu.load(sc_s.at[:, pl.ds(j * NC, NC)], layout=WG, optimized=False)
+                # 8 scale columns [tn, 8] holding this step's NC -> f32 multipliers
+                # 2^(e-127) * 2^14 (undoing the f16 bias trick below); one per-row vector per
+                # scale block by a masked row sum (a strided SMEM column load does not lower).
+                c0 = j * NC
+                scl = plgpu.load(sc_s.at[:, pl.ds(c0 - lax.rem(c0, 8), 8)], layout=WG,
+                                 optimized=False)
                 mult_all = lax.bitcast_convert_type((scl.astype(jnp.int32) + 14) << 23,
                                                     jnp.float32)
-                col = plgpu.broadcasted_iota(jnp.int32, (tn, NC), 1, layout=WG)
-                b_all = plgpu.load(w_s.at[slot], layout=WG)                      # [tn, 128]
+                col = plgpu.broadcasted_iota(jnp.int32, (tn, 8), 1, layout=WG) - lax.rem(c0, 8)
+                b_all = plgpu.load(w_s.at[slot], layout=WG)                      # [tn, tkp]
                 for c in range(NC):                 # 16 packed bytes = one scale block
                     b = b_all[:, 16 * c:16 * (c + 1)].astype(jnp.int32)           # [tn, 16]
                     mult = jnp.where(col == c, mult_all, 0.0).sum(axis=1)         # [tn]
                     mult = lax.broadcast_in_dim(mult, (tn, 16), [0])
-                    for h, nib in ((0, b & 15), (1, b >> 4)):
-                        # e2m1 magnitude bits m under the f16 exponent (m << 9) encode
-                        # exactly e2m1(m) * 2^-14 (m = 1 is an f16 subnormal, kept by the
-                        # cvt to f32); the sign goes to bit 15.
-                        f16 = ((nib & 7) << 9) | ((nib & 8) << 12)
+                    # e2m1 magnitude bits m under the f16 exponent (m << 9) encode exactly
+                    # e2m1(m) * 2^-14 (m = 1 is an f16 subnormal, kept by the cvt to f32);
+                    # the sign goes to bit 15. Low nibble: bits 0-3, high: bits 4-7.
+                    for h, f16 in ((0, ((b & 7) << 9) | ((b & 8) << 12)),
+                                   (1, ((b & 0x70) << 5) | ((b & 0x80) << 8))):
                         f16 = lax.bitcast_convert_type(f16.astype(jnp.int16), jnp.float16)
                         wb_s[h, c] = (f16.astype(jnp.float32) * mult).astype(jnp.bfloat16)
                 plgpu.commit_smem()
@@ -273,10 +277,11 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
 
 
 def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=None,
-                          interpret=None):
+                          tkp=None, interpret=None):
     """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
-    output tile), `stages` (pipeline depth) and `tn` (64 or 128 weight rows per CTA) are
-    tuning knobs; the defaults fill the H100."""
+    output tile), `stages` (pipeline depth), `tn` (64 or 128 weight rows per CTA) and
+    `tkp` (FP4: 64 or 128 packed bytes per step) are tuning knobs; the defaults are the
+    best measured on the H100."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
@@ -287,16 +292,19 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     tn = tn or (TN if M <= 128 else 64)      # acc [tn, M] f32 must fit in registers
     if tn not in (64, 128) or N % tn:
         raise ValueError(f"tn must be 64 or 128 and divide N={N}, got {tn}")
-    S = splits or default_splits(fmt, G, N, K, tn)
-    if not _valid_split(fmt, K, S):
+    tkp = tkp or TKP
+    if tkp not in (64, 128):
+        raise ValueError(f"tkp must be 64 or 128, got {tkp}")
+    S = splits or default_splits(fmt, G, N, K, tn, tkp)
+    if not _valid_split(fmt, K, S, tkp):
         raise ValueError(f"splits={S} is not a valid K split for {fmt} K={K}")
-    nk = _steps(fmt, K) // S
-    st = choose_stages(fmt, tn, M, nk, **({"max_stages": stages} if stages else {}))
+    nk = _steps(fmt, K, tkp) // S
+    st = choose_stages(fmt, tn, M, nk, tkp=tkp, **({"max_stages": stages} if stages else {}))
     ex = expert_G.astype(jnp.int32)
     if fmt == "fp8":
         args = (x_GMK, ex, w.w, _u8(w.scale))
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
-                        interpret=interpret)
+                        interpret=interpret, tkp=tkp)
     return part.sum(0).transpose(0, 2, 1)
