@@ -20,7 +20,9 @@ from dsv4_jax.quant import Numerics
 
 
 def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
-        random_cache=False):
+        random_cache=False, matmul="xla"):
+    """Pure-JAX step vs the step with cache kernels `kernels` ("on" | "interpret" | "off")
+    and quantised matmuls `matmul` ("xla" | "pallas" | "interpret")."""
     nm = Numerics(act_quant=True, dtype="bfloat16")
     mb = -(-(ctx + steps + 1) // 128)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
@@ -40,9 +42,9 @@ def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
             base.prefill(s, rng.integers(0, cfg.vocab_size, n))
     feed = rng.integers(0, cfg.vocab_size, (steps, B))
     out = {}
-    for mode in ("off", kernels):
-        eng = Engine(cfg, params, numerics=nm, cache_spec=dataclasses.replace(cs, kernels=mode),
-                     prefill_chunk=chunk)
+    for side, mode, mm in (("ref", "off", "xla"), ("test", kernels, matmul)):
+        eng = Engine(cfg, params, numerics=dataclasses.replace(nm, matmul=mm),
+                     cache_spec=dataclasses.replace(cs, kernels=mode), prefill_chunk=chunk)
         eng.cache = jax.tree.map(jnp.copy, base.cache)
         eng.bm = copy.deepcopy(base.bm)
         lg, times = [], []
@@ -52,14 +54,14 @@ def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
             l.block_until_ready()
             times.append(time.perf_counter() - t0)
             lg.append(np.asarray(l, np.float32))
-        out[mode] = (np.stack(lg), times)
-    a, b = out["off"][0], out[kernels][0]
+        out[side] = (np.stack(lg), times)
+    a, b = out["ref"][0], out["test"][0]
     err = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(a, axis=-1)
     res = dict(B=B, ctx=ctx, median_rel=float(np.median(err)), max_rel=float(err.max()),
                argmax_agree=float((a.argmax(-1) == b.argmax(-1)).mean()))
     if timing:
-        res["ms_off"] = 1e3 * float(np.median(out["off"][1][1:]))
-        res["ms_kernels"] = 1e3 * float(np.median(out[kernels][1][1:]))
+        res["ms_off"] = 1e3 * float(np.median(out["ref"][1][1:]))
+        res["ms_kernels"] = 1e3 * float(np.median(out["test"][1][1:]))
     return res
 
 
@@ -73,6 +75,10 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--random-cache", action="store_true")
+    ap.add_argument("--kernels", choices=["on", "off"], default="on",
+                    help="cache kernels of the tested side")
+    ap.add_argument("--matmul", choices=["xla", "pallas"], default="xla",
+                    help="quantised matmuls of the tested side")
     a = ap.parse_args()
     cfg = config.get_preset(a.preset)
     if a.preset != "tiny":
@@ -84,8 +90,10 @@ if __name__ == "__main__":
         params = P.init_params(cfg, 0)
     for B in a.batch:
         for ctx in a.context:
-            r = run(cfg, params, B, ctx, a.steps, "interpret" if a.interpret else "on",
-                    chunk=a.chunk, timing=not a.interpret, random_cache=a.random_cache)
-            print(f"{cfg.name} L={cfg.num_hidden_layers} " + " ".join(
+            kern = a.kernels if a.kernels == "off" or not a.interpret else "interpret"
+            mm = "interpret" if a.interpret and a.matmul != "xla" else a.matmul
+            r = run(cfg, params, B, ctx, a.steps, kern, chunk=a.chunk,
+                    timing=not a.interpret, random_cache=a.random_cache, matmul=mm)
+            print(f"{cfg.name} L={cfg.num_hidden_layers} kernels={kern} matmul={mm} " + " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                 flush=True)

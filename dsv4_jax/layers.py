@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from .quant import (Numerics, Fp8Weight, fp8_block_sim, fp4_block_sim, grouped_linear, linear,
-                    dequant)
+from .quant import (Numerics, Fp8Weight, dequant, f32_dot_bf16, fp8_block_sim, fp4_block_sim,
+                    grouped_linear, linear)
 from . import kvformat
 
 F32 = jnp.float32
@@ -130,8 +130,8 @@ def compressor_project(p, x, ratio, pos):
     """Per-token compressor rows: a = wkv x, z = wgate x + ape[pos mod r] (fp32).
     x [B, T, D], pos [B, T] -> a, z [B, T, coff*c]."""
     xf = x.astype(F32)
-    a = jnp.einsum("btd,od->bto", xf, p["wkv.weight"].astype(F32), precision="highest")
-    z = jnp.einsum("btd,od->bto", xf, p["wgate.weight"].astype(F32), precision="highest")
+    a = f32_dot_bf16(xf, p["wkv.weight"])
+    z = f32_dot_bf16(xf, p["wgate.weight"])
     z = z + p["ape"].astype(F32)[pos % ratio]
     return a, z
 
@@ -344,8 +344,7 @@ def block_params(p: dict, prefix: str) -> dict:
 def route(p, x, tokens, cfg: Config, hash_layer: bool):
     """Gate scores sqrt(softplus(x W^T)) (fp32, unquantised) -> expert ids [..., k] and
     routing weights [..., k]."""
-    logits = jnp.einsum("...d,ed->...e", x.astype(F32), p["gate.weight"].astype(F32),
-                        precision="highest")
+    logits = f32_dot_bf16(x, p["gate.weight"])
     s = jnp.sqrt(jax.nn.softplus(logits))
     if hash_layer:
         idx = p["gate.tid2eid"][tokens]

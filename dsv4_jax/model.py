@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import Config
-from .quant import Numerics, linear
+from .quant import f32_dot_bf16, Numerics, linear
 from . import layers as L
 
 
@@ -45,8 +45,7 @@ def head(params, X, cfg: Config, nm: Numerics, prefix=""):
     y = L.hc_head(X, params[prefix + "hc_head_fn"], params[prefix + "hc_head_scale"],
                   params[prefix + "hc_head_base"], cfg, nm.jdtype)
     y = L.rms_norm(y, params[prefix + "norm.weight"], cfg.rms_norm_eps, nm.jdtype)
-    return jnp.einsum("...d,vd->...v", y.astype(jnp.float32),
-                      params["head.weight"].astype(jnp.float32), precision="highest")
+    return f32_dot_bf16(y, params["head.weight"])
 
 
 def forward_hidden(params, tokens, cfg: Config, nm: Numerics = Numerics(), debug=None):

@@ -188,16 +188,33 @@ def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
     return jnp.where(ok[:, None, None], y, 0.0)
 
 
+def f32_dot_bf16(x, w_OI):
+    """f32 x @ W.T for a bf16 weight [out, in], f32-exact, reading W once as stored (no f32
+    copy in HBM): x is split exactly into three bf16 parts (hi + mid + lo carry all 24
+    mantissa bits), multiplied as three rows against W with f32 accumulation, and summed.
+    Other weight dtypes: a plain f32 matmul."""
+    if w_OI.dtype != jnp.bfloat16:
+        return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w_OI.astype(jnp.float32),
+                          precision="highest")
+    r = x.astype(jnp.float32)
+    parts = []
+    for _ in range(3):
+        p = r.astype(jnp.bfloat16)
+        parts.append(p)
+        r = r - p.astype(jnp.float32)
+    x3 = jnp.stack(parts, axis=-2)  # [..., 3, in]
+    y3 = jnp.einsum("...si,oi->...so", x3, w_OI, preferred_element_type=jnp.float32)
+    return y3[..., 0, :] + y3[..., 1, :] + y3[..., 2, :]
+
+
 def linear(x, w, nm: Numerics, *, out_dtype=None):
     """y = x @ W.T for any weight format, f32 accumulation. Quantised weights get the FP8
     activation simulation (per token per 128 channels) when `nm.act_quant`; then operands
     are bf16 (exact, see `dequant_bf16`) unless running f32 without simulation; with
     `nm.matmul` = "pallas" the weight-streaming kernel reads FP8/FP4 weights as stored."""
     out_dtype = out_dtype or nm.jdtype
-    if not is_quantized(w):  # plain bf16 / f32 weights (small): f32 as before
-        y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
-                       preferred_element_type=jnp.float32)
-        return y.astype(out_dtype)
+    if not is_quantized(w):  # plain bf16 / f32 weights: f32-exact
+        return f32_dot_bf16(x, w).astype(out_dtype)
     if nm.act_quant:
         x = fp8_block_sim(x, 128)
     stacked = (w.w if isinstance(w, Fp8Weight) else w.packed).ndim > 2

@@ -106,3 +106,17 @@ def test_scheduled_moe_equals_dense_loop(tile):
                            x, jnp.asarray(comb[:, e]), cfg, F32) for e in range(E))
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
                                atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_head_logits_split_equals_float64():
+    """The bf16 head reads W once as stored; the 3-way bf16 split of y loses nothing."""
+    from dsv4_jax.quant import f32_dot_bf16 as head_logits
+    rng = np.random.default_rng()
+    W = jnp.asarray(rng.standard_normal((1000, 256)) * 0.05, jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((2, 3, 256)) * rng.uniform(0.1, 10), jnp.float32)
+    ref = np.asarray(y, np.float64) @ np.asarray(W.astype(jnp.float32), np.float64).T
+    got = np.asarray(head_logits(y, W))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=3e-6 * np.abs(ref).max())
+    one_part = np.asarray(jnp.einsum("...d,vd->...v", y.astype(jnp.bfloat16), W,
+                                     preferred_element_type=jnp.float32))
+    assert np.abs(one_part - ref).max() > 10 * np.abs(got - ref).max()  # the split matters
