@@ -65,14 +65,38 @@ def test_reference_matches_numpy():
         assert rel_err(ref[b], o) < 5e-3
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_kernel_matches_reference(splits):
+@pytest.mark.parametrize("gather,splits", [("direct", 1), ("direct", 2), ("staged", 1)])
+def test_kernel_matches_reference(gather, splits):
     args = make_inputs(1)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=splits)
+    out = run_kernel(args, splits=splits, gather=gather)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_kernel_direct_pool_edges_and_holes():
+    # Direct gather: each row is copied as a 512-byte box that also covers the next row's
+    # first 64 bytes, so the pool's LAST row (zero-filled past the end) and the window
+    # ring's last row are included; -1 holes sit between valid ids and one request has a
+    # whole 64-id block of -1 between valid ones.
+    B, NB, EPB, MAXB = 2, 6, 32, 3
+    args = make_inputs(5, B=B, NB=NB, EPB=EPB, MAXB=MAXB, n_idx=150, t=(300, 380), n_valid=(0, 0))
+    q, win, cmp, bt, _, t, sink = args
+    bt_np = np.asarray(bt)
+    last = NB * EPB - 1                                   # pool row of the last entry
+    b_last, i_last = np.argwhere(bt_np == last // EPB)[0]
+    rng = np.random.default_rng(5)
+    idx = np.full((B, 150), -1, np.int32)
+    ids = rng.permutation(MAXB * EPB)
+    idx[0, :40:2] = ids[:20]                             # holes every other slot
+    idx[1, 100:110] = ids[20:30]                          # first block all -1
+    idx[b_last, 3 if b_last == 0 else 120] = i_last * EPB + EPB - 1   # the pool's last row
+    args = (q, win, cmp, bt, jnp.asarray(idx), t, sink)
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    out = run_kernel(args, splits=1, gather="direct")
+    assert np.isfinite(out).all()
+    assert rel_err(out, ref) < 5e-3
 
 
 def test_kernel_hca_indices_and_empty_window_slots():
@@ -93,6 +117,12 @@ def test_bad_inputs_raise():
         K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink[:3])
     with pytest.raises(ValueError, match="cmp_nope"):
         K.sparse_decode_attention(q, win, (cmp[0].astype(jnp.bfloat16), *cmp[1:]), bt, idx, t, sink)
+    with pytest.raises(ValueError, match="gather"):
+        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="xla")
+    with pytest.raises(ValueError, match="semantics"):
+        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, semantics="thread")
+    with pytest.raises(ValueError, match="cmp_rope"):
+        K.sparse_decode_attention(q, win, (cmp[0], cmp[1], cmp[2][:, :, :32]), bt, idx, t, sink)
 
 
 @pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])
@@ -106,15 +136,19 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
             (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
             S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
             S((H,), jnp.float32))
-    for splits in (1, 3):
-        f = functools.partial(K.sparse_decode_attention, splits=splits)
+    for splits, gather, sem in ((1, "direct", "lane"), (3, "direct", "lane"),
+                                (1, "direct", "warpgroup"), (3, "staged", "lane")):
+        f = functools.partial(K.sparse_decode_attention, splits=splits, gather=gather,
+                              semantics=sem)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_matches_reference():
+@pytest.mark.parametrize("gather", ["direct", "staged"])
+def test_gpu_kernel_matches_reference(gather):
     args = make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(4000, 4095), n_valid=(300, 512))
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = np.asarray(jax.jit(K.sparse_decode_attention)(*args)).astype(np.float32)
+    f = functools.partial(K.sparse_decode_attention, gather=gather)
+    out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
     assert rel_err(out, ref) < 5e-3

@@ -1,0 +1,252 @@
+"""GPU correctness at real shapes + benchmark of sparse decode attention (issue 5: rows
+gathered in-kernel instead of the XLA staging gather).
+
+Run on the device: PYTHONPATH=. python3 benchmarks/attention_decode.py [--budget S] [--out DIR]
+Each variant is first smoke-tested in a subprocess with a time limit (a kernel that faults
+or hangs is dropped, the rest still run). Then, per case (model, mode, B, context):
+ - check: every kernel variant vs the pure-JAX reference on the same random cache
+   (rel err = ||out - ref|| / ||ref|| over the bf16 outputs in f32);
+ - time = median over runs of one jitted program that calls the op on N distinct input
+   sets back to back, divided by N (host dispatch amortised over N only);
+ - bytes = what the op must read: 584 B per attended cache entry (128 window slots + the
+   valid compressed ids) + q and the output; GB/s over the op's end-to-end time; % = of
+   the best copy bandwidth measured in the same run;
+ - speedup = XLA path (reference.py over the dequantised gathered rows, the kernels-off
+   path) / kernel, and staged (the previous version: XLA staging gather + kernel) / direct.
+Cases run in priority order until --budget seconds have passed; skipped ones are listed.
+Writes attention_decode.jsonl and attention_decode.md under --out.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_decode_attention import kernel as AK
+from pallas_kernels.sparse_decode_attention import reference as AR
+
+MB = 1 << 20
+MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
+VARIANTS = {   # name -> kernel keyword arguments
+    "direct-lane": dict(gather="direct", semantics="lane"),
+    "direct-wg": dict(gather="direct", semantics="warpgroup"),
+    "staged": dict(gather="staged", semantics="lane"),
+}
+
+
+def bench(fn, sets, reps=5):
+    """Median seconds per call of fn over the input sets (one jit runs them all)."""
+    many = jax.jit(lambda ss: [fn(*s) for s in ss])
+    jax.block_until_ready(many(sets))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(sets))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / len(sets)
+
+
+def copy_bandwidth():
+    """Bytes read + written per second of a 1 GiB device copy and of an elementwise pass."""
+    x = jax.random.normal(jax.random.key(1), (256 * MB,), jnp.float32)
+    out = {}
+    for name, f in (("copy", jax.jit(lambda a: jnp.copy(a))), ("a+1", jax.jit(lambda a: a + 1.0))):
+        jax.block_until_ready(f(x))
+        ts = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t0)
+        out[name] = 2 * x.nbytes / statistics.median(ts)
+    return out
+
+
+def random_e4m3(key, shape):
+    """Random finite e4m3 values from random bytes (0x7F / 0xFF are NaN: nudged down)."""
+    u = jax.random.bits(key, shape, jnp.uint8)
+    u = jnp.where((u & 0x7F) == 0x7F, u - 1, u)
+    return jax.lax.bitcast_convert_type(u, jnp.float8_e4m3fn)
+
+
+def make_case(key, B, H, ctx, topk, mode):
+    """Random cache for B requests near context ctx: window ring, pool of B * ctx/128 blocks
+    in random order, and the id list (CSA: topk distinct visible ids, -1 when fewer are
+    visible; HCA: all visible ids, hca_indices)."""
+    EPB, ratio = (32, 4) if mode == "csa" else (1, 128)
+    MAXB = ctx // 128
+    NB = B * MAXB
+    ks = jax.random.split(key, 10)
+    q = jax.random.normal(ks[0], (B, H, 512), jnp.bfloat16)
+    win = (random_e4m3(ks[1], (B, 128, 448)),
+           jax.random.randint(ks[7], (B, 128, 8), 118, 126).astype(jnp.uint8),
+           jax.random.normal(ks[8], (B, 128, 64), jnp.bfloat16))
+    t = (ctx - 1 - jax.random.randint(ks[2], (B,), 0, 64)).astype(jnp.int32)
+    slots = jnp.arange(128)[None]
+    pos = (t[:, None] - ((t[:, None] - slots) % 128)).astype(jnp.int32)
+    cmp = (random_e4m3(ks[3], (NB, EPB, 448)),
+           jax.random.randint(ks[9], (NB, EPB, 8), 118, 126).astype(jnp.uint8),
+           jax.random.normal(ks[6], (NB, EPB, 64), jnp.bfloat16))
+    bt = jax.random.permutation(ks[4], NB).reshape(B, MAXB).astype(jnp.int32)
+    n_vis = (t + 1) // ratio
+    if mode == "csa":
+        u = jax.random.uniform(ks[5], (B, MAXB * EPB))
+        u = jnp.where(jnp.arange(MAXB * EPB)[None] < n_vis[:, None], u, -1.0)
+        val, idx = jax.lax.top_k(u, topk)
+        idx = jnp.where(val >= 0, idx, -1).astype(jnp.int32)
+    else:
+        idx = AR.hca_indices(t, MAXB)
+    sink = jax.random.normal(ks[6], (H,), jnp.float32)
+    return q, (*win, pos), cmp, bt, idx, t, sink
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def run_case(model, mode, B, ctx, variants, bw, log):
+    H, topk = MODELS[model]
+    K = topk if mode == "csa" else ctx // 128
+    EPB = 32 if mode == "csa" else 1
+    pool_bytes = B * (ctx // 128) * EPB * 584
+    n_sets = int(max(2, min(6, (300 * MB) // max(pool_bytes, 1))))
+    sets = [make_case(jax.random.key(1000 * B + 7 * ctx + i), B, H, ctx, K, mode)
+            for i in range(n_sets)]
+    a = sets[0]
+    n_valid = int(jnp.sum(a[4] >= 0)) + int(jnp.sum(
+        (a[1][3][:B] >= 0) & (a[1][3][:B] <= a[5][:, None]) & (a[1][3][:B] >= a[5][:, None] - 127)))
+    op_bytes = n_valid * 584 + 2 * B * H * 512 * 2
+    ref = np.asarray(jax.jit(AR.sparse_decode_attention_reference)(*a)).astype(np.float32)
+    t_ref = bench(AR.sparse_decode_attention_reference, sets, reps=3)
+    row = dict(model=model, mode=mode, B=B, H=H, ctx=ctx, K=K, MB=op_bytes / MB, ref_us=t_ref * 1e6,
+               splits=AK.default_splits(B, H, (128 + -(-K // 64) * 64) // 64))
+    outs = {}
+    for name in variants:
+        kw = VARIANTS[name]
+        f = lambda *x, kw=kw: AK.sparse_decode_attention(*x, **kw)
+        try:
+            out = np.asarray(jax.jit(f)(*a)).astype(np.float32)
+            outs[name] = out
+            t = bench(f, sets)
+            row[name] = dict(us=t * 1e6, GBs=op_bytes / t / 1e9, pct=100 * op_bytes / t / bw,
+                             rel_err=rel_err(out, ref), finite=bool(np.isfinite(out).all()),
+                             speedup_ref=t_ref / t)
+        except Exception as e:   # keep going: the failure is reported in the table
+            row[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    if "staged" in outs:
+        for name in outs:
+            if name != "staged" and "us" in row[name]:
+                row[name]["speedup_staged"] = row["staged"]["us"] / row[name]["us"]
+                row[name]["max_diff_staged"] = float(np.max(np.abs(outs[name] - outs["staged"])))
+    log.write(json.dumps(row) + "\n")
+    log.flush()
+    return row
+
+
+def cases():
+    """(model, mode, B, ctx, with_all_variants) in priority order."""
+    first = [("flash", "csa", B, 32768, True) for B in (64, 1, 8, 32)]
+    first += [("pro", "csa", B, 32768, True) for B in (64, 1, 8, 32)]
+    first += [("flash", "hca", B, 131072, True) for B in (64, 1, 8, 32)]
+    rest = []
+    for model in ("flash", "pro"):
+        for mode in ("csa", "hca"):
+            for ctx in (4096, 32768, 131072):
+                for B in (1, 8, 32, 64):
+                    c = (model, mode, B, ctx, True)
+                    if c not in first:
+                        rest.append((model, mode, B, ctx, False))
+    return first + rest
+
+
+def smoke(variant):
+    """Small run of one variant vs the reference, in this process (called via --smoke)."""
+    a = make_case(jax.random.key(0), 2, 64, 4096, 512, "csa")
+    out = np.asarray(jax.jit(lambda *x: AK.sparse_decode_attention(*x, **VARIANTS[variant]))(*a))
+    ref = np.asarray(jax.jit(AR.sparse_decode_attention_reference)(*a))
+    err = rel_err(out.astype(np.float32), ref.astype(np.float32))
+    print(f"SMOKE {variant} rel_err {err:.3e}", flush=True)
+    sys.exit(0 if err < 5e-3 else 3)
+
+
+def fmt_table(rows, variants, bw):
+    head = ("| model | mode | B | H | ctx | K | MB | XLA ref us | "
+            + " | ".join(f"{v} us (GB/s, % bw, x ref, x staged)" for v in variants)
+            + " | rel err (max over variants) |")
+    lines = [head, "|" + "---|" * (9 + len(variants))]
+    for r in rows:
+        cells = []
+        errs = []
+        for v in variants:
+            d = r.get(v)
+            if d is None:
+                cells.append("-")
+            elif "error" in d:
+                cells.append("ERROR " + d["error"][:80].replace("|", "/"))
+            else:
+                s = f"{d['us']:.1f} ({d['GBs']:.0f}, {d['pct']:.0f}%, {d['speedup_ref']:.2f}x"
+                s += f", {d['speedup_staged']:.2f}x)" if "speedup_staged" in d else ")"
+                cells.append(s)
+                errs.append(d["rel_err"] if d["finite"] else float("inf"))
+        err = f"{max(errs):.1e}" if errs else "-"
+        lines.append(f"| {r['model']} | {r['mode']} | {r['B']} | {r['H']} | {r['ctx']} | {r['K']} | "
+                     f"{r['MB']:.2f} | {r['ref_us']:.0f} | " + " | ".join(cells) + f" | {err} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget", type=float, default=180.0, help="seconds for the case loop")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--smoke", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.smoke:
+        smoke(args.smoke)
+    t_start = time.time()
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    variants = []
+    for v in args.variants.split(","):
+        try:
+            p = subprocess.run([sys.executable, __file__, "--smoke", v], capture_output=True,
+                               text=True, timeout=90)
+            ok = p.returncode == 0
+            msg = (p.stdout + p.stderr).strip().splitlines()[-3:]
+        except subprocess.TimeoutExpired:
+            ok, msg = False, ["timed out (hang?)"]
+        print(f"smoke {v}: {'ok' if ok else 'FAILED'} {msg}", flush=True)
+        if ok:
+            variants.append(v)
+    bws = copy_bandwidth()
+    bw = max(bws.values())
+    print("copy bandwidth (read+write) GB/s:", {k: round(v / 1e9) for k, v in bws.items()}, flush=True)
+    log = open(os.path.join(args.out, "attention_decode.jsonl"), "w")
+    rows, skipped = [], []
+    t_loop = time.time()
+    for model, mode, B, ctx, full in cases():
+        if time.time() - t_loop > args.budget:
+            skipped.append(f"{model} {mode} B={B} ctx={ctx}")
+            continue
+        vs = variants if full else [v for v in variants if v != "staged"][:1]
+        try:
+            rows.append(run_case(model, mode, B, ctx, vs, bw, log))
+            print(json.dumps(rows[-1]), flush=True)
+        except Exception as e:
+            print(f"case {model} {mode} B={B} ctx={ctx}: {type(e).__name__}: {e}"[:1000], flush=True)
+    table = fmt_table(rows, variants, bw)
+    text = (f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+            f"copy bandwidth (read+write) {', '.join(f'{k} {v / 1e9:.0f} GB/s' for k, v in bws.items())}"
+            f" (% below is of {bw / 1e9:.0f})\n\n{table}\n\nnot run (time budget): "
+            f"{'; '.join(skipped) or 'none'}\n")
+    open(os.path.join(args.out, "attention_decode.md"), "w").write(text)
+    print("\n" + text)
+    print(f"total {time.time() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
