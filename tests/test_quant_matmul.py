@@ -96,7 +96,7 @@ def test_interpret_fp8(kw):
     check(interpret(x, ex, w, **kw), ref_np(x, ex, w), ex, E)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(splits=2, stages=1)])
+@pytest.mark.parametrize("kw", [dict(), dict(splits=2, stages=1), dict(tn=128, tkp=128, stages=3)])
 def test_interpret_fp4(kw):
     rng = np.random.default_rng(2)
     E, N, Kd = 2, 128, 1024

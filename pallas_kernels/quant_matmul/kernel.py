@@ -7,21 +7,24 @@ as stored (e4m3 bytes, or packed e2m1 nibbles + e8m0 bytes), dequantises it in r
 to bf16 (exact: the scales are powers of two) and multiplies it with the few activation
 rows. A and B are swapped so the weight tile is the wgmma M side:
 
-    per CTA (group g, weight rows n0:n0+128, K range of split s), per K step of 128:
-      W tile e4m3 [128 n, 128 k]  --TMA-->  SMEM (NS stages)        x tile bf16 [M, 128 k]
-      -> registers, * 2^(scale-127), -> bf16 [128 n, 128 k] in SMEM
-      -> acc^T [128 n, M] += W_tile @ x_tile^T                         (wgmma, f32)
-    out[s, g, n0:n0+128, :] = acc^T                                    (TMA store)
-  then in XLA: y_GMN = sum_s out[s].transpose(0, 2, 1)  (tiny: f32 [S, G, N, M])
+    per CTA (group g, weight rows n0:n0+tn, K range of split s), per K step of 128:
+      W tile e4m3 [tn, 128 k]  --TMA-->  SMEM (STAGES deep)           x tile bf16 [M, 128 k]
+      -> registers, * 2^(scale-127), -> bf16 [tn, 128 k] in SMEM
+      -> acc^T [tn, M] += W_tile @ x_tile^T                            (wgmma, f32)
+    out[s, g, n0:n0+tn, :] = acc^T                                     (TMA store)
+  then in XLA: y_GMN = sum_s out[s].transpose(0, 2, 1)   (f32 [S, G, N, M], small)
 
 Empty groups (expert id outside [0, E)) issue no weight copies and store zeros.
 
 FP4 (e2m1, packed 2 per byte, element 2k in the low nibble, one e8m0 per 32 along K):
-x is de-interleaved in XLA (x_even, x_odd), so y = W_lo @ x_even + W_hi @ x_odd and the
-nibbles never need reordering. Per step: packed tile uint8 [128 n, 64 B] (128 k) and
-its scales uint8 [128 n, 4]; each 16-byte column chunk (one scale block) is decoded with
-integer arithmetic (Hopper has no e2m1 casts) into its own bf16 SMEM tile [128, 16] for
-each nibble half, and multiplied with the matching 16 columns of x_even / x_odd.
+x is de-interleaved in XLA (fp4_x_layout), so y = W_lo @ x_even + W_hi @ x_odd and the
+nibbles never need reordering. Per step: packed tile uint8 [tn, tkp B] (2 tkp k); the
+CTA's scales uint8 [tn, nk * tkp/16] are loaded once. Each 16-byte column chunk (one
+scale block) is decoded with integer arithmetic (Hopper has no e2m1 casts: the 3
+magnitude bits placed under the f16 exponent give e2m1 * 2^-14 exactly) into its own
+bf16 SMEM tile [tn, 16] per nibble half, multiplied with the matching x chunk [M, 16].
+That decode is ALU bound (~10 instructions per weight), so FP4 reaches ~1/3 of the copy
+bandwidth where FP8 reaches ~2/3 (see benchmarks/results/quant_matmul.md).
 """
 import functools
 
@@ -33,9 +36,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4_jax.quant import Fp4Weight, Fp8Weight
 
-TN = 128          # weight rows (n) per CTA: the wgmma M side
+# Defaults from the H100 sweep (benchmarks/results/quant_matmul.md)
+TN = 128          # FP8 weight rows (n) per CTA: the wgmma M side (64 when M > 128)
+TN_FP4 = 64       # FP4 weight rows per CTA (the in-register decode is ALU bound: more CTAs)
 TK = 128          # k per FP8 pipeline step (one FP8 scale block)
-TKP = 128         # packed bytes per FP4 pipeline step (256 k, 8 scale blocks)
+TKP = 64          # packed bytes per FP4 pipeline step (128 k, 4 scale blocks)
+STAGES = 2        # weight tiles in flight per CTA (fewer, smaller CTAs per SM measured faster)
+CTAS_PER_SM = {"fp8": 2, "fp4": 3}   # K-split target
 NUM_SMS = 132     # H100 SXM
 WG = plgpu.Layout.WGMMA
 ROW = WG.reduce(1)
@@ -94,11 +101,11 @@ def _valid_split(fmt, K, s, tkp=TKP):
 
 
 def default_splits(fmt, G, N, K, tn=TN, tkp=TKP, num_sms=NUM_SMS):
-    """K splits per (group, n tile): the most that keep the grid within ~2 CTAs per SM."""
+    """K splits per (group, n tile): the most that keep the grid within CTAS_PER_SM."""
     ok = [s for s in range(1, _steps(fmt, K, tkp) + 1) if _valid_split(fmt, K, s, tkp)]
     if not ok:
         raise ValueError(f"no valid K split for {fmt} K={K}")
-    fits = [s for s in ok if G * (N // tn) * s <= 2 * num_sms]
+    fits = [s for s in ok if G * (N // tn) * s <= CTAS_PER_SM[fmt] * num_sms]
     return max(fits) if fits else min(ok)
 
 
@@ -115,7 +122,7 @@ def _smem_bytes(fmt, tn, M, stages, nk, tkp=TKP):
     return per_stage * stages + fixed
 
 
-def choose_stages(fmt, tn, M, nk, max_stages=4, tkp=TKP):
+def choose_stages(fmt, tn, M, nk, max_stages=STAGES, tkp=TKP):
     """Pipeline depth: up to `max_stages` weight tiles in flight, within the SMEM budget."""
     st = max(1, min(max_stages, nk))
     while st > 1 and _smem_bytes(fmt, tn, M, st, nk, tkp) > SMEM_BUDGET:
@@ -289,7 +296,7 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     if fmt == "fp4" and K % 512:
         raise ValueError(f"the FP4 kernel needs K % 512 == 0 (scale rows in 16-byte "
                          f"units), got K={K}")
-    tn = tn or (TN if M <= 128 else 64)      # acc [tn, M] f32 must fit in registers
+    tn = tn or (64 if M > 128 or fmt == "fp4" else TN)   # acc [tn, M] f32 in registers
     if tn not in (64, 128) or N % tn:
         raise ValueError(f"tn must be 64 or 128 and divide N={N}, got {tn}")
     tkp = tkp or TKP
