@@ -14,7 +14,10 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", **kernel_kw):
     x_GMK bf16 [G, M, K] (M a multiple of 8, 8..256); expert_G int32 [G] (ids outside
     [0, E) mark empty groups: zero rows, weights not read); w Fp8Weight [E, N, K] or
     Fp4Weight. impl: "pallas" (Hopper kernel), "interpret" (the same kernel on the
-    Mosaic-GPU interpreter, CPU), "xla" (dequantise + einsum)."""
+    Mosaic-GPU interpreter, CPU), "xla" (dequantise + einsum). The kernel needs N % 128
+    == 0 and K % 128 == 0 (FP8) / K % 512 == 0 (FP4); `kernel_kw` are tuning knobs
+    (splits, stages, tn, tkp). Edge: an FP8 e8m0 scale byte 0 (2^-127) reads as 0 in the
+    kernel (real checkpoints never use it)."""
     if impl == "xla":
         check_inputs(x_GMK, expert_G, w, for_kernel=False)
         return grouped_matmul_reference(x_GMK, expert_G, w)

@@ -26,8 +26,6 @@ bf16 SMEM tile [tn, 16] per nibble half, multiplied with the matching x chunk [M
 That decode is ALU bound (~10 instructions per weight), so FP4 reaches ~1/3 of the copy
 bandwidth where FP8 reaches ~2/3 (see benchmarks/results/quant_matmul.md).
 """
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -45,7 +43,6 @@ STAGES = 2        # weight tiles in flight per CTA (fewer, smaller CTAs per SM m
 CTAS_PER_SM = {"fp8": 2, "fp4": 3}   # K-split target
 NUM_SMS = 132     # H100 SXM
 WG = plgpu.Layout.WGMMA
-ROW = WG.reduce(1)
 
 
 def check_inputs(x_GMK, expert_G, w, for_kernel=True):
@@ -296,7 +293,8 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     if fmt == "fp4" and K % 512:
         raise ValueError(f"the FP4 kernel needs K % 512 == 0 (scale rows in 16-byte "
                          f"units), got K={K}")
-    tn = tn or (64 if M > 128 or fmt == "fp4" else TN)   # acc [tn, M] f32 in registers
+    # acc [tn, M] f32 lives in registers: 64 rows when M > 128
+    tn = tn or (64 if M > 128 else TN_FP4 if fmt == "fp4" else TN)
     if tn not in (64, 128) or N % tn:
         raise ValueError(f"tn must be 64 or 128 and divide N={N}, got {tn}")
     tkp = tkp or TKP
