@@ -159,8 +159,12 @@ def dequant_bf16(w):
 
 
 def _kernel_ok(w, nm: Numerics) -> bool:
-    return (nm.matmul != "xla" and isinstance(w, (Fp8Weight, Fp4Weight))
-            and w.shape[-2] % 128 == 0 and w.shape[-1] % 128 == 0)
+    """Whether the weight-streaming kernel takes this weight (its tiling: 128-row tiles,
+    128-wide K steps for FP8, 512 for FP4); other shapes stay in XLA."""
+    if nm.matmul == "xla" or not isinstance(w, (Fp8Weight, Fp4Weight)):
+        return False
+    kstep = 128 if isinstance(w, Fp8Weight) else 512
+    return w.shape[-2] % 128 == 0 and w.shape[-1] % kstep == 0
 
 
 def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
