@@ -65,17 +65,19 @@ def test_reference_matches_numpy():
         assert rel_err(ref[b], o) < 5e-3
 
 
-@pytest.mark.parametrize("gather,splits", [("direct", 1), ("direct", 2), ("staged", 1)])
-def test_kernel_matches_reference(gather, splits):
+@pytest.mark.parametrize("gather,splits,ws", [("direct", 1, True), ("direct", 2, False),
+                                              ("staged", 1, False)])
+def test_kernel_matches_reference(gather, splits, ws):
     args = make_inputs(1)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=splits, gather=gather)
+    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
 
 
-def test_kernel_direct_pool_edges_and_holes():
+@pytest.mark.parametrize("ws", [True, False])
+def test_kernel_direct_pool_edges_and_holes(ws):
     # Direct gather: each row is copied as a 512-byte box that also covers the next row's
     # first 64 bytes, so the pool's LAST row (zero-filled past the end) and the window
     # ring's last row are included; -1 holes sit between valid ids and one request has a
@@ -94,7 +96,7 @@ def test_kernel_direct_pool_edges_and_holes():
     idx[b_last, 3 if b_last == 0 else 120] = i_last * EPB + EPB - 1   # the pool's last row
     args = (q, win, cmp, bt, jnp.asarray(idx), t, sink)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=1, gather="direct")
+    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
 
@@ -136,19 +138,20 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
             (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
             S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
             S((H,), jnp.float32))
-    for splits, gather, sem in ((1, "direct", "lane"), (3, "direct", "lane"),
-                                (1, "direct", "warpgroup"), (3, "staged", "lane")):
+    for splits, gather, sem, ws in ((1, "direct", "lane", True), (3, "direct", "lane", True),
+                                    (1, "direct", "warpgroup", True), (3, "direct", "lane", False),
+                                    (1, "direct", "warpgroup", False), (3, "staged", "lane", False)):
         f = functools.partial(K.sparse_decode_attention, splits=splits, gather=gather,
-                              semantics=sem)
+                              semantics=sem, warp_specialized=ws)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gather", ["direct", "staged"])
-def test_gpu_kernel_matches_reference(gather):
+@pytest.mark.parametrize("gather,ws", [("direct", True), ("direct", False), ("staged", False)])
+def test_gpu_kernel_matches_reference(gather, ws):
     args = make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(4000, 4095), n_valid=(300, 512))
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    f = functools.partial(K.sparse_decode_attention, gather=gather)
+    f = functools.partial(K.sparse_decode_attention, gather=gather, warp_specialized=ws)
     out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
     assert rel_err(out, ref) < 5e-3

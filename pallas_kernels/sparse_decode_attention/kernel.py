@@ -3,27 +3,29 @@ Mosaic-GPU kernel (Hopper, sm_90a). Semantics: see reference.py.
 
 The kernel reads FP8 nope rows and BF16 rope rows straight from the cache (never a bf16
 copy) and dequantises them in SMEM: K tile bf16 [64 keys, 512] = e4m3 * 2^(e-127) (exact)
-| rope. Per block of 64 keys:
- - window blocks: the ring's rows are contiguous per request: one bulk copy each for nope
-   and rope;
- - compressed blocks (gather="direct", the default): one copy per selected row straight
-   from the paged pool (448 B nope + 128 B rope), with the physical row ids read as
-   scalars in-kernel. These are plain `cp.async.bulk` copies (oob_mode=PROMISE_IN_BOUNDS,
-   un-swizzled SMEM: 16-byte alignment suffices). The earlier fault came from the tensor
-   TMA path, whose destinations must be 128-byte aligned (448-byte rows are not) and which
-   Mosaic takes when the SMEM tile gets a swizzled layout or the copy may go out of bounds;
- - gather="staged" (the previous version, kept to compare): XLA first gathers the selected
-   rows into a staging buffer (576 B written + read again per key), whole-block copies.
-Per-key metadata stays in XLA, 8 bytes per key next to 584 bytes of cache: the physical
-row id (block table lookup of the index, i32) and `meta` [.., 8, 64] u8 per block = the 7
-scale exponents + a validity byte in place of the format's unused 8th exponent. The scale
-bytes cannot be copied per row in-kernel (8 B < the 16-byte minimum of a bulk copy).
-Heads are the wgmma M rows (64 per CTA). Grid (b, split, head tile, column half):
- - column half c: the f32 accumulator [64, 512] is too big for one warpgroup, so two CTAs
-   share the keys (the second read is served by L2) and each owns 256 output columns;
-   both compute the same full scores;
- - split s: flash-decoding over key blocks when B * H/64 * 2 is too small to fill the chip;
-   partial outputs are merged in XLA.
+| rope. Rows are fetched one by one with TMA, with the physical row ids read as scalars
+in-kernel (window: b*128 + slot; compressed, gather="direct": the pool row of each
+selected id). A stored nope row is 448 B: it is copied as an [8, 64]-byte box of the pool
+viewed as 64-byte chunks (the row + the next row's first 64 B; zero-filled past the end),
+into SMEM rows 512 B apart. That keeps every copy a multiple of 128 B (what Pallas' copy
+accounting needs) and every destination 128-B aligned (what tensor TMA needs: the earlier
+per-row attempt faulted on 448-B-aligned destinations). The row buffers must not be
+swizzled, which the default ("warpgroup") lowering's layout inference does on its own; the
+"lane" lowering keeps SMEM exactly as declared. gather="staged" (the previous version, kept
+to compare) has XLA gather the selected rows into a staging buffer first.
+Per-key metadata stays in XLA, 8 bytes per key next to 584 bytes of cache: the pool row id
+(block-table lookup, i32) and `meta` [.., 8, 64] u8 per block = the 7 scale exponents + a
+validity byte in place of the format's unused 8th exponent (a single 8-byte scale row is
+below the 16-byte TMA minimum, so the kernel cannot fetch it row by row).
+Heads are the wgmma M rows (64 per CTA); the f32 accumulator [64, 512] is too big for one
+warpgroup, so output columns are split in two halves:
+ - warp_specialized=True: one CTA per (request, split, head tile); a producer warpgroup
+   issues the row copies into a double buffer, two consumer warpgroups (one per column
+   half) each dequantise half of the shared K tile and compute the same full scores;
+ - warp_specialized=False: two single-warpgroup CTAs per tile (one per half), each copying
+   and dequantising every row itself (the second read is served by L2).
+Split s: flash-decoding over key blocks when there are too few CTAs to fill the chip;
+partial outputs are merged in XLA.
 """
 import math
 
@@ -79,26 +81,31 @@ def gather_rows_fp8(pool_ND, rows):
     return lax.bitcast_convert_type(u8, pool_ND.dtype)
 
 
-def default_splits(B, H, n_blk, num_sms=132):
-    ctas = B * -(-H // HT) * 2
+def default_splits(B, H, n_blk, num_sms=132, ctas_per_tile=2):
+    ctas = B * -(-H // HT) * ctas_per_tile
     return int(max(1, min(n_blk, -(-num_sms // ctas))))
 
 
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
-                            splits=None, gather="direct", semantics="lane", interpret=None):
+                            splits=None, gather="direct", semantics="lane",
+                            warp_specialized=False, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
     (rows copied from the pool in-kernel) or "staged" (XLA staging gather, to compare).
     semantics: Mosaic lowering, "lane" (SMEM exactly as declared, un-swizzled row buffers;
     each copy arrives on its barrier from all 128 threads) or "warpgroup" (layout inference
-    swizzles the row buffers per 512-B row; one arrival per copy)."""
+    swizzles the row buffers per 512-B row; one arrival per copy). warp_specialized: one
+    CTA per (request, split, head tile) with a producer warpgroup issuing the row copies and
+    two consumer warpgroups (one per output column half) sharing the K tile; otherwise two
+    single-warpgroup CTAs (one per column half) each copy and dequantise every row."""
     H = q_BHD.shape[1]
     args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
-                              splits=splits, gather=gather)
+                              splits=splits, gather=gather, ctas_per_tile=1 if warp_specialized else 2)
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {tuple(SEMANTICS)}, got {semantics!r}")
-    o, lse = _attn_call(*args, NS=NS, gather=gather, semantics=semantics, interpret=interpret)
+    call = _attn_call_ws if warp_specialized else _attn_call
+    o, lse = call(*args, NS=NS, gather=gather, semantics=semantics, interpret=interpret)
     sink = args[-1]
     if NS == 1:
         out = o[0]
@@ -112,7 +119,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
-                   gather="direct"):
+                   gather="direct", ctas_per_tile=2):
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
     gather) -> (kernel args, NS)."""
     win_nope, win_scale, win_rope, win_pos = win
@@ -141,7 +148,7 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         sink = jnp.pad(sink, (0, HP - H))
     crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
     n_blk = meta.shape[1]
-    NS = splits or default_splits(B, HP, n_blk)
+    NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile)
     if gather == "staged":
         # Staging gather of the selected compressed rows (FP8 padded to 512 B, BF16 rope).
         cn = gather_rows_fp8(cmp_nope.reshape(-1, NOPE), crow)               # [B, KP, 448]
@@ -153,174 +160,337 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
     return (q, wn, wr, cn, cr, crow, meta, n_blocks, sink), NS
 
 
+WG = plgpu.Layout.WGMMA
+ROW, COL = WG.reduce(1), WG.reduce(0)
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+NCH = NOPE // 64          # 64-byte chunks of a stored nope row
+N_ROW_COPIES = 2 * BLK + 1  # copies per block gathered row by row (nope, rope per key + meta)
+
+
+def _issuer(b, g_refs, s_refs, direct):
+    """-> issue(g, slot, wbar, cbar): start the copies of key block g into buffer slot.
+    Window blocks complete wbar (N_ROW_COPIES arrivals), compressed blocks cbar
+    (N_ROW_COPIES if direct else 3)."""
+    wn_g, wr_g, cn_g, cr_g, crow_g, meta_g = g_refs
+    n_s, r_s, m_s = s_refs
+
+    def copy_rows(rows, nope_g, rope_g, slot, bar):
+        # One row = an [8, 64] box of 64-byte chunks from chunk 7 * row: the row's 448
+        # bytes plus the next row's first 64 (a multiple of 128 bytes, as the copy needs;
+        # past the pool's end the tensor copy fills zeros). SMEM rows are 512 B apart, so
+        # every destination is 128-byte aligned.
+        for j, row in enumerate(rows):
+            plgpu.copy_gmem_to_smem(nope_g.at[pl.ds(row * NCH, 8)], n_s.at[slot, j], bar)
+            plgpu.copy_gmem_to_smem(rope_g.at[pl.ds(row, 1)], r_s.at[slot, pl.ds(j, 1)], bar)
+
+    def issue(g, slot, wbar, cbar):
+        @pl.when(g < NW)
+        def _():   # window ring: this request's rows b*128 + g*64 + j
+            copy_rows([b * WINDOW + g * BLK + j for j in range(BLK)], wn_g, wr_g, slot,
+                      wbar.at[slot])
+            plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], wbar.at[slot])
+
+        @pl.when(g >= NW)
+        def _():
+            base = (g - NW) * BLK
+            if direct:
+                # All 64 row ids are loaded before the first copy is issued, so their
+                # latencies overlap instead of adding up.
+                copy_rows([crow_g[b, base + j] for j in range(BLK)], cn_g, cr_g, slot,
+                          cbar.at[slot])
+            else:
+                keys = pl.ds(base, BLK)
+                plgpu.copy_gmem_to_smem(cn_g.at[b, keys], n_s.at[slot], cbar.at[slot])
+                plgpu.copy_gmem_to_smem(cr_g.at[b, keys], r_s.at[slot], cbar.at[slot])
+            plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], cbar.at[slot])
+    return issue
+
+
+def _wait_block(g, slot, wbar, cbar):
+    @pl.when(g < NW)
+    def _():
+        plgpu.barrier_wait(wbar.at[slot])
+
+    @pl.when(g >= NW)
+    def _():
+        plgpu.barrier_wait(cbar.at[slot])
+
+
+def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope):
+    """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is."""
+    for j in chunks:
+        # 512-B row stride: bank conflicts, accepted (optimized=False allows them).
+        x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
+        e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
+        f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
+        kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
+        k_s[:, pl.ds(j * 64, 64)] = kx.astype(jnp.bfloat16)
+    if rope:
+        k_s[:, pl.ds(NOPE, ROPE)] = plgpu.load(r_s.at[slot], layout=WG, optimized=False)
+
+
+def _bias(m_s, slot):
+    """0 / -inf per key of the block, from the validity byte (COL layout)."""
+    ok = plgpu.load(m_s.at[slot, 7], layout=COL).astype(jnp.int32)
+    return jnp.where(ok != 0, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
+    """S = q K^T / sqrt(512) + bias, online-softmax update; P (bf16) -> p_s."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_s, k_s.T)
+        return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)) * (1.0 / math.sqrt(D))
+    s = s + lax.broadcast_in_dim(bias, s.shape, [1])
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p_s[...] = p.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    return m_new, l, acc
+
+
+def _pv(p_s, k_s, c):
+    """P V for output column half c (dynamic): [64 heads, 256] f32."""
+    def half(h):
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, p_s, k_s.at[:, pl.ds(h * (D // 2), D // 2)])
+            return acc_ref[...]
+        return lambda: pl.run_scoped(f, plgpu.ACC((HT, D // 2), jnp.float32))
+    return lax.cond(c == 0, half(0), half(1))
+
+
+def _init_carry():
+    m0 = plgpu.layout_cast(jnp.full((HT,), -jnp.inf, jnp.float32), ROW)
+    l0 = plgpu.layout_cast(jnp.full((HT,), 0.0, jnp.float32), ROW)
+    a0 = plgpu.layout_cast(jnp.full((HT, D // 2), 0.0, jnp.float32), WG)
+    return a0, m0, l0
+
+
+def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
+    """Normalise (sink in the denominator when final, else emit lse) and store the half
+    [64 heads, 256] through q_s columns of half c."""
+    if final:
+        sk = plgpu.load(v_s, layout=ROW)
+        mm = jnp.maximum(m, sk)
+        den = l * jnp.exp(m - mm) + jnp.exp(sk - mm)
+        out = acc * lax.broadcast_in_dim(jnp.exp(m - mm) / den, acc.shape, [0])
+    else:
+        l_safe = jnp.where(l > 0, l, 1.0)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+
+    def store(h):
+        def f():
+            q_s[:, pl.ds(h * (D // 2), D // 2)] = out.astype(jnp.bfloat16)
+        return f
+    lax.cond(c == 0, store(0), store(1))
+    plgpu.commit_smem()
+    for r in range(HT // 8):   # 8-row strips of one half: contiguous in the tiled SMEM
+        for h in range(2):
+            @pl.when(c == h)
+            def _():
+                plgpu.copy_smem_to_gmem(q_s.at[pl.ds(r * 8, 8), pl.ds(h * (D // 2), D // 2)],
+                                        o_g.at[s_id, b, pl.ds(ht * HT + r * 8, 8),
+                                               pl.ds(h * (D // 2), D // 2)])
+    if not final:
+        @pl.when(c == 0)
+        def _():
+            v_s[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(v_s, lse_g.at[s_id, b, pl.ds(ht * HT, HT)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(p_copies):
+    return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
+            plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=TILED),            # k_s
+            plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),                  # n_s, 512 B/key
+            plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16),                        # r_s
+            plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
+            plgpu.SMEM((p_copies, HT, BLK), jnp.bfloat16, transforms=TILED),  # p_s
+            plgpu.SMEM((HT,), jnp.float32)]                                  # v_s: sink / lse
+
+
+def _out_types(NS, B, HP):
+    return (jax.ShapeDtypeStruct((NS, B, HP, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((NS, B, HP), jnp.float32))
+
+
+def _params(semantics):
+    # Barriers are placed by hand (commit_smem, mbarriers): the automatic ones would add a
+    # warpgroup barrier before each of the 129 copies of a block. No reduction scratch:
+    # the only reductions are within warps (rows of the WGMMA layout), and the
+    # warp-specialised kernel needs those 2 KB of SMEM.
+    return plgpu.CompilerParams(lowering_semantics=SEMANTICS[semantics],
+                                unsafe_no_auto_barriers=True, reduction_scratch_bytes=0)
+
+
 def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, semantics,
                interpret):
-    """wn [R*128*7, 64] / cn [NB*EPB*7, 64] (direct) are the FP8 rows as 64-byte chunks,
+    """Two single-warpgroup CTAs per (request, split, head tile), one per output column half.
+    wn [R*128*7, 64] / cn [NB*EPB*7, 64] (direct) are the FP8 rows as 64-byte chunks,
     wr [R*128, 64] / cr [NB*EPB, 64] the rope rows; staged: cn [B, KP, 8, 64], cr [B, KP, 64]."""
     B, HP, _ = q.shape
-    n_heads_t = HP // HT
     n_blk = meta.shape[1]
     bps = -(-n_blk // NS)
-    scale = 1.0 / math.sqrt(D)
-    final = NS == 1
     direct = gather == "direct"
-    WG = plgpu.Layout.WGMMA
-    ROW, COL = WG.reduce(1), WG.reduce(0)
-    tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    NCH = NOPE // 64          # 64-byte chunks of a stored nope row
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g,
                q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar):
-        b = lax.axis_index("b")
-        s_id = lax.axis_index("s")
-        ht = lax.axis_index("h")
-        c = lax.axis_index("c")
-        heads = pl.ds(ht * HT, HT)
+        b, s_id = lax.axis_index("b"), lax.axis_index("s")
+        ht, c = lax.axis_index("h"), lax.axis_index("c")
         g0 = s_id * bps
         n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
-
-        def copy_rows(rows, nope_g, rope_g, slot, bar):
-            # One row = an [8, 64] box of 64-byte chunks from chunk 7 * row: the row's 448
-            # bytes plus the next row's first 64 (a multiple of 128 bytes, as the copy
-            # needs; past the pool's end the tensor copy fills zeros). SMEM rows are 512 B
-            # apart, so every destination is 128-byte aligned.
-            for j, row in enumerate(rows):
-                plgpu.copy_gmem_to_smem(nope_g.at[pl.ds(row * NCH, 8)], n_s.at[slot, j], bar)
-                plgpu.copy_gmem_to_smem(rope_g.at[pl.ds(row, 1)], r_s.at[slot, pl.ds(j, 1)], bar)
-
-        def issue(g, slot):
-            @pl.when(g < NW)
-            def _():   # window ring: this request's rows b*128 + g*64 + j
-                copy_rows([b * WINDOW + g * BLK + j for j in range(BLK)], wn_g, wr_g, slot,
-                          wbar.at[slot])
-                plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], wbar.at[slot])
-
-            @pl.when(g >= NW)
-            def _():
-                base = (g - NW) * BLK
-                if direct:
-                    # All 64 row ids are loaded before the first copy is issued, so their
-                    # latencies overlap instead of adding up.
-                    copy_rows([crow_g[b, base + j] for j in range(BLK)], cn_g, cr_g, slot,
-                              cbar.at[slot])
-                else:
-                    keys = pl.ds(base, BLK)
-                    plgpu.copy_gmem_to_smem(cn_g.at[b, keys], n_s.at[slot], cbar.at[slot])
-                    plgpu.copy_gmem_to_smem(cr_g.at[b, keys], r_s.at[slot], cbar.at[slot])
-                plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], cbar.at[slot])
-
-        plgpu.copy_gmem_to_smem(q_g.at[b, heads], q_s, qbar)
-        plgpu.copy_gmem_to_smem(sink_g.at[heads], v_s, qbar)
+        issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s), direct)
+        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
+        plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
         @pl.when(n_load > 0)
         def _():
-            issue(g0, 0)
+            issue(g0, 0, wbar, cbar)
         plgpu.barrier_wait(qbar)
-
-        m0 = plgpu.layout_cast(jnp.full((HT,), -jnp.inf, jnp.float32), ROW)
-        l0 = plgpu.layout_cast(jnp.full((HT,), 0.0, jnp.float32), ROW)
-        a0 = plgpu.layout_cast(jnp.full((HT, D // 2), 0.0, jnp.float32), WG)
 
         def body(i, carry):
             acc, m, l = carry
             slot = lax.rem(i, 2)
             g = g0 + i
             # Every thread is done with the previous step's SMEM reads (n_s / k_s / p_s)
-            # before this step's copies and stores (no automatic barriers, see below).
+            # before this step's copies and stores.
             plgpu.commit_smem()
 
             @pl.when(i + 1 < n_load)
             def _():
-                issue(g + 1, 1 - slot)
-
-            @pl.when(g < NW)
-            def _():
-                plgpu.barrier_wait(wbar.at[slot])
-
-            @pl.when(g >= NW)
-            def _():
-                plgpu.barrier_wait(cbar.at[slot])
-
-            # Dequantise: K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16), rope as is.
-            for j in range(NCH):
-                # 512-B row stride: bank conflicts, accepted (optimized=False allows them).
-                x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
-                e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
-                f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
-                kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
-                k_s[:, pl.ds(j * 64, 64)] = kx.astype(jnp.bfloat16)
-            k_s[:, pl.ds(NOPE, ROPE)] = plgpu.load(r_s.at[slot], layout=WG, optimized=False)
-            ok = plgpu.load(m_s.at[slot, 7], layout=COL).astype(jnp.int32)
-            bias = jnp.where(ok != 0, 0.0, -jnp.inf).astype(jnp.float32)
+                issue(g + 1, 1 - slot, wbar, cbar)
+            _wait_block(g, slot, wbar, cbar)
+            _dequant(n_s, r_s, m_s, k_s, slot, range(NCH), True)
+            bias = _bias(m_s, slot)
             plgpu.commit_smem()
+            m, l, acc = _scores_softmax(q_s, k_s, p_s.at[0], bias, m, l, acc)
+            return acc + _pv(p_s.at[0], k_s, c), m, l
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_s, k_s.T)
-                return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)) * scale
-            s = s + lax.broadcast_in_dim(bias, s.shape, [1])
-            m_new = jnp.maximum(m, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
-            alpha = jnp.exp(m - m_safe)
-            p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p_s[...] = p.astype(jnp.bfloat16)
-            plgpu.commit_smem()
-
-            def pv(half):
-                def f(acc_ref):
-                    plgpu.wgmma(acc_ref, p_s, k_s.at[:, pl.ds(half * (D // 2), D // 2)])
-                    return acc_ref[...]
-                return lambda: pl.run_scoped(f, plgpu.ACC((HT, D // 2), jnp.float32))
-            acc = acc + lax.cond(c == 0, pv(0), pv(1))
-            return acc, m_new, l
-
-        acc, m, l = lax.fori_loop(0, n_load, body, (a0, m0, l0))
-        if final:
-            sk = plgpu.load(v_s, layout=ROW)
-            mm = jnp.maximum(m, sk)
-            den = l * jnp.exp(m - mm) + jnp.exp(sk - mm)
-            out = acc * lax.broadcast_in_dim(jnp.exp(m - mm) / den, acc.shape, [0])
-        else:
-            l_safe = jnp.where(l > 0, l, 1.0)
-            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
         plgpu.commit_smem()   # the last step's wgmma reads of q_s are done
-        q_s[:, pl.ds(0, D // 2)] = out.astype(jnp.bfloat16)   # q no longer needed: staging
-        plgpu.commit_smem()
-        for r in range(HT // 8):   # 8-row strips of the left half: contiguous in the tiled SMEM
-            plgpu.copy_smem_to_gmem(q_s.at[pl.ds(r * 8, 8), pl.ds(0, D // 2)],
-                                    o_g.at[s_id, b, pl.ds(ht * HT + r * 8, 8),
-                                           pl.ds(c * (D // 2), D // 2)])
-        if not final:
-            @pl.when(c == 0)
-            def _():
-                v_s[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(v_s, lse_g.at[s_id, b, heads])
-        plgpu.wait_smem_to_gmem(0)
+        _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
 
-    n_rows = 2 * BLK + 1                   # copies per block, row by row
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((NS, B, HP, D), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((NS, B, HP), jnp.float32)),
-        grid=(B, NS, n_heads_t, 2), grid_names=("b", "s", "h", "c"),
-        scratch_types=dict(
-            q_s=plgpu.SMEM((HT, D), jnp.bfloat16, transforms=tr),
-            k_s=plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=tr),
-            n_s=plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),   # 512 B per key, plain
-            r_s=plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16),
-            m_s=plgpu.SMEM((2, 8, BLK), jnp.uint8),
-            p_s=plgpu.SMEM((HT, BLK), jnp.bfloat16, transforms=tr),
-            v_s=plgpu.SMEM((HT,), jnp.float32),
-            qbar=plgpu.Barrier(num_arrivals=2),
-            wbar=plgpu.Barrier(num_arrivals=n_rows, num_barriers=2),
-            cbar=plgpu.Barrier(num_arrivals=n_rows if direct else 3, num_barriers=2),
-        ),
-        # Barriers are placed by hand (commit_smem): the automatic ones would add a
-        # warpgroup barrier before each of the 129 copies of a block.
-        compiler_params=plgpu.CompilerParams(lowering_semantics=SEMANTICS[semantics],
-                                             unsafe_no_auto_barriers=True),
+        out_type=_out_types(NS, B, HP),
+        grid=(B, NS, HP // HT, 2), grid_names=("b", "s", "h", "c"),
+        scratch_types=(*_scratch(1),
+                       plgpu.Barrier(num_arrivals=2),
+                       plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
+                       plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2)),
+        compiler_params=_params(semantics),
+        interpret=interpret,
+    )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
+
+
+def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, semantics,
+                  interpret):
+    """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
+    issues the row copies (double-buffered, released by the consumers' `free` barrier);
+    wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
+    0-3 / chunks 4-6 + rope), meet on `kfull` before the scores (both compute the same
+    full scores) and on `kfree` once both P V products have read the tile."""
+    B, HP, _ = q.shape
+    n_blk = meta.shape[1]
+    bps = -(-n_blk // NS)
+    direct = gather == "direct"
+
+    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g):
+        b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
+        wg = lax.axis_index("wg")
+        g0 = s_id * bps
+        n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
+
+        def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree):
+            @pl.when(wg == 2)
+            def _producer():
+                plgpu.set_max_registers(40, action="decrease")
+                issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s),
+                                direct)
+                plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
+                plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
+
+                def release(i):   # block i's buffers are free again (consumers done)
+                    slot = lax.rem(i, 2)
+                    # Observing the (long completed) copy barrier too is free on the GPU;
+                    # the interpreter wants every phase seen by every warpgroup using it.
+                    _wait_block(g0 + i, slot, wbar, cbar)
+                    plgpu.barrier_wait(free.at[slot])
+
+                @pl.loop(0, n_load)
+                def _(i):
+                    @pl.when(i >= 2)
+                    def _():
+                        release(i - 2)
+                    issue(g0 + i, lax.rem(i, 2), wbar, cbar)
+
+                for k in (2, 1):
+                    @pl.when(n_load >= k)
+                    def _():
+                        release(n_load - k)
+                plgpu.barrier_wait(qbar)
+
+            @pl.when(wg < 2)
+            def _consumer():
+                plgpu.set_max_registers(232, action="increase")
+                c = wg
+                plgpu.barrier_wait(qbar)
+
+                def body(i, carry):
+                    acc, m, l = carry
+                    slot = lax.rem(i, 2)
+                    _wait_block(g0 + i, slot, wbar, cbar)
+
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(kfree)   # both P V of block i-1 read k_s
+
+                    @pl.when(c == 0)
+                    def _():
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False)
+
+                    @pl.when(c == 1)
+                    def _():
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True)
+                    bias = _bias(m_s, slot)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(free.at[slot])
+                    plgpu.barrier_arrive(kfull)
+                    plgpu.barrier_wait(kfull)
+                    m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
+                    acc = acc + _pv(p_s.at[c], k_s, c)
+                    plgpu.barrier_arrive(kfree)
+                    return acc, m, l
+
+                acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
+
+                @pl.when(n_load > 0)
+                def _():
+                    plgpu.barrier_wait(kfree)   # both are done reading q_s
+                _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
+
+        pl.run_scoped(
+            scoped,
+            *_scratch(2),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
+            plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),    # free
+            plgpu.Barrier(num_arrivals=2),                    # kfull
+            plgpu.Barrier(num_arrivals=2),                    # kfree
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        kernel,
+        out_type=_out_types(NS, B, HP),
+        grid=(B, NS, HP // HT), grid_names=("b", "s", "h"),
+        num_threads=3, thread_name="wg",
+        compiler_params=_params(semantics),
         interpret=interpret,
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
