@@ -7,6 +7,7 @@ with kernels off and on (or interpreted on CPU) and compares the logits."""
 import argparse
 import copy
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -20,10 +21,10 @@ from dsv4_jax.quant import Numerics
 
 
 def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
-        random_cache=False, matmul="xla"):
+        random_cache=False, matmul="xla", act_quant=True):
     """Pure-JAX step vs the step with cache kernels `kernels` ("on" | "interpret" | "off")
     and quantised matmuls `matmul` ("xla" | "pallas" | "interpret")."""
-    nm = Numerics(act_quant=True, dtype="bfloat16")
+    nm = Numerics(act_quant=act_quant, dtype="bfloat16")
     mb = -(-(ctx + steps + 1) // 128)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
     base = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=chunk)
@@ -79,6 +80,9 @@ if __name__ == "__main__":
                     help="cache kernels of the tested side")
     ap.add_argument("--matmul", choices=["xla", "pallas"], default="xla",
                     help="quantised matmuls of the tested side")
+    ap.add_argument("--act-quant", choices=["on", "off"], nargs="+", default=["on"],
+                    help="off: bf16 without the FP8 activation simulation (whose rounding "
+                         "amplifies summation-order differences to ~5-10%%)")
     a = ap.parse_args()
     cfg = config.get_preset(a.preset)
     if a.preset != "tiny":
@@ -88,12 +92,11 @@ if __name__ == "__main__":
         params = P.init_params_device(cfg, 0)
     else:
         params = P.init_params(cfg, 0)
-    for B in a.batch:
-        for ctx in a.context:
-            kern = a.kernels if a.kernels == "off" or not a.interpret else "interpret"
-            mm = "interpret" if a.interpret and a.matmul != "xla" else a.matmul
-            r = run(cfg, params, B, ctx, a.steps, kern, chunk=a.chunk,
-                    timing=not a.interpret, random_cache=a.random_cache, matmul=mm)
-            print(f"{cfg.name} L={cfg.num_hidden_layers} kernels={kern} matmul={mm} " + " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
-                flush=True)
+    for aq, B, ctx in itertools.product(a.act_quant, a.batch, a.context):
+        kern = a.kernels if a.kernels == "off" or not a.interpret else "interpret"
+        mm = "interpret" if a.interpret and a.matmul != "xla" else a.matmul
+        r = run(cfg, params, B, ctx, a.steps, kern, chunk=a.chunk, timing=not a.interpret,
+                random_cache=a.random_cache, matmul=mm, act_quant=aq == "on")
+        print(f"{cfg.name} L={cfg.num_hidden_layers} kernels={kern} matmul={mm} "
+              f"act_quant={aq} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
+                                            f"{k}={v}" for k, v in r.items()), flush=True)
