@@ -120,3 +120,26 @@ def test_head_logits_split_equals_float64():
     one_part = np.asarray(jnp.einsum("...d,vd->...v", y.astype(jnp.bfloat16), W,
                                      preferred_element_type=jnp.float32))
     assert np.abs(one_part - ref).max() > 10 * np.abs(got - ref).max()  # the split matters
+
+
+def test_flash_decode_step_lowers_for_cuda_with_matmul_kernels():
+    """Full-width Flash layers (SWA + CSA + HCA) with the weight-streaming kernels lower for
+    CUDA on this CPU machine; layers of equal shapes share one lowered kernel each."""
+    import functools
+    import re
+    from dsv4_jax.cache import CacheSpec, cache_structs
+    from dsv4_jax.decode import step
+    cfg = config.get_preset("flash")
+    cfg = cfg.replace(num_hidden_layers=4, compress_ratios=(0, 0, 4, 128, 0), num_hash_layers=0)
+    nm = Numerics(True, "bfloat16", matmul="pallas")
+    B, mb = 2, 33
+    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
+    txt = f.trace(P.abstract_params(cfg, include_mtp=False), cache_structs(cfg, cs), i32(B, 1),
+                  i32(B), i32(B), i32(B), i32(B, mb)).lower(
+                      lowering_platforms=("cuda",)).as_text()
+    kernels = re.findall(r"stablehlo.custom_call @mosaic_gpu", txt)
+    # distinct (format, shape) kernels: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3 (one),
+    # shared w2, indexer wq_b, experts w1/w3 (one), experts w2 -> at most ~10, not 4 x that
+    assert 6 <= len(kernels) <= 12, len(kernels)
