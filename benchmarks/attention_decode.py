@@ -34,24 +34,26 @@ from pallas_kernels.sparse_decode_attention import reference as AR
 MB = 1 << 20
 MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
 VARIANTS = {   # name -> kernel keyword arguments
-    "ws-lane": dict(gather="direct", semantics="lane", warp_specialized=True),
     "ws-wg": dict(gather="direct", semantics="warpgroup", warp_specialized=True),
-    "direct-lane": dict(gather="direct", semantics="lane"),
     "direct-wg": dict(gather="direct", semantics="warpgroup"),
+    "ws-lane": dict(gather="direct", semantics="lane", warp_specialized=True),
+    "direct-lane": dict(gather="direct", semantics="lane"),
     "staged": dict(gather="staged", semantics="lane"),
 }
 
 
-def bench(fn, sets, reps=5):
-    """Median seconds per call of fn over the input sets (one jit runs them all)."""
+def bench(fn, sets, reps=5, want_out=False):
+    """Median seconds per call of fn over the input sets (one jit runs them all)
+    [, fn's output on sets[0] from the same compiled program]."""
     many = jax.jit(lambda ss: [fn(*s) for s in ss])
-    jax.block_until_ready(many(sets))
+    first = jax.block_until_ready(many(sets))[0]
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(many(sets))
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / len(sets)
+    t = statistics.median(ts) / len(sets)
+    return (t, first) if want_out else t
 
 
 def copy_bandwidth():
@@ -111,7 +113,21 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def run_case(model, mode, B, ctx, variants, bw, log):
+def breakdown(sets, kw, interpret=None):
+    """(XLA side alone, Mosaic kernel alone) seconds per call for one variant."""
+    ws = kw.get("warp_specialized", False)
+    pkw = dict(gather=kw["gather"], semantics=kw["semantics"], ctas_per_tile=1 if ws else 2)
+    prep = jax.jit(lambda *x: AK.prepare_inputs(*x, **pkw))
+    t_prep = bench(lambda *x: AK.prepare_inputs(*x, **pkw)[0], sets)
+    prepped = [prep(*s) for s in sets]
+    NS = int(prepped[0][1])
+    call = AK._attn_call_ws if ws else AK._attn_call
+    t_kern = bench(lambda *a: call(*a, NS=NS, gather=kw["gather"], semantics=kw["semantics"],
+                                   interpret=interpret), [p[0] for p in prepped])
+    return t_prep, t_kern
+
+
+def run_case(model, mode, B, ctx, variants, bw, log, split_times=False):
     H, topk = MODELS[model]
     K = topk if mode == "csa" else ctx // 128
     EPB = 32 if mode == "csa" else 1
@@ -123,8 +139,8 @@ def run_case(model, mode, B, ctx, variants, bw, log):
     n_valid = int(jnp.sum(a[4] >= 0)) + int(jnp.sum(
         (a[1][3][:B] >= 0) & (a[1][3][:B] <= a[5][:, None]) & (a[1][3][:B] >= a[5][:, None] - 127)))
     op_bytes = n_valid * 584 + 2 * B * H * 512 * 2
-    ref = np.asarray(jax.jit(AR.sparse_decode_attention_reference)(*a)).astype(np.float32)
-    t_ref = bench(AR.sparse_decode_attention_reference, sets, reps=3)
+    t_ref, ref = bench(AR.sparse_decode_attention_reference, sets, reps=3, want_out=True)
+    ref = np.asarray(ref).astype(np.float32)
     row = dict(model=model, mode=mode, B=B, H=H, ctx=ctx, K=K, MB=op_bytes / MB, ref_us=t_ref * 1e6,
                splits=AK.default_splits(B, H, (128 + -(-K // 64) * 64) // 64))
     outs = {}
@@ -132,12 +148,16 @@ def run_case(model, mode, B, ctx, variants, bw, log):
         kw = VARIANTS[name]
         f = lambda *x, kw=kw: AK.sparse_decode_attention(*x, **kw)
         try:
-            out = np.asarray(jax.jit(f)(*a)).astype(np.float32)
+            t, out = bench(f, sets, want_out=True)
+            out = np.asarray(out).astype(np.float32)
             outs[name] = out
-            t = bench(f, sets)
             row[name] = dict(us=t * 1e6, GBs=op_bytes / t / 1e9, pct=100 * op_bytes / t / bw,
                              rel_err=rel_err(out, ref), finite=bool(np.isfinite(out).all()),
                              speedup_ref=t_ref / t)
+            if split_times:
+                tp, tk = breakdown(sets, kw)
+                row[name].update(xla_us=tp * 1e6, kernel_us=tk * 1e6,
+                                 kernel_GBs=op_bytes / tk / 1e9, kernel_pct=100 * op_bytes / tk / bw)
         except Exception as e:   # keep going: the failure is reported in the table
             row[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if "staged" in outs:
@@ -164,15 +184,18 @@ def best_variant(rows, variants):
 
 
 def cases():
-    """(model, mode, B, ctx, with_all_variants) in priority order."""
-    first = [("flash", "csa", B, 32768, True) for B in (64, 1)]
-    first += [("pro", "csa", 64, 32768, True), ("flash", "hca", 64, 131072, True)]
-    rest = []
+    """(model, mode, B, ctx, with_all_variants) in priority order: one case with every
+    variant, then the key shapes, then the rest of the grid."""
+    first = [("flash", "csa", 64, 32768, True)]
+    key = [("pro", "csa", 64, 32768), ("flash", "hca", 64, 131072), ("flash", "csa", 1, 32768),
+           ("flash", "csa", 8, 32768), ("pro", "hca", 64, 131072), ("flash", "csa", 64, 131072),
+           ("flash", "csa", 32, 32768), ("pro", "csa", 1, 32768), ("flash", "hca", 1, 131072)]
+    rest = [(*k, False) for k in key]
     for B in (64, 8, 1, 32):
         for ctx in (131072, 4096, 32768):
             for mode in ("csa", "hca"):
                 for model in ("flash", "pro"):
-                    if (model, mode, B, ctx, True) not in first:
+                    if (model, mode, B, ctx) not in key and (model, mode, B, ctx, True) not in first:
                         rest.append((model, mode, B, ctx, False))
     return first + rest
 
@@ -232,6 +255,9 @@ def fmt_table(rows, variants, bw):
             else:
                 s = f"{d['us']:.1f} ({d['GBs']:.0f}, {d['pct']:.0f}%, {d['speedup_ref']:.2f}x"
                 s += f", {d['speedup_staged']:.2f}x)" if "speedup_staged" in d else ")"
+                if "kernel_us" in d:
+                    s += (f"; XLA side {d['xla_us']:.1f} + kernel {d['kernel_us']:.1f} us"
+                          f" ({d['kernel_GBs']:.0f} GB/s, {d['kernel_pct']:.0f}%)")
                 cells.append(s)
                 errs.append(d["rel_err"] if d["finite"] else float("inf"))
         err = f"{max(errs):.1e}" if errs else "-"
@@ -245,6 +271,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget", type=float, default=180.0, help="seconds for the case loop")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--trusted", default="", help="variants already checked: no smoke test")
+    ap.add_argument("--split-first", action="store_true",
+                    help="XLA-side / kernel-alone times for the first case")
     ap.add_argument("--skip", type=int, default=0, help="skip the first N cases (resume)")
     ap.add_argument("--default", default=None, help="variant for the non-first cases")
     ap.add_argument("--smoke", default=None, help=argparse.SUPPRESS)
@@ -252,7 +281,8 @@ def main():
     if args.smoke:
         return smoke(args.smoke.split(","))
     t_start = time.time()
-    variants = smoke_all(args.variants.split(","))   # before this process takes the GPU
+    trusted = [v for v in args.variants.split(",") if v in args.trusted.split(",")]
+    variants = smoke_all([v for v in args.variants.split(",") if v not in trusted]) + trusted
     print(f"smoke done in {time.time() - t_start:.0f} s; variants: {variants}", flush=True)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     bws = copy_bandwidth()
@@ -268,7 +298,8 @@ def main():
         vs = variants if full else [args.default or best_variant(rows, variants)]
         vs = [v for v in vs if v]
         try:
-            rows.append(run_case(model, mode, B, ctx, vs, bw, log))
+            rows.append(run_case(model, mode, B, ctx, vs, bw, log,
+                                 split_times=args.split_first and not rows))
             print(json.dumps(rows[-1]), flush=True)
         except Exception as e:
             print(f"case {model} {mode} B={B} ctx={ctx}: {type(e).__name__}: {e}"[:1000], flush=True)

@@ -65,19 +65,21 @@ def test_reference_matches_numpy():
         assert rel_err(ref[b], o) < 5e-3
 
 
-@pytest.mark.parametrize("gather,splits,ws", [("direct", 1, True), ("direct", 2, False),
-                                              ("staged", 1, False)])
-def test_kernel_matches_reference(gather, splits, ws):
+@pytest.mark.parametrize("gather,splits,ws,sem", [("direct", 1, True, "lane"),
+                                                  ("direct", 2, False, "lane"),
+                                                  ("direct", 1, True, "warpgroup"),
+                                                  ("staged", 1, False, "lane")])
+def test_kernel_matches_reference(gather, splits, ws, sem):
     args = make_inputs(1)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws)
+    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws, semantics=sem)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("ws", [True, False])
-def test_kernel_direct_pool_edges_and_holes(ws):
+@pytest.mark.parametrize("ws,sem", [(True, "lane"), (False, "lane"), (True, "warpgroup")])
+def test_kernel_direct_pool_edges_and_holes(ws, sem):
     # Direct gather: each row is copied as a 512-byte box that also covers the next row's
     # first 64 bytes, so the pool's LAST row (zero-filled past the end) and the window
     # ring's last row are included; -1 holes sit between valid ids and one request has a
@@ -96,7 +98,7 @@ def test_kernel_direct_pool_edges_and_holes(ws):
     idx[b_last, 3 if b_last == 0 else 120] = i_last * EPB + EPB - 1   # the pool's last row
     args = (q, win, cmp, bt, jnp.asarray(idx), t, sink)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws)
+    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws, semantics=sem)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
 
@@ -123,6 +125,9 @@ def test_bad_inputs_raise():
         K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="xla")
     with pytest.raises(ValueError, match="semantics"):
         K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, semantics="thread")
+    with pytest.raises(ValueError, match="warpgroup"):
+        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="staged",
+                                  semantics="warpgroup")
     with pytest.raises(ValueError, match="cmp_rope"):
         K.sparse_decode_attention(q, win, (cmp[0], cmp[1], cmp[2][:, :, :32]), bt, idx, t, sink)
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import layout_inference as _mgpu_layout_inference
 
 WINDOW = 128
 D = 512
@@ -43,6 +44,26 @@ BLK = 64        # keys per step (the reference's online-softmax block)
 HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged")
+
+
+def _skip_rank_deficient_tilings(conjure):
+    """Workaround for jax 0.11.2's Mosaic layout inference: a register load from an SMEM
+    view whose Divides constraint has rank < 2 (e.g. a 2-D view reshaped from a flat
+    buffer: no tiling may apply) crashes `_conjure_transforms_for_smem_ref` with an
+    IndexError (it indexes tiling[1]). Such a view admits no tiling at all, so yielding
+    no candidate is the correct answer; every other case is passed through unchanged."""
+    def wrapped(variable, divide_constraints_per_var):
+        d = divide_constraints_per_var.get(variable)
+        if d is not None and len(d.tiling_multiple) < 2:
+            return iter(())
+        return conjure(variable, divide_constraints_per_var)
+    wrapped._dsv4_wrapped = True
+    return wrapped
+
+
+if not getattr(_mgpu_layout_inference._conjure_transforms_for_smem_ref, "_dsv4_wrapped", False):
+    _mgpu_layout_inference._conjure_transforms_for_smem_ref = _skip_rank_deficient_tilings(
+        _mgpu_layout_inference._conjure_transforms_for_smem_ref)
 SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -93,17 +114,21 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
     (rows copied from the pool in-kernel) or "staged" (XLA staging gather, to compare).
-    semantics: Mosaic lowering, "lane" (SMEM exactly as declared, un-swizzled row buffers;
-    each copy arrives on its barrier from all 128 threads) or "warpgroup" (layout inference
-    swizzles the row buffers per 512-B row; one arrival per copy). warp_specialized: one
+    semantics: Mosaic lowering. "lane": SMEM exactly as declared; a row is a tensor-TMA
+    [8, 64]-byte box (448 B + 64 B over-read) into 512-B SMEM rows; each copy arrives on
+    its barrier from all 128 threads. "warpgroup": flat row buffers (no tiling can be
+    inferred for them) and plain 448-B bulk copies; one arrival per copy. warp_specialized: one
     CTA per (request, split, head tile) with a producer warpgroup issuing the row copies and
     two consumer warpgroups (one per output column half) sharing the K tile; otherwise two
     single-warpgroup CTAs (one per column half) each copy and dequantise every row."""
     H = q_BHD.shape[1]
-    args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
-                              splits=splits, gather=gather, ctas_per_tile=1 if warp_specialized else 2)
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {tuple(SEMANTICS)}, got {semantics!r}")
+    if semantics == "warpgroup" and gather != "direct":
+        raise ValueError('semantics="warpgroup" is implemented for gather="direct" only')
+    args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
+                              splits=splits, gather=gather, semantics=semantics,
+                              ctas_per_tile=1 if warp_specialized else 2)
     call = _attn_call_ws if warp_specialized else _attn_call
     o, lse = call(*args, NS=NS, gather=gather, semantics=semantics, interpret=interpret)
     sink = args[-1]
@@ -119,7 +144,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
-                   gather="direct", ctas_per_tile=2):
+                   gather="direct", ctas_per_tile=2, semantics="lane"):
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
     gather) -> (kernel args, NS)."""
     win_nope, win_scale, win_rope, win_pos = win
@@ -154,9 +179,14 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         cn = gather_rows_fp8(cmp_nope.reshape(-1, NOPE), crow)               # [B, KP, 448]
         cn = jnp.pad(cn, ((0, 0), (0, 0), (0, 64))).reshape(B, -1, 8, 64)
         cr = cmp_rope.reshape(-1, ROPE)[crow]                                 # [B, KP, 64]
-    else:   # the pools as flat arrays of 64-byte chunks / rope rows (free reshapes)
+    elif semantics == "lane":   # the pools as 64-byte chunks / rope rows (free reshapes)
         cn, cr = cmp_nope.reshape(-1, 64), cmp_rope.reshape(-1, ROPE)
-    wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
+    else:                       # the pools as rows
+        cn, cr = cmp_nope.reshape(-1, NOPE), cmp_rope.reshape(-1, ROPE)
+    if semantics == "lane":
+        wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
+    else:   # as stored: a window block is one bulk copy
+        wn, wr = win_nope, win_rope
     return (q, wn, wr, cn, cr, crow, meta, n_blocks, sink), NS
 
 
@@ -167,14 +197,20 @@ NCH = NOPE // 64          # 64-byte chunks of a stored nope row
 N_ROW_COPIES = 2 * BLK + 1  # copies per block gathered row by row (nope, rope per key + meta)
 
 
-def _issuer(b, g_refs, s_refs, direct):
+def _issuer(b, g_refs, s_refs, direct, flat):
     """-> issue(g, slot, wbar, cbar): start the copies of key block g into buffer slot.
-    Window blocks complete wbar (N_ROW_COPIES arrivals), compressed blocks cbar
-    (N_ROW_COPIES if direct else 3)."""
+    Compressed blocks complete cbar (N_ROW_COPIES arrivals if direct else 3); window
+    blocks complete wbar (N_ROW_COPIES arrivals, or 3 when flat)."""
     wn_g, wr_g, cn_g, cr_g, crow_g, meta_g = g_refs
     n_s, r_s, m_s = s_refs
+    plain = plgpu.OOBFillMode.PROMISE_IN_BOUNDS   # plain bulk copy, no tensor map
 
     def copy_rows(rows, nope_g, rope_g, slot, bar):
+        if flat:   # 448 + 128 B per row into un-tiled buffers (16-B alignment suffices)
+            for j, row in enumerate(rows):
+                plgpu.copy_gmem_to_smem(nope_g.at[row], n_s.at[slot, j], bar, oob_mode=plain)
+                plgpu.copy_gmem_to_smem(rope_g.at[row], r_s.at[slot, j], bar, oob_mode=plain)
+            return
         # One row = an [8, 64] box of 64-byte chunks from chunk 7 * row: the row's 448
         # bytes plus the next row's first 64 (a multiple of 128 bytes, as the copy needs;
         # past the pool's end the tensor copy fills zeros). SMEM rows are 512 B apart, so
@@ -186,8 +222,15 @@ def _issuer(b, g_refs, s_refs, direct):
     def issue(g, slot, wbar, cbar):
         @pl.when(g < NW)
         def _():   # window ring: this request's rows b*128 + g*64 + j
-            copy_rows([b * WINDOW + g * BLK + j for j in range(BLK)], wn_g, wr_g, slot,
-                      wbar.at[slot])
+            if flat:
+                keys = pl.ds(g * BLK, BLK)
+                plgpu.copy_gmem_to_smem(wn_g.at[b, keys], n_s.at[slot], wbar.at[slot],
+                                        oob_mode=plain)
+                plgpu.copy_gmem_to_smem(wr_g.at[b, keys], r_s.at[slot], wbar.at[slot],
+                                        oob_mode=plain)
+            else:
+                copy_rows([b * WINDOW + g * BLK + j for j in range(BLK)], wn_g, wr_g, slot,
+                          wbar.at[slot])
             plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], wbar.at[slot])
 
         @pl.when(g >= NW)
@@ -216,11 +259,14 @@ def _wait_block(g, slot, wbar, cbar):
         plgpu.barrier_wait(cbar.at[slot])
 
 
-def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope):
+def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, flat):
     """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is."""
     for j in chunks:
-        # 512-B row stride: bank conflicts, accepted (optimized=False allows them).
-        x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
+        # Row strides of 448 / 512 B: bank conflicts, accepted (optimized=False).
+        if flat:
+            x = plgpu.load(n_s.at[slot, :, pl.ds(j * 64, 64)], layout=WG, optimized=False)
+        else:
+            x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
         e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
         f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
         kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
@@ -304,11 +350,14 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(p_copies):
+def _scratch(p_copies, flat):
+    rows = ([plgpu.SMEM((2, BLK, NOPE), jnp.float8_e4m3fn),                 # n_s, 448 B/key
+             plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16)] if flat else          # r_s
+            [plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),                 # n_s, 512 B/key
+             plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16)])                      # r_s
     return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
             plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=TILED),            # k_s
-            plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),                  # n_s, 512 B/key
-            plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16),                        # r_s
+            *rows,
             plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
             plgpu.SMEM((p_copies, HT, BLK), jnp.bfloat16, transforms=TILED),  # p_s
             plgpu.SMEM((HT,), jnp.float32)]                                  # v_s: sink / lse
@@ -337,6 +386,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
     n_blk = meta.shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
+    flat = semantics == "warpgroup"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g,
                q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar):
@@ -344,7 +394,8 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
         ht, c = lax.axis_index("h"), lax.axis_index("c")
         g0 = s_id * bps
         n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
-        issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s), direct)
+        issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s), direct,
+                        flat)
         plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
         plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -365,7 +416,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
             def _():
                 issue(g + 1, 1 - slot, wbar, cbar)
             _wait_block(g, slot, wbar, cbar)
-            _dequant(n_s, r_s, m_s, k_s, slot, range(NCH), True)
+            _dequant(n_s, r_s, m_s, k_s, slot, range(NCH), True, flat)
             bias = _bias(m_s, slot)
             plgpu.commit_smem()
             m, l, acc = _scores_softmax(q_s, k_s, p_s.at[0], bias, m, l, acc)
@@ -379,9 +430,9 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
         kernel,
         out_type=_out_types(NS, B, HP),
         grid=(B, NS, HP // HT, 2), grid_names=("b", "s", "h", "c"),
-        scratch_types=(*_scratch(1),
+        scratch_types=(*_scratch(1, flat),
                        plgpu.Barrier(num_arrivals=2),
-                       plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
+                       plgpu.Barrier(num_arrivals=3 if flat else N_ROW_COPIES, num_barriers=2),
                        plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2)),
         compiler_params=_params(semantics),
         interpret=interpret,
@@ -399,6 +450,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
     n_blk = meta.shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
+    flat = semantics == "warpgroup"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g):
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
@@ -411,7 +463,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
                 issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s),
-                                direct)
+                                direct, flat)
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -452,11 +504,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
                     @pl.when(c == 0)
                     def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False)
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False, flat)
 
                     @pl.when(c == 1)
                     def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True)
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, flat)
                     bias = _bias(m_s, slot)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(free.at[slot])
@@ -476,9 +528,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
         pl.run_scoped(
             scoped,
-            *_scratch(2),
+            *_scratch(2, flat),
             plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
+            plgpu.Barrier(num_arrivals=3 if flat else N_ROW_COPIES, num_barriers=2),
             plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # free
             plgpu.Barrier(num_arrivals=2),                    # kfull
