@@ -24,6 +24,11 @@ def _add_model_args(ap):
     ap.add_argument("--max-blocks", type=int, default=16,
                     help="blocks per request (capacity = 128 x this)")
     ap.add_argument("--prefill-chunk", type=int, default=128)
+    ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                    help="Pallas cache/indexer/attention kernels in the decode step "
+                         "(auto: on for a Hopper GPU)")
+    ap.add_argument("--matmul", choices=["auto", "xla", "pallas"], default="auto",
+                    help="weight-streaming FP8/FP4 matmul kernels (auto: pallas on a Hopper GPU)")
 
 
 def _load_model(args):
@@ -39,13 +44,32 @@ def _load_model(args):
     return cfg, P.init_params(cfg, args.seed), None
 
 
+def _device_name() -> str:
+    import jax
+    return f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+
+
+def _on_hopper() -> bool:
+    """A CUDA device of compute capability 9.x: the kernels are built for sm_90a."""
+    import jax
+    d = jax.devices()[0]
+    return jax.default_backend() == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
+
+
 def _engine(args, cfg, params):
     from .cache import CacheSpec
     from .generate import Engine
     from .quant import Numerics
-    nm = Numerics(act_quant=args.act_quant == "on", dtype=args.dtype)
+    hopper = _on_hopper()
+    matmul = args.matmul if args.matmul != "auto" else "pallas" if hopper else "xla"
+    kernels = (args.kernels if args.kernels != "auto" else  # the kernels read FP8/FP4 caches
+               "on" if hopper and args.act_quant == "on" else "off")
+    if (matmul == "pallas" or kernels == "on") and not hopper:
+        raise SystemExit("--matmul pallas / --kernels on need a Hopper GPU (sm_90); "
+                         f"this run has {_device_name()}")
+    nm = Numerics(act_quant=args.act_quant == "on", dtype=args.dtype, matmul=matmul)
     cs = CacheSpec.for_numerics(nm, max_requests=args.max_requests, num_blocks=args.num_blocks,
-                                max_blocks=args.max_blocks)
+                                max_blocks=args.max_blocks, kernels=kernels)
     return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=args.prefill_chunk)
 
 

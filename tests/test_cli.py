@@ -43,3 +43,17 @@ def test_cli_end_to_end(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "tokens/s" in cap.err
     json.loads(cap.out.strip().splitlines()[-1])  # the parsed completion
+
+
+def test_kernel_flags_need_hopper(capsys):
+    """auto picks the pure-JAX paths off a Hopper GPU; asking for the kernels there fails
+    with a message naming the device."""
+    import jax
+    if jax.default_backend() == "gpu":
+        pytest.skip("CPU-only check")
+    msg = None
+    try:
+        cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "1", "--matmul", "pallas"])
+    except SystemExit as e:
+        msg = str(e.code)
+    assert msg and "Hopper" in msg and "cpu" in msg
