@@ -13,8 +13,13 @@ or hangs is dropped, the rest still run). Then, per case (model, mode, B, contex
    the best copy bandwidth measured in the same run;
  - speedup = XLA path (reference.py over the dequantised gathered rows, the kernels-off
    path) / kernel, and staged (the previous version: XLA staging gather + kernel) / direct.
-Cases run in priority order until --budget seconds have passed; skipped ones are listed.
-Writes attention_decode.jsonl and attention_decode.md under --out.
+Variants: ws-* = warp_specialized=True (the default), direct-* = two single-warpgroup CTAs
+per head tile, *-lane / *-wg = semantics "lane" / "warpgroup", staged = the previous XLA
+staging gather. Cases run in priority order until --budget seconds have passed (one case
+with every variant, then the best correct variant); skipped ones are listed. --split-first
+also times the XLA side and the kernel alone for the first case.
+Writes attention_decode.jsonl and attention_decode.md under --out
+(results so far: benchmarks/results/attention_decode.md).
 """
 import argparse
 import json
@@ -35,10 +40,10 @@ MB = 1 << 20
 MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
 VARIANTS = {   # name -> kernel keyword arguments
     "ws-wg": dict(gather="direct", semantics="warpgroup", warp_specialized=True),
-    "direct-wg": dict(gather="direct", semantics="warpgroup"),
+    "direct-wg": dict(gather="direct", semantics="warpgroup", warp_specialized=False),
     "ws-lane": dict(gather="direct", semantics="lane", warp_specialized=True),
-    "direct-lane": dict(gather="direct", semantics="lane"),
-    "staged": dict(gather="staged", semantics="lane"),
+    "direct-lane": dict(gather="direct", semantics="lane", warp_specialized=False),
+    "staged": dict(gather="staged", semantics="lane", warp_specialized=False),
 }
 
 
@@ -141,8 +146,8 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False):
     op_bytes = n_valid * 584 + 2 * B * H * 512 * 2
     t_ref, ref = bench(AR.sparse_decode_attention_reference, sets, reps=3, want_out=True)
     ref = np.asarray(ref).astype(np.float32)
-    row = dict(model=model, mode=mode, B=B, H=H, ctx=ctx, K=K, MB=op_bytes / MB, ref_us=t_ref * 1e6,
-               splits=AK.default_splits(B, H, (128 + -(-K // 64) * 64) // 64))
+    row = dict(model=model, mode=mode, B=B, H=H, ctx=ctx, K=K, MB=op_bytes / MB, ref_us=t_ref * 1e6)
+    n_blk = (128 + -(-K // 64) * 64) // 64
     outs = {}
     for name in variants:
         kw = VARIANTS[name]
@@ -151,7 +156,9 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False):
             t, out = bench(f, sets, want_out=True)
             out = np.asarray(out).astype(np.float32)
             outs[name] = out
+            ws = kw.get("warp_specialized", True)
             row[name] = dict(us=t * 1e6, GBs=op_bytes / t / 1e9, pct=100 * op_bytes / t / bw,
+                             splits=AK.default_splits(B, H, n_blk, ctas_per_tile=1 if ws else 2),
                              rel_err=rel_err(out, ref), finite=bool(np.isfinite(out).all()),
                              speedup_ref=t_ref / t)
             if split_times:

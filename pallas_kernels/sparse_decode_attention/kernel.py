@@ -109,7 +109,7 @@ def default_splits(B, H, n_blk, num_sms=132, ctas_per_tile=2):
 
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
                             splits=None, gather="direct", semantics="lane",
-                            warp_specialized=False, interpret=None):
+                            warp_specialized=True, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
