@@ -9,10 +9,13 @@ selected id). A stored nope row is 448 B: it is copied as an [8, 64]-byte box of
 viewed as 64-byte chunks (the row + the next row's first 64 B; zero-filled past the end),
 into SMEM rows 512 B apart. That keeps every copy a multiple of 128 B (what Pallas' copy
 accounting needs) and every destination 128-B aligned (what tensor TMA needs: the earlier
-per-row attempt faulted on 448-B-aligned destinations). The row buffers must not be
-swizzled, which the default ("warpgroup") lowering's layout inference does on its own; the
-"lane" lowering keeps SMEM exactly as declared. gather="staged" (the previous version, kept
-to compare) has XLA gather the selected rows into a staging buffer first.
+per-row attempt faulted on destinations 448 B apart). The row buffers must not be
+swizzled: the "lane" lowering (default) keeps SMEM exactly as declared. The "warpgroup"
+lowering's layout inference swizzles them on its own (wrong results on the H100); with the
+workaround below they stay plain and rows become 448-B bulk copies that arrive on the
+barrier once instead of 128 times (interpreter- and lowering-tested, not yet run on a GPU).
+gather="staged" (the previous version, kept to compare) has XLA gather the selected rows
+into a staging buffer first. H100 numbers: benchmarks/results/attention_decode.md.
 Per-key metadata stays in XLA, 8 bytes per key next to 584 bytes of cache: the pool row id
 (block-table lookup, i32) and `meta` [.., 8, 64] u8 per block = the 7 scale exponents + a
 validity byte in place of the format's unused 8th exponent (a single 8-byte scale row is
@@ -44,14 +47,17 @@ BLK = 64        # keys per step (the reference's online-softmax block)
 HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged")
+SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
 def _skip_rank_deficient_tilings(conjure):
-    """Workaround for jax 0.11.2's Mosaic layout inference: a register load from an SMEM
-    view whose Divides constraint has rank < 2 (e.g. a 2-D view reshaped from a flat
-    buffer: no tiling may apply) crashes `_conjure_transforms_for_smem_ref` with an
-    IndexError (it indexes tiling[1]). Such a view admits no tiling at all, so yielding
-    no candidate is the correct answer; every other case is passed through unchanged."""
+    """Workaround for jax 0.11.2's Mosaic layout inference (used by semantics="warpgroup"):
+    a register load from an SMEM buffer whose Divides constraint has rank < 2 (here: the
+    row buffers, which also receive 1-D row copies) crashes
+    `_conjure_transforms_for_smem_ref` with an IndexError (it indexes tiling[1]). Such a
+    buffer admits no 2-D tiling at all, so yielding no candidate is the correct answer (the
+    buffer stays un-tiled and un-swizzled, which row copies need); every other case is
+    passed through unchanged."""
     def wrapped(variable, divide_constraints_per_var):
         d = divide_constraints_per_var.get(variable)
         if d is not None and len(d.tiling_multiple) < 2:
@@ -61,10 +67,12 @@ def _skip_rank_deficient_tilings(conjure):
     return wrapped
 
 
-if not getattr(_mgpu_layout_inference._conjure_transforms_for_smem_ref, "_dsv4_wrapped", False):
-    _mgpu_layout_inference._conjure_transforms_for_smem_ref = _skip_rank_deficient_tilings(
-        _mgpu_layout_inference._conjure_transforms_for_smem_ref)
-SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
+def _install_inference_workaround():
+    """Patches jax's layout inference (process-wide, once), only when semantics="warpgroup"
+    is used: the patched function differs only where the original raises IndexError."""
+    f = _mgpu_layout_inference._conjure_transforms_for_smem_ref
+    if not getattr(f, "_dsv4_wrapped", False):
+        _mgpu_layout_inference._conjure_transforms_for_smem_ref = _skip_rank_deficient_tilings(f)
 
 
 def _prep(win, cmp, block_table, idx_BK, t_B):
@@ -116,8 +124,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     (rows copied from the pool in-kernel) or "staged" (XLA staging gather, to compare).
     semantics: Mosaic lowering. "lane": SMEM exactly as declared; a row is a tensor-TMA
     [8, 64]-byte box (448 B + 64 B over-read) into 512-B SMEM rows; each copy arrives on
-    its barrier from all 128 threads. "warpgroup": flat row buffers (no tiling can be
-    inferred for them) and plain 448-B bulk copies; one arrival per copy. warp_specialized: one
+    its barrier from all 128 threads. "warpgroup" (not yet run on a GPU): un-tiled [64, 448]
+    row buffers and plain 448-B bulk copies; one arrival per copy. warp_specialized: one
     CTA per (request, split, head tile) with a producer warpgroup issuing the row copies and
     two consumer warpgroups (one per output column half) sharing the K tile; otherwise two
     single-warpgroup CTAs (one per column half) each copy and dequantise every row."""
@@ -126,6 +134,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
         raise ValueError(f"semantics must be one of {tuple(SEMANTICS)}, got {semantics!r}")
     if semantics == "warpgroup" and gather != "direct":
         raise ValueError('semantics="warpgroup" is implemented for gather="direct" only')
+    if semantics == "warpgroup":
+        _install_inference_workaround()
     args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                               splits=splits, gather=gather, semantics=semantics,
                               ctas_per_tile=1 if warp_specialized else 2)
