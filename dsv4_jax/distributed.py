@@ -399,6 +399,10 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
     if cs.kernels != "off":
         raise ValueError("sharded_step runs the pure-JAX decode path (CacheSpec.kernels='off'); "
                          "the Pallas kernels are single-device")
+    if nm.matmul != "xla" and mesh.shape.get("model", 1) > 1:
+        raise ValueError("Numerics(matmul='pallas') under tensor parallelism (mesh 'model' "
+                         f"size {mesh.shape['model']}) would all-gather the split weights "
+                         "for the kernel; use matmul='xla' or a mesh without 'model'")
     rep = NamedSharding(mesh, P())
     csh = cache_shardings(cfg, cs, mesh)
     G = data_groups(cs, mesh)

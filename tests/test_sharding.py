@@ -369,19 +369,31 @@ def test_bench_decode_runs_on_a_mesh():
     sharded step timed, and a per-device floor with the routed experts halved."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = ("import sys, jax; from dsv4_jax import config; from benchmarks import decode_bench as d;"
-              "from dsv4_jax.distributed import make_mesh;"
-              "c = config.tiny(); m = make_mesh(2, expert=2);"
-              "one, two = d.floor_bytes(c, 2, 300), d.floor_bytes(c, 2, 300, m);"
-              "print('FLOORS', one['total'], two['total']);"
-              "sys.argv = ['x', 'decode', '--preset', 'tiny', '--batch', '2', '--context', '300',"
-              "'--steps', '2', '--devices', '2', '--expert', '2'];"
-              "import runpy; runpy.run_module('benchmarks.decode_bench', run_name='__main__')")
+    script = """
+import runpy, sys
+from benchmarks import decode_bench as d
+from dsv4_jax import config
+from dsv4_jax.cache import CacheSpec
+from dsv4_jax.distributed import make_mesh, sharded_step
+from dsv4_jax.quant import Numerics
+c = config.tiny()
+one, two = d.floor_bytes(c, 2, 300), d.floor_bytes(c, 2, 300, make_mesh(2, expert=2))
+print("FLOORS", one["total"], two["total"])
+try:  # the matmul kernels under tensor parallelism: refused
+    sharded_step(c, CacheSpec(max_requests=2, num_blocks=4, max_blocks=2),
+                 Numerics(matmul="pallas"), make_mesh(2, expert=1))
+except ValueError as e:
+    print("TPGUARD", e)
+sys.argv = ["x", "decode", "--preset", "tiny", "--batch", "2", "--context", "300",
+            "--steps", "2", "--devices", "2", "--expert", "2"]
+runpy.run_module("benchmarks.decode_bench", run_name="__main__")
+"""
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     one, two = (float(v) for v in out.split("FLOORS")[1].split()[:2])
     assert two < one  # the routed experts are split over the two devices
+    assert "TPGUARD" in out and "tensor parallelism" in out  # kernels refused under TP
     assert "mesh {'data': 1, 'expert': 2, 'model': 1}" in out
     assert "matmul=xla B=2 ctx=300:" in out and "% of the bandwidth floor" in out
