@@ -13,8 +13,8 @@ or hangs is dropped, the rest still run). Then, per case (model, mode, B, contex
    the best copy bandwidth measured in the same run;
  - speedup = XLA path (reference.py over the dequantised gathered rows, the kernels-off
    path) / kernel, and staged (the previous version: XLA staging gather + kernel) / direct.
-Variants: ws-* = warp_specialized=True (the default), direct-* = two single-warpgroup CTAs
-per head tile, *-lane / *-wg = semantics "lane" / "warpgroup", staged = the previous XLA
+Variants: ws-lane = warp_specialized=True (the default), direct-lane = two single-warpgroup
+CTAs per head tile (both gather="direct", Lane lowering), staged = the previous XLA
 staging gather. Cases run in priority order until --budget seconds have passed (one case
 with every variant, then the best correct variant); skipped ones are listed. --split-first
 also times the XLA side and the kernel alone for the first case.
@@ -39,11 +39,9 @@ from pallas_kernels.sparse_decode_attention import reference as AR
 MB = 1 << 20
 MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
 VARIANTS = {   # name -> kernel keyword arguments
-    "ws-wg": dict(gather="direct", semantics="warpgroup", warp_specialized=True),
-    "direct-wg": dict(gather="direct", semantics="warpgroup", warp_specialized=False),
-    "ws-lane": dict(gather="direct", semantics="lane", warp_specialized=True),
-    "direct-lane": dict(gather="direct", semantics="lane", warp_specialized=False),
-    "staged": dict(gather="staged", semantics="lane", warp_specialized=False),
+    "ws-lane": dict(gather="direct", warp_specialized=True),
+    "direct-lane": dict(gather="direct", warp_specialized=False),
+    "staged": dict(gather="staged", warp_specialized=False),
 }
 
 
@@ -121,14 +119,14 @@ def rel_err(a, b):
 def breakdown(sets, kw, interpret=None):
     """(XLA side alone, Mosaic kernel alone) seconds per call for one variant."""
     ws = kw.get("warp_specialized", False)
-    pkw = dict(gather=kw["gather"], semantics=kw["semantics"], ctas_per_tile=1 if ws else 2)
+    pkw = dict(gather=kw["gather"], ctas_per_tile=1 if ws else 2)
     prep = jax.jit(lambda *x: AK.prepare_inputs(*x, **pkw))
     t_prep = bench(lambda *x: AK.prepare_inputs(*x, **pkw)[0], sets)
     prepped = [prep(*s) for s in sets]
     NS = int(prepped[0][1])
     call = AK._attn_call_ws if ws else AK._attn_call
-    t_kern = bench(lambda *a: call(*a, NS=NS, gather=kw["gather"], semantics=kw["semantics"],
-                                   interpret=interpret), [p[0] for p in prepped])
+    t_kern = bench(lambda *a: call(*a, NS=NS, gather=kw["gather"], interpret=interpret),
+                   [p[0] for p in prepped])
     return t_prep, t_kern
 
 

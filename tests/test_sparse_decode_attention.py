@@ -65,21 +65,19 @@ def test_reference_matches_numpy():
         assert rel_err(ref[b], o) < 5e-3
 
 
-@pytest.mark.parametrize("gather,splits,ws,sem", [("direct", 1, True, "lane"),
-                                                  ("direct", 2, False, "lane"),
-                                                  ("direct", 1, True, "warpgroup"),
-                                                  ("staged", 1, False, "lane")])
-def test_kernel_matches_reference(gather, splits, ws, sem):
+@pytest.mark.parametrize("gather,splits,ws", [("direct", 1, True), ("direct", 2, False),
+                                              ("staged", 1, False)])
+def test_kernel_matches_reference(gather, splits, ws):
     args = make_inputs(1)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws, semantics=sem)
+    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("ws,sem", [(True, "lane"), (False, "lane"), (True, "warpgroup")])
-def test_kernel_direct_pool_edges_and_holes(ws, sem):
+@pytest.mark.parametrize("ws", [True, False])
+def test_kernel_direct_pool_edges_and_holes(ws):
     # Direct gather: each row is copied as a 512-byte box that also covers the next row's
     # first 64 bytes, so the pool's LAST row (zero-filled past the end) and the window
     # ring's last row are included; -1 holes sit between valid ids and one request has a
@@ -98,7 +96,7 @@ def test_kernel_direct_pool_edges_and_holes(ws, sem):
     idx[b_last, 3 if b_last == 0 else 120] = i_last * EPB + EPB - 1   # the pool's last row
     args = (q, win, cmp, bt, jnp.asarray(idx), t, sink)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws, semantics=sem)
+    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
 
@@ -123,11 +121,6 @@ def test_bad_inputs_raise():
         K.sparse_decode_attention(q, win, (cmp[0].astype(jnp.bfloat16), *cmp[1:]), bt, idx, t, sink)
     with pytest.raises(ValueError, match="gather"):
         K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="xla")
-    with pytest.raises(ValueError, match="semantics"):
-        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, semantics="thread")
-    with pytest.raises(ValueError, match="warpgroup"):
-        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="staged",
-                                  semantics="warpgroup")
     with pytest.raises(ValueError, match="cmp_rope"):
         K.sparse_decode_attention(q, win, (cmp[0], cmp[1], cmp[2][:, :, :32]), bt, idx, t, sink)
 
@@ -143,11 +136,10 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
             (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
             S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
             S((H,), jnp.float32))
-    for splits, gather, sem, ws in ((1, "direct", "lane", True), (3, "direct", "lane", True),
-                                    (1, "direct", "warpgroup", True), (3, "direct", "lane", False),
-                                    (1, "direct", "warpgroup", False), (3, "staged", "lane", False)):
+    for splits, gather, ws in ((1, "direct", True), (3, "direct", True), (3, "direct", False),
+                               (3, "staged", False)):
         f = functools.partial(K.sparse_decode_attention, splits=splits, gather=gather,
-                              semantics=sem, warp_specialized=ws)
+                              warp_specialized=ws)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 

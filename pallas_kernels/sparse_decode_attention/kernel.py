@@ -10,10 +10,8 @@ viewed as 64-byte chunks (the row + the next row's first 64 B; zero-filled past 
 into SMEM rows 512 B apart. That keeps every copy a multiple of 128 B (what Pallas' copy
 accounting needs) and every destination 128-B aligned (what tensor TMA needs: the earlier
 per-row attempt faulted on destinations 448 B apart). The row buffers must not be
-swizzled: the "lane" lowering (default) keeps SMEM exactly as declared. The "warpgroup"
-lowering's layout inference swizzles them on its own (wrong results on the H100); with the
-workaround below they stay plain and rows become 448-B bulk copies that arrive on the
-barrier once instead of 128 times (interpreter- and lowering-tested, not yet run on a GPU).
+swizzled, so the kernel uses the Lane lowering, which keeps SMEM exactly as declared (the
+Warpgroup lowering's layout inference swizzled them: wrong results on the H100).
 gather="staged" (the previous version, kept to compare) has XLA gather the selected rows
 into a staging buffer first. H100 numbers: benchmarks/results/attention_decode.md.
 Per-key metadata stays in XLA, 8 bytes per key next to 584 bytes of cache: the pool row id
@@ -37,7 +35,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.mosaic.gpu import layout_inference as _mgpu_layout_inference
 
 WINDOW = 128
 D = 512
@@ -47,32 +44,6 @@ BLK = 64        # keys per step (the reference's online-softmax block)
 HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged")
-SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
-
-
-def _skip_rank_deficient_tilings(conjure):
-    """Workaround for jax 0.11.2's Mosaic layout inference (used by semantics="warpgroup"):
-    a register load from an SMEM buffer whose Divides constraint has rank < 2 (here: the
-    row buffers, which also receive 1-D row copies) crashes
-    `_conjure_transforms_for_smem_ref` with an IndexError (it indexes tiling[1]). Such a
-    buffer admits no 2-D tiling at all, so yielding no candidate is the correct answer (the
-    buffer stays un-tiled and un-swizzled, which row copies need); every other case is
-    passed through unchanged."""
-    def wrapped(variable, divide_constraints_per_var):
-        d = divide_constraints_per_var.get(variable)
-        if d is not None and len(d.tiling_multiple) < 2:
-            return iter(())
-        return conjure(variable, divide_constraints_per_var)
-    wrapped._dsv4_wrapped = True
-    return wrapped
-
-
-def _install_inference_workaround():
-    """Patches jax's layout inference (process-wide, once), only when semantics="warpgroup"
-    is used: the patched function differs only where the original raises IndexError."""
-    f = _mgpu_layout_inference._conjure_transforms_for_smem_ref
-    if not getattr(f, "_dsv4_wrapped", False):
-        _mgpu_layout_inference._conjure_transforms_for_smem_ref = _skip_rank_deficient_tilings(f)
 
 
 def _prep(win, cmp, block_table, idx_BK, t_B):
@@ -116,31 +87,23 @@ def default_splits(B, H, n_blk, num_sms=132, ctas_per_tile=2):
 
 
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
-                            splits=None, gather="direct", semantics="lane",
-                            warp_specialized=True, interpret=None):
+                            splits=None, gather="direct", warp_specialized=True,
+                            interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
-    (rows copied from the pool in-kernel) or "staged" (XLA staging gather, to compare).
-    semantics: Mosaic lowering. "lane": SMEM exactly as declared; a row is a tensor-TMA
-    [8, 64]-byte box (448 B + 64 B over-read) into 512-B SMEM rows; each copy arrives on
-    its barrier from all 128 threads. "warpgroup" (not yet run on a GPU): un-tiled [64, 448]
-    row buffers and plain 448-B bulk copies; one arrival per copy. warp_specialized: one
-    CTA per (request, split, head tile) with a producer warpgroup issuing the row copies and
-    two consumer warpgroups (one per output column half) sharing the K tile; otherwise two
-    single-warpgroup CTAs (one per column half) each copy and dequantise every row."""
+    (rows copied from the pool in-kernel; a row is a tensor-TMA [8, 64]-byte box, 448 B +
+    64 B over-read, into 512-B SMEM rows) or "staged" (XLA staging gather, to compare).
+    warp_specialized: one CTA per (request, split, head tile) with a producer warpgroup
+    issuing the row copies and two consumer warpgroups (one per output column half) sharing
+    the K tile; otherwise two single-warpgroup CTAs (one per column half) each copy and
+    dequantise every row."""
     H = q_BHD.shape[1]
-    if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {tuple(SEMANTICS)}, got {semantics!r}")
-    if semantics == "warpgroup" and gather != "direct":
-        raise ValueError('semantics="warpgroup" is implemented for gather="direct" only')
-    if semantics == "warpgroup":
-        _install_inference_workaround()
     args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
-                              splits=splits, gather=gather, semantics=semantics,
+                              splits=splits, gather=gather,
                               ctas_per_tile=1 if warp_specialized else 2)
     call = _attn_call_ws if warp_specialized else _attn_call
-    o, lse = call(*args, NS=NS, gather=gather, semantics=semantics, interpret=interpret)
+    o, lse = call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
     if NS == 1:
         out = o[0]
@@ -154,7 +117,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
-                   gather="direct", ctas_per_tile=2, semantics="lane"):
+                   gather="direct", ctas_per_tile=2):
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
     gather) -> (kernel args, NS)."""
     win_nope, win_scale, win_rope, win_pos = win
@@ -189,14 +152,9 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         cn = gather_rows_fp8(cmp_nope.reshape(-1, NOPE), crow)               # [B, KP, 448]
         cn = jnp.pad(cn, ((0, 0), (0, 0), (0, 64))).reshape(B, -1, 8, 64)
         cr = cmp_rope.reshape(-1, ROPE)[crow]                                 # [B, KP, 64]
-    elif semantics == "lane":   # the pools as 64-byte chunks / rope rows (free reshapes)
+    else:   # the pools as 64-byte chunks / rope rows (free reshapes)
         cn, cr = cmp_nope.reshape(-1, 64), cmp_rope.reshape(-1, ROPE)
-    else:                       # the pools as rows
-        cn, cr = cmp_nope.reshape(-1, NOPE), cmp_rope.reshape(-1, ROPE)
-    if semantics == "lane":
-        wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
-    else:   # as stored: a window block is one bulk copy
-        wn, wr = win_nope, win_rope
+    wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
     return (q, wn, wr, cn, cr, crow, meta, n_blocks, sink), NS
 
 
@@ -207,20 +165,14 @@ NCH = NOPE // 64          # 64-byte chunks of a stored nope row
 N_ROW_COPIES = 2 * BLK + 1  # copies per block gathered row by row (nope, rope per key + meta)
 
 
-def _issuer(b, g_refs, s_refs, direct, flat):
+def _issuer(b, g_refs, s_refs, direct):
     """-> issue(g, slot, wbar, cbar): start the copies of key block g into buffer slot.
     Compressed blocks complete cbar (N_ROW_COPIES arrivals if direct else 3); window
-    blocks complete wbar (N_ROW_COPIES arrivals, or 3 when flat)."""
+    blocks complete wbar (N_ROW_COPIES arrivals)."""
     wn_g, wr_g, cn_g, cr_g, crow_g, meta_g = g_refs
     n_s, r_s, m_s = s_refs
-    plain = plgpu.OOBFillMode.PROMISE_IN_BOUNDS   # plain bulk copy, no tensor map
 
     def copy_rows(rows, nope_g, rope_g, slot, bar):
-        if flat:   # 448 + 128 B per row into un-tiled buffers (16-B alignment suffices)
-            for j, row in enumerate(rows):
-                plgpu.copy_gmem_to_smem(nope_g.at[row], n_s.at[slot, j], bar, oob_mode=plain)
-                plgpu.copy_gmem_to_smem(rope_g.at[row], r_s.at[slot, j], bar, oob_mode=plain)
-            return
         # One row = an [8, 64] box of 64-byte chunks from chunk 7 * row: the row's 448
         # bytes plus the next row's first 64 (a multiple of 128 bytes, as the copy needs;
         # past the pool's end the tensor copy fills zeros). SMEM rows are 512 B apart, so
@@ -232,15 +184,8 @@ def _issuer(b, g_refs, s_refs, direct, flat):
     def issue(g, slot, wbar, cbar):
         @pl.when(g < NW)
         def _():   # window ring: this request's rows b*128 + g*64 + j
-            if flat:
-                keys = pl.ds(g * BLK, BLK)
-                plgpu.copy_gmem_to_smem(wn_g.at[b, keys], n_s.at[slot], wbar.at[slot],
-                                        oob_mode=plain)
-                plgpu.copy_gmem_to_smem(wr_g.at[b, keys], r_s.at[slot], wbar.at[slot],
-                                        oob_mode=plain)
-            else:
-                copy_rows([b * WINDOW + g * BLK + j for j in range(BLK)], wn_g, wr_g, slot,
-                          wbar.at[slot])
+            copy_rows([b * WINDOW + g * BLK + j for j in range(BLK)], wn_g, wr_g, slot,
+                      wbar.at[slot])
             plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], wbar.at[slot])
 
         @pl.when(g >= NW)
@@ -269,14 +214,11 @@ def _wait_block(g, slot, wbar, cbar):
         plgpu.barrier_wait(cbar.at[slot])
 
 
-def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, flat):
+def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope):
     """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is."""
     for j in chunks:
-        # Row strides of 448 / 512 B: bank conflicts, accepted (optimized=False).
-        if flat:
-            x = plgpu.load(n_s.at[slot, :, pl.ds(j * 64, 64)], layout=WG, optimized=False)
-        else:
-            x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
+        # Row stride of 512 B: bank conflicts, accepted (optimized=False).
+        x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
         e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
         f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
         kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
@@ -360,14 +302,11 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(p_copies, flat):
-    rows = ([plgpu.SMEM((2, BLK, NOPE), jnp.float8_e4m3fn),                 # n_s, 448 B/key
-             plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16)] if flat else          # r_s
-            [plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),                 # n_s, 512 B/key
-             plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16)])                      # r_s
+def _scratch(p_copies):
     return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
             plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=TILED),            # k_s
-            *rows,
+            plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),                  # n_s, 512 B/key
+            plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16),                        # r_s
             plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
             plgpu.SMEM((p_copies, HT, BLK), jnp.bfloat16, transforms=TILED),  # p_s
             plgpu.SMEM((HT,), jnp.float32)]                                  # v_s: sink / lse
@@ -378,17 +317,17 @@ def _out_types(NS, B, HP):
             jax.ShapeDtypeStruct((NS, B, HP), jnp.float32))
 
 
-def _params(semantics):
+def _params():
+    # Lane lowering: SMEM exactly as declared (the row buffers must stay un-swizzled).
     # Barriers are placed by hand (commit_smem, mbarriers): the automatic ones would add a
     # warpgroup barrier before each of the 129 copies of a block. No reduction scratch:
     # the only reductions are within warps (rows of the WGMMA layout), and the
     # warp-specialised kernel needs those 2 KB of SMEM.
-    return plgpu.CompilerParams(lowering_semantics=SEMANTICS[semantics],
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                 unsafe_no_auto_barriers=True, reduction_scratch_bytes=0)
 
 
-def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, semantics,
-               interpret):
+def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret):
     """Two single-warpgroup CTAs per (request, split, head tile), one per output column half.
     wn [R*128*7, 64] / cn [NB*EPB*7, 64] (direct) are the FP8 rows as 64-byte chunks,
     wr [R*128, 64] / cr [NB*EPB, 64] the rope rows; staged: cn [B, KP, 8, 64], cr [B, KP, 64]."""
@@ -396,7 +335,6 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
     n_blk = meta.shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
-    flat = semantics == "warpgroup"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g,
                q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar):
@@ -404,8 +342,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
         ht, c = lax.axis_index("h"), lax.axis_index("c")
         g0 = s_id * bps
         n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
-        issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s), direct,
-                        flat)
+        issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s), direct)
         plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
         plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -426,7 +363,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
             def _():
                 issue(g + 1, 1 - slot, wbar, cbar)
             _wait_block(g, slot, wbar, cbar)
-            _dequant(n_s, r_s, m_s, k_s, slot, range(NCH), True, flat)
+            _dequant(n_s, r_s, m_s, k_s, slot, range(NCH), True)
             bias = _bias(m_s, slot)
             plgpu.commit_smem()
             m, l, acc = _scores_softmax(q_s, k_s, p_s.at[0], bias, m, l, acc)
@@ -440,17 +377,16 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, sem
         kernel,
         out_type=_out_types(NS, B, HP),
         grid=(B, NS, HP // HT, 2), grid_names=("b", "s", "h", "c"),
-        scratch_types=(*_scratch(1, flat),
+        scratch_types=(*_scratch(1),
                        plgpu.Barrier(num_arrivals=2),
-                       plgpu.Barrier(num_arrivals=3 if flat else N_ROW_COPIES, num_barriers=2),
+                       plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
                        plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2)),
-        compiler_params=_params(semantics),
+        compiler_params=_params(),
         interpret=interpret,
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
-def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, semantics,
-                  interpret):
+def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
@@ -460,7 +396,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
     n_blk = meta.shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
-    flat = semantics == "warpgroup"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g):
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
@@ -473,7 +408,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
                 issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s),
-                                direct, flat)
+                                direct)
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -514,11 +449,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
                     @pl.when(c == 0)
                     def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False, flat)
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False)
 
                     @pl.when(c == 1)
                     def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, flat)
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True)
                     bias = _bias(m_s, slot)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(free.at[slot])
@@ -538,9 +473,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
         pl.run_scoped(
             scoped,
-            *_scratch(2, flat),
+            *_scratch(2),
             plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=3 if flat else N_ROW_COPIES, num_barriers=2),
+            plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
             plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # free
             plgpu.Barrier(num_arrivals=2),                    # kfull
@@ -553,6 +488,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
         out_type=_out_types(NS, B, HP),
         grid=(B, NS, HP // HT), grid_names=("b", "s", "h"),
         num_threads=3, thread_name="wg",
-        compiler_params=_params(semantics),
+        compiler_params=_params(),
         interpret=interpret,
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
