@@ -143,3 +143,36 @@ def test_flash_decode_step_lowers_for_cuda_with_matmul_kernels():
     # distinct (format, shape) kernels: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3 (one),
     # shared w2, indexer wq_b, experts w1/w3 (one), experts w2 -> at most ~10, not 4 x that
     assert 6 <= len(kernels) <= 12, len(kernels)
+
+
+def test_model_layers_through_the_kernel():
+    """The model's kernel call sites (dense linears with rows padded to 8, wo_a as 2 groups,
+    routed FP4 experts in expert tiles with empty tiles) on the Mosaic-GPU interpreter equal
+    the XLA path. bf16 activations: outputs rounded to bf16 between ops, hence 1e-2."""
+    cfg = config.tiny().replace(hidden_size=512, moe_intermediate_size=512, num_hidden_layers=1,
+                                compress_ratios=(0, 0), num_hash_layers=0)
+    params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
+    rng = np.random.default_rng()
+    xla, ker = (Numerics(False, "bfloat16", matmul=m) for m in ("xla", "interpret"))
+    ap = P.block_params(params, "layers.0.attn.")
+    fp = P.block_params(params, "layers.0.ffn.")
+    x = jnp.asarray(rng.standard_normal((1, 3, cfg.hidden_size)), jnp.bfloat16)
+
+    def close(a, b, tol):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    close(Q.linear(x, ap["wq_a"], ker, out_dtype=jnp.float32),
+          Q.linear(x, ap["wq_a"], xla, out_dtype=jnp.float32), 2e-6)
+    H, K = cfg.num_attention_heads, cfg.head_dim
+    o = jnp.asarray(rng.standard_normal((1, 3, H, K)), jnp.float32)
+    pos = jnp.arange(3)[None]
+    freqs = jnp.asarray(L.rope_freqs(cfg, 0))
+    close(L.attn_output(ap, o, pos, freqs, cfg, ker), L.attn_output(ap, o, pos, freqs, cfg, xla),
+          1e-2)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    idx = jnp.asarray(rng.integers(0, E, (3, k)))
+    w = jnp.asarray(rng.uniform(0.1, 1, (3, k)), jnp.float32)
+    assert Q._kernel_ok(fp["experts.w1"], ker)  # FP4, K = 512: the kernel takes it
+    close(L._moe_scheduled(fp, x[0], idx, w, cfg, ker, 8),
+          L._moe_scheduled(fp, x[0], idx, w, cfg, xla, 8), 1e-2)
