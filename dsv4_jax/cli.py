@@ -24,6 +24,9 @@ def _add_model_args(ap):
     ap.add_argument("--max-blocks", type=int, default=16,
                     help="blocks per request (capacity = 128 x this)")
     ap.add_argument("--prefill-chunk", type=int, default=128)
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="directory for compiled programs ('off' to disable; default "
+                         "$DSV4_COMPILE_CACHE or ~/.cache/dsv4-jax/xla)")
     ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
                     help="Pallas cache/indexer/attention kernels in the decode step "
                          "(auto: on for a Hopper GPU)")
@@ -202,11 +205,26 @@ def build_parser():
     return ap
 
 
+def _compile_cache(args):
+    """Keep compiled programs on disk (jax's persistent compilation cache): a full-width
+    decode step compiles for minutes, the next run with the same shapes loads it."""
+    import os
+    d = getattr(args, "compile_cache", None)
+    if d is None:
+        d = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
+    if not d or d == "off":
+        return
+    import jax
+    jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if hasattr(args, "func"):  # make-checkpoint / convert / inspect (checkpoints.cli)
         from checkpoints.cli import run
         raise SystemExit(run(args))
+    _compile_cache(args)
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

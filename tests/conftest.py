@@ -6,6 +6,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+# the CLI keeps compiled programs under ~/.cache by default; tests ask for it explicitly
+os.environ.setdefault("DSV4_COMPILE_CACHE", "off")
 
 
 def _have_gpu():

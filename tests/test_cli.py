@@ -57,3 +57,18 @@ def test_kernel_flags_need_hopper(capsys):
     except SystemExit as e:
         msg = str(e.code)
     assert msg and "Hopper" in msg and "cpu" in msg
+
+
+def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
+    """--compile-cache DIR: the generate program lands in DIR (jax's persistent cache)."""
+    import jax
+    cache = tmp_path / "xla"
+    try:
+        assert run(["generate", "--prompt", "hello", "--max-new-tokens", "3",
+                    "--compile-cache", str(cache)]) in (0, None)
+    finally:  # later tests in this process must not write into the deleted tmp dir
+        from jax._src import compilation_cache
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+    assert cache.is_dir() and any(cache.iterdir()), "no compiled program was written"
+    capsys.readouterr()
