@@ -26,6 +26,7 @@ from pallas_kernels.indexer_decode import kernel as IK
 from pallas_kernels.indexer_decode import reference as IR
 from pallas_kernels.sparse_decode_attention import kernel as AK
 from pallas_kernels.sparse_decode_attention import reference as AR
+from benchmarks.attention_decode import make_case, random_e4m3
 
 MB = 1 << 20
 
@@ -60,13 +61,6 @@ def n_sets_for(footprint_bytes, cap=6, budget=300 * MB):
 
 
 # ------------------------------------------------------------------------ indexer
-def random_e4m3(key, shape):
-    """Random finite e4m3 values from random bytes (0x7F / 0xFF are NaN: nudged to 0x7E)."""
-    u = jax.random.bits(key, shape, jnp.uint8)
-    u = jnp.where((u & 0x7F) == 0x7F, u - 1, u)
-    return jax.lax.bitcast_convert_type(u, jnp.float8_e4m3fn)
-
-
 def indexer_inputs(key, B, ctx):
     """Random valid fp4 cache contents: random code bytes and exponent bytes near 127."""
     MAXB = ctx // 128
@@ -113,33 +107,7 @@ def run_indexer(B, ctx, topk, bw, log):
 
 
 # ---------------------------------------------------------------------- attention
-def attn_inputs(key, B, H, ctx, K, mode):
-    EPB = 32 if mode == "csa" else 1
-    ratio = 4 if mode == "csa" else 128
-    MAXB = ctx // 128
-    NB = B * MAXB
-    ks = jax.random.split(key, 10)
-    q = jax.random.normal(ks[0], (B, H, 512), jnp.bfloat16)
-    win = (random_e4m3(ks[1], (B, 128, 448)),
-           jax.random.randint(ks[7], (B, 128, 8), 118, 126).astype(jnp.uint8),
-           jax.random.normal(ks[8], (B, 128, 64), jnp.bfloat16))
-    t = (ctx - 1 - jax.random.randint(ks[2], (B,), 0, 64)).astype(jnp.int32)
-    slots = jnp.arange(128)[None]
-    pos = (t[:, None] - ((t[:, None] - slots) % 128)).astype(jnp.int32)
-    cmp = (random_e4m3(ks[3], (NB, EPB, 448)),
-           jax.random.randint(ks[9], (NB, EPB, 8), 118, 126).astype(jnp.uint8),
-           jax.random.normal(ks[6], (NB, EPB, 64), jnp.bfloat16))
-    bt = jax.random.permutation(ks[4], NB).reshape(B, MAXB).astype(jnp.int32)
-    n_vis = (t + 1) // ratio
-    if mode == "csa":   # K distinct visible entries per request (top-k stand-in)
-        u = jax.random.uniform(ks[5], (B, MAXB * EPB))
-        u = jnp.where(jnp.arange(MAXB * EPB)[None] < n_vis[:, None], u, -1.0)
-        idx = jax.lax.top_k(u, K)[1].astype(jnp.int32)
-    else:
-        idx = AR.hca_indices(t, K)
-    sink = jax.random.normal(ks[6], (H,), jnp.float32)
-    return q, (*win, pos), cmp, bt, idx, t, sink
-
+attn_inputs = make_case  # one random attention case for both benchmarks
 
 def run_attn(B, H, ctx, K, mode, bw, log):
     nkeys = 128 + K
