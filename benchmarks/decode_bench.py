@@ -24,22 +24,10 @@ from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
 from dsv4_jax.decode import compiled_step
 from dsv4_jax.quant import Numerics
+from benchmarks.common import copy_bandwidth
 
 ENTRY_BYTES = 448 + 8 + 128  # FP8 nope + e8m0 scales + bf16 rope
 IDX_KEY_BYTES = 64 + 4  # fp4 codes + e8m0 per 32
-
-
-def measure_copy_bandwidth(nbytes=2 << 30, iters=20) -> float:
-    """Bytes read + written per second of a device-to-device copy."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 2 * nbytes / float(np.median(ts))
 
 
 def _leaf_bytes(leaf) -> int:
@@ -156,7 +144,7 @@ def main(args):
     cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
                        num_hash_layers=min(base.num_hash_layers, n))
     dev = jax.devices()[0]
-    bw = measure_copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
+    bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     mesh = None
     if args.devices:
         from dsv4_jax.distributed import make_mesh, param_shardings

@@ -27,6 +27,7 @@ from pallas_kernels.indexer_decode import reference as IR
 from pallas_kernels.sparse_decode_attention import kernel as AK
 from pallas_kernels.sparse_decode_attention import reference as AR
 from benchmarks.attention_decode import make_case, random_e4m3
+from benchmarks.common import copy_bandwidth
 
 MB = 1 << 20
 
@@ -42,18 +43,6 @@ def bench(fn, sets, reps=5):
         jax.block_until_ready(many(sets))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) / len(sets)
-
-
-def copy_bandwidth():
-    x = jax.random.normal(jax.random.key(1), (256 * MB,), jnp.float32)   # 1 GiB
-    f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(ts)
 
 
 def n_sets_for(footprint_bytes, cap=6, budget=300 * MB):

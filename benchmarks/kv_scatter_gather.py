@@ -18,7 +18,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -31,6 +30,7 @@ from pallas_kernels.kv_gather import kernel as gk
 from pallas_kernels.kv_gather import reference as gr
 from pallas_kernels.kv_scatter import kernel as sk
 from pallas_kernels.kv_scatter import reference as sr
+from benchmarks.common import copy_bandwidth
 
 REPS = 4
 ENTRY_B = 448 + 8 + 128  # stored bytes of one KV entry
@@ -106,18 +106,6 @@ def timeit_donated(f, state, *args):
     t, state = _pipelined(f, state, *args, donate=True)
     g, c, state = _gpu_busy(f, state, *args, donate=True)
     return (t, g, c), state
-
-
-def copy_bandwidth():
-    x = jnp.arange(1 << 28, dtype=jnp.int32)  # 1 GiB
-    f = jax.jit(lambda a: a + 1)
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(20):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(ts)
 
 
 def bits_equal(a, b):

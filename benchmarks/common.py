@@ -1,0 +1,22 @@
+"""Shared by the benchmark scripts: the HBM ceiling every result is judged against."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes read + written per second of an elementwise pass `a + 1` over `nbytes` of f32
+    on the default device (median of `iters` after a warm-up)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(ts)
