@@ -102,7 +102,8 @@ def sinkhorn_reduce(C, iters: int, eps: float):
 def sinkhorn_unrolled(C, iters: int, eps: float):
     """sinkhorn_reduce with the N x N entries as N^2 separate arrays: XLA-GPU fuses the 20
     iterations into 2 kernels instead of 11 when compiled alone (H100,
-    benchmarks/step_anatomy.py --sinkhorn); inside the step XLA may already merge some. The CPU backend does not fuse this form."""
+    benchmarks/step_anatomy.py --sinkhorn); inside the step XLA may already merge some.
+    The CPU backend does not fuse this form."""
     n = C.shape[-1]
     e = [[C[..., i, j] for j in range(n)] for i in range(n)]
 
