@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from .quant import (Numerics, Fp8Weight, dequant, f32_dot_bf16, fp8_block_sim, fp4_block_sim,
-                    grouped_linear, linear)
+from .quant import (KERNEL_MAX_ROWS, Fp8Weight, Numerics, dequant, f32_dot_bf16, fp8_block_sim,
+                    fp4_block_sim, grouped_linear, linear)
 from . import kvformat
 
 F32 = jnp.float32
@@ -441,11 +441,6 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
         return acc + y
 
     return jax.lax.fori_loop(0, E, one, jnp.zeros(x.shape, F32))
-
-
-# Largest token count the weight-streaming kernels take (their activation rows are the
-# wgmma N side); more tokens (prefill) go to XLA.
-KERNEL_MAX_ROWS = 128
 
 
 def expert_schedule(idx_NK, E: int, tile: int):

@@ -159,6 +159,11 @@ def dequant_bf16(w):
     return dequant(w, jnp.bfloat16), None
 
 
+# Most token rows the weight-streaming kernel takes per call (they are its wgmma N side, and
+# it pays only while weight bytes dominate); more rows (prefill) go to XLA.
+KERNEL_MAX_ROWS = 128
+
+
 def _kernel_ok(w, nm: Numerics) -> bool:
     """Whether the weight-streaming kernel takes this weight (its tiling: 128-row tiles,
     128-wide K steps for FP8, 512 for FP4); other shapes stay in XLA."""
@@ -181,7 +186,7 @@ def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
     expert index outside [0, E) gives zero rows. x must already be act-quant simulated.
     The Pallas weight-streaming kernel when `nm.matmul` asks for it (reads the stored
     bytes once), else gather + exact bf16 dequantisation + einsum in XLA."""
-    if _kernel_ok(w, nm) and nm.bf16_operands:
+    if _kernel_ok(w, nm) and nm.bf16_operands and x_GMK.shape[1] <= KERNEL_MAX_ROWS:
         M = x_GMK.shape[1]
         Mp = -(-M // 8) * 8
         xp = jnp.pad(x_GMK.astype(jnp.bfloat16), ((0, 0), (0, Mp - M), (0, 0)))
@@ -230,7 +235,8 @@ def linear(x, w, nm: Numerics, *, out_dtype=None):
     if nm.act_quant:
         x = fp8_block_sim(x, 128)
     stacked = (w.w if isinstance(w, Fp8Weight) else w.packed).ndim > 2
-    if _kernel_ok(w, nm) and nm.bf16_operands and not stacked:
+    rows = math.prod(x.shape[:-1])
+    if _kernel_ok(w, nm) and nm.bf16_operands and not stacked and rows <= KERNEL_MAX_ROWS:
         wE = jax.tree.map(lambda a: a[None], w)
         y = grouped_linear(x.reshape(1, -1, x.shape[-1]), jnp.zeros((1,), jnp.int32), wE, nm)
         return y[0].reshape(*x.shape[:-1], -1).astype(out_dtype)

@@ -176,3 +176,19 @@ def test_model_layers_through_the_kernel():
     assert Q._kernel_ok(fp["experts.w1"], ker)  # FP4, K = 512: the kernel takes it
     close(L._moe_scheduled(fp, x[0], idx, w, cfg, ker, 8),
           L._moe_scheduled(fp, x[0], idx, w, cfg, xla, 8), 1e-2)
+
+
+def test_many_rows_stay_in_xla():
+    """Prefill-sized row counts (> KERNEL_MAX_ROWS) take the XLA path even when the kernel
+    is asked for (the kernel takes at most 256 rows; the interpreter would raise)."""
+    rng = np.random.default_rng()
+    w = jax.tree.map(lambda a: a[0], _weight("fp8", 1, 256, 256, rng))
+    x = jnp.asarray(rng.standard_normal((3, 100, 256)), jnp.bfloat16)  # 300 rows
+    a = Q.linear(x, w, Numerics(False, "bfloat16", matmul="interpret"), out_dtype=jnp.float32)
+    b = Q.linear(x, w, Numerics(False, "bfloat16", matmul="xla"), out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ex = jnp.zeros((1,), jnp.int32)
+    wE = jax.tree.map(lambda a: a[None], w)
+    a = Q.grouped_linear(x.reshape(1, 300, 256), ex, wE, Numerics(False, "bfloat16", matmul="interpret"))
+    b = Q.grouped_linear(x.reshape(1, 300, 256), ex, wE, Numerics(False, "bfloat16", matmul="xla"))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
