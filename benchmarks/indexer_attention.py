@@ -13,9 +13,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import jax
@@ -27,7 +25,7 @@ from pallas_kernels.indexer_decode import reference as IR
 from pallas_kernels.sparse_decode_attention import kernel as AK
 from pallas_kernels.sparse_decode_attention import reference as AR
 from benchmarks.attention_decode import make_case, random_e4m3
-from benchmarks.common import copy_bandwidth
+from benchmarks.common import copy_bandwidth, median_seconds
 
 MB = 1 << 20
 
@@ -35,14 +33,8 @@ MB = 1 << 20
 def bench(fn, sets, reps=5):
     """Median seconds per call of fn over the input sets (one jit runs them all)."""
     many = jax.jit(lambda ss: [fn(*s) for s in ss])
-    jax.block_until_ready(many(sets))
-    jax.block_until_ready(many(sets))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(many(sets))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / len(sets)
+    jax.block_until_ready(many(sets))  # compile
+    return median_seconds(lambda: many(sets), reps) / len(sets)
 
 
 def n_sets_for(footprint_bytes, cap=6, budget=300 * MB):
