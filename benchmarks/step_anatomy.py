@@ -4,12 +4,15 @@ it. Decode at batch 1 is bound by kernel count as much as by bytes: every tiny f
 a few microseconds however little it moves.
 
     PYTHONPATH=. python benchmarks/step_anatomy.py --ratios 0 4 128 [--matmul xla|pallas]
+        [--kernels on] [--batch B] [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import re
+import tempfile
 import time
 from collections import Counter
 
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import config as C, params as P
-from dsv4_jax.cache import CacheSpec, cache_structs
+from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec
 from dsv4_jax.decode import step
 from dsv4_jax.quant import Numerics
 
@@ -38,6 +41,68 @@ def kernels_by_source(hlo_text: str) -> tuple[int, Counter]:
         parts = [p for p in (name.group(1) if name else "?").split("/") if not p.startswith("jit(")]
         src[f"{m.group(1)}: " + "/".join(parts[-2:])[:80]] += 1
     return count, src
+
+
+def op_sources(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> 'opcode: last two op_name parts' for every ENTRY kernel."""
+    entry = hlo_text[hlo_text.index("ENTRY"):]
+    out = {}
+    for line in entry.splitlines():
+        m = re.search(r"%?([\w.-]+) = \S+ ([\w-]+)\(", line)
+        if not m:
+            continue
+        name = re.search(r'op_name="([^"]+)"', line)
+        if name is None:  # no metadata: the instruction's name says what it fuses
+            out[m.group(1)] = f"{m.group(2)}: <{re.sub(r'[.]\d+$', '', m.group(1))}>"
+            continue
+        parts = [p for p in name.group(1).split("/") if not p.startswith("jit(")]
+        out[m.group(1)] = f"{m.group(2)}: " + "/".join(parts[-2:])[:80]
+    return out
+
+
+def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
+    """Trace n_steps calls of run() and sum the GPU kernel time per source op.
+    Prints kernel time per step against wall time per step: the difference is time the GPU
+    sat idle between kernels (launch latency, host work)."""
+    d = tempfile.mkdtemp()
+    run()
+    with jax.profiler.trace(d):
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            run()
+        wall = (time.perf_counter() - t0) / n_steps
+    path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+    prof = jax.profiler.ProfileData.from_file(path)
+    src = op_sources(hlo_text)
+    per_src, per_op, n_k = Counter(), Counter(), 0
+    first, last = None, None
+    gpu = any(p.name.startswith("/device:GPU") for p in prof.planes)
+    for plane in prof.planes:
+        if gpu and not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if gpu and "stream" not in line.name.lower():
+                continue
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if not gpu and "hlo_op" not in stats:  # CPU: only the thunks count
+                    continue
+                op = str(stats.get("hlo_op", ev.name))
+                per_src[src.get(op, "?: " + ev.name[:60])] += ev.duration_ns
+                per_op[op] += ev.duration_ns
+                n_k += 1
+                first = ev.start_ns if first is None else min(first, ev.start_ns)
+                last = ev.end_ns if last is None else max(last, ev.end_ns)
+    busy = sum(per_src.values()) / n_steps / 1e3
+    print(f"profile: {n_k / n_steps:.0f} kernels/step, GPU busy {busy:.0f} us/step, "
+          f"wall {1e6 * wall:.0f} us/step (traced), GPU span "
+          f"{(last - first) / n_steps / 1e3 if n_k else 0:.0f} us/step")
+    print("  us/step  share  source")
+    for k, v in per_src.most_common(top):
+        print(f"  {v / n_steps / 1e3:7.1f}  {100 * v / max(1, sum(per_src.values())):4.1f}%  {k}")
+    print("  top single kernels:")
+    for k, v in per_op.most_common(12):
+        print(f"  {v / n_steps / 1e3:7.1f}  {k}  ({src.get(k, '?')})")
 
 
 def sinkhorn_variants(iters=20, eps=1e-6):
@@ -96,6 +161,10 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--matmul", default="xla")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--kernels", default="off", help="cache/attention kernels: off|on")
+    ap.add_argument("--context", type=int, default=4000)
+    ap.add_argument("--profile", action="store_true",
+                    help="trace the step and sum GPU kernel time per source op")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
     a = ap.parse_args()
     if a.sinkhorn:
@@ -104,15 +173,17 @@ def main():
     cfg = cfg.replace(num_hidden_layers=len(a.ratios), compress_ratios=tuple(a.ratios) + (0,),
                       num_hash_layers=0)
     nm = Numerics(True, "bfloat16", matmul=a.matmul)
-    B, mb = a.batch, 33
-    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
+    B, ctx = a.batch, a.context
+    mb = -(-(ctx + 40) // BLOCK_TOKENS)
+    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
+                                kernels=a.kernels)
     f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
     params = P.init_params_device(cfg, 0)
     from benchmarks.decode_bench import random_cache
-    cache = random_cache(cfg, cs, B, 4000, jax.random.key(0))
+    cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
     i32 = lambda v, *s: jnp.full(s, v, jnp.int32)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
-    args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(4000, B), i32(1, B), table)
+    args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
     compiled = f.lower(params, cache, *args).compile()
     n, src = kernels_by_source(compiled.as_text())
     print(f"{jax.devices()[0].device_kind}: ratios {a.ratios} B={B} matmul={a.matmul}: "
@@ -127,6 +198,13 @@ def main():
         ts.append(time.perf_counter() - t0)
     ms = 1e3 * float(np.median(ts[2:]))
     print(f"step {ms:.3f} ms -> {1e3 * ms / n:.1f} us per kernel on average")
+    if a.profile:
+        state = {"cache": cache}
+
+        def run():
+            lg, state["cache"] = compiled(params, state["cache"], *args)
+            lg.block_until_ready()
+        profile_kernels(run, 10, compiled.as_text(), a.top)
 
 
 if __name__ == "__main__":
