@@ -178,13 +178,17 @@ def main():
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=a.kernels)
     f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
-    params = P.init_params_device(cfg, 0)
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(P.init_params_device(cfg, 0))
+    print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
     from benchmarks.decode_bench import random_cache
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
     i32 = lambda v, *s: jnp.full(s, v, jnp.int32)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
+    t0 = time.perf_counter()
     compiled = f.lower(params, cache, *args).compile()
+    print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     n, src = kernels_by_source(compiled.as_text())
     print(f"{jax.devices()[0].device_kind}: ratios {a.ratios} B={B} matmul={a.matmul}: "
           f"{n} kernels in the step")
