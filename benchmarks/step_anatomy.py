@@ -61,21 +61,19 @@ def op_sources(hlo_text: str) -> dict[str, str]:
 
 
 def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
-    """Trace n_steps calls of run() and sum the GPU kernel time per source op.
-    Prints kernel time per step against wall time per step: the difference is time the GPU
-    sat idle between kernels (launch latency, host work)."""
+    """Trace n_steps calls of run() (with a pause between them) and sum the GPU kernel time
+    per source op. Within a step, GPU span minus kernel time is time the GPU sat idle
+    between kernels (launch latency, host work); the gaps are listed by size."""
     d = tempfile.mkdtemp()
     run()
     with jax.profiler.trace(d):
-        t0 = time.perf_counter()
         for _ in range(n_steps):
             run()
-        wall = (time.perf_counter() - t0) / n_steps
+            time.sleep(0.01)  # steps are told apart by this pause
     path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
     prof = jax.profiler.ProfileData.from_file(path)
     src = op_sources(hlo_text)
-    per_src, per_op, n_k = Counter(), Counter(), 0
-    first, last = None, None
+    evs = []  # (start, end, name, hlo_op)
     gpu = any(p.name.startswith("/device:GPU") for p in prof.planes)
     for plane in prof.planes:
         if gpu and not plane.name.startswith("/device:GPU"):
@@ -87,22 +85,43 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
                 stats = dict(ev.stats)
                 if not gpu and "hlo_op" not in stats:  # CPU: only the thunks count
                     continue
-                op = str(stats.get("hlo_op", ev.name))
-                per_src[src.get(op, "?: " + ev.name[:60])] += ev.duration_ns
-                per_op[op] += ev.duration_ns
-                n_k += 1
-                first = ev.start_ns if first is None else min(first, ev.start_ns)
-                last = ev.end_ns if last is None else max(last, ev.end_ns)
-    busy = sum(per_src.values()) / n_steps / 1e3
-    print(f"profile: {n_k / n_steps:.0f} kernels/step, GPU busy {busy:.0f} us/step, "
-          f"wall {1e6 * wall:.0f} us/step (traced), GPU span "
-          f"{(last - first) / n_steps / 1e3 if n_k else 0:.0f} us/step")
-    print("  us/step  share  source")
+                evs.append((ev.start_ns, ev.end_ns, ev.name, str(stats.get("hlo_op", ""))))
+    evs.sort()
+    steps, cur = [], [evs[0]] if evs else []
+    for e in evs[1:]:
+        if e[0] - max(x[1] for x in cur[-4:]) > 5e6:  # the 10 ms pause
+            steps.append(cur)
+            cur = []
+        cur.append(e)
+    steps.append(cur)
+    per_src, per_name, gaps = Counter(), Counter(), []
+    span = busy = 0
+    for st in steps:
+        span += max(e[1] for e in st) - st[0][0]
+        end = st[0][0]
+        for e in st:
+            gaps.append((e[0] - end, e[2]))
+            end = max(end, e[1])
+            busy += e[1] - e[0]
+            label = src.get(e[3]) if e[3] in src and not e[3].startswith("command_buffer") else None
+            per_src[label or f"kernel: {re.sub(r'_?[0-9]+$', '', e[2])[:60]}"] += e[1] - e[0]
+            per_name[e[2][:70]] += e[1] - e[0]
+    n = len(steps)
+    print(f"profile: {n} steps, {len(evs) / n:.0f} kernels/step; per step: GPU span "
+          f"{span / n / 1e3:.0f} us, kernel time {busy / n / 1e3:.0f} us, idle "
+          f"{(span - busy) / n / 1e3:.0f} us")
+    for lo, hi in ((-1e12, 1e3), (1e3, 3e3), (3e3, 10e3), (10e3, 50e3), (50e3, 1e12)):
+        g = [x for x, _ in gaps if lo <= x < hi]
+        print(f"  gaps {max(lo, 0) / 1e3:.0f}-{hi / 1e3:.0f} us: {len(g) / n:.0f}/step, "
+              f"{sum(g) / n / 1e3:.0f} us/step")
+    print("  largest gaps (us, kernel after the gap):",
+          ", ".join(f"{x / 1e3:.0f} {k[:40]}" for x, k in sorted(gaps, reverse=True)[:8]))
+    print("  us/step  share  source (by op_name, else by kernel name)")
     for k, v in per_src.most_common(top):
-        print(f"  {v / n_steps / 1e3:7.1f}  {100 * v / max(1, sum(per_src.values())):4.1f}%  {k}")
-    print("  top single kernels:")
-    for k, v in per_op.most_common(12):
-        print(f"  {v / n_steps / 1e3:7.1f}  {k}  ({src.get(k, '?')})")
+        print(f"  {v / n / 1e3:7.1f}  {100 * v / max(1, busy):4.1f}%  {k}")
+    print("  top kernels by name:")
+    for k, v in per_name.most_common(15):
+        print(f"  {v / n / 1e3:7.1f}  {k}")
 
 
 def sinkhorn_variants(iters=20, eps=1e-6):
@@ -167,6 +186,11 @@ def main():
                     help="trace the step and sum GPU kernel time per source op")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
     a = ap.parse_args()
+    import os
+    cache_dir = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
+    if cache_dir != "off":  # a re-run on a warm machine skips the minutes of compilation
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if a.sinkhorn:
         sinkhorn_variants()
     cfg = C.get_preset(a.preset)
