@@ -87,6 +87,13 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
                     continue
                 evs.append((ev.start_ns, ev.end_ns, ev.name, str(stats.get("hlo_op", ""))))
     evs.sort()
+    host = Counter()  # host-side work per event name (python frames excluded)
+    for plane in prof.planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                for ev in line.events:
+                    if not ev.name.startswith("$"):
+                        host[ev.name[:70]] += ev.duration_ns
     steps, cur = [], [evs[0]] if evs else []
     for e in evs[1:]:
         if e[0] - max(x[1] for x in cur[-4:]) > 5e6:  # the 10 ms pause
@@ -119,6 +126,8 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
     print("  us/step  share  source (by op_name, else by kernel name)")
     for k, v in per_src.most_common(top):
         print(f"  {v / n / 1e3:7.1f}  {100 * v / max(1, busy):4.1f}%  {k}")
+    print("  host events by total time (us/step):",
+          "; ".join(f"{k} {v / n / 1e3:.0f}" for k, v in host.most_common(14)))
     print("  top kernels by name:")
     for k, v in per_name.most_common(15):
         print(f"  {v / n / 1e3:7.1f}  {k}")
@@ -184,6 +193,7 @@ def main():
     ap.add_argument("--context", type=int, default=4000)
     ap.add_argument("--profile", action="store_true",
                     help="trace the step and sum GPU kernel time per source op")
+    ap.add_argument("--hlo-out", help="write the optimised HLO of the step here")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
     a = ap.parse_args()
     import os
@@ -233,6 +243,9 @@ def main():
             lg, state["cache"] = compiled(params, state["cache"], *args)
             lg.block_until_ready()
         profile_kernels(run, 10, compiled.as_text(), a.top)
+    if a.hlo_out:
+        with open(a.hlo_out, "w") as fh:
+            fh.write(compiled.as_text())
 
 
 if __name__ == "__main__":
