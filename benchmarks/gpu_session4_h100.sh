@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# H100: where the time of a full-width Flash step goes, per source op (GPU kernel time from a
-# profiler trace, idle gaps between kernels, host events), B = 1, with the cache kernels.
+# H100: host launch cost of a decode step. One full-width SWA layer + head, B = 1, with the
+# matmul kernels: step time and host enqueue time with CUDA graphs (default) and without.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i warn; }
-A="python3 benchmarks/step_anatomy.py --ratios 0 4 128 --matmul pallas --profile --top 30"
-T ${T1:-300} $A --batch 1 --kernels on --hlo-out $OUT/step_b1_kernels.hlo | tee $OUT/profile_b1_kernels.log
-gzip $OUT/*.hlo
+A="python3 benchmarks/step_anatomy.py --ratios 0 --matmul pallas --top 5"
+T 150 $A --profile | tee $OUT/launch_default.log
+XLA_FLAGS=--xla_gpu_enable_command_buffer= T 120 $A | tee $OUT/launch_nograph.log
+T 120 $A --matmul xla | tee $OUT/launch_xla.log
 true
