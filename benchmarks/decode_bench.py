@@ -103,9 +103,16 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
 
 
 def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,
-          matmul: str = "xla", mesh=None) -> dict:
+          matmul: str = "xla", mesh=None, loop: bool = False) -> dict:
+    """ms per decode step three ways:
+    ms        one step at a time, waiting for each (a latency figure: host launch + GPU);
+    ms_pipe   `steps` steps enqueued back to back, one wait at the end (host launch overlaps
+              the previous step's GPU work: what a loop that never waits on the step it
+              just launched gets);
+    ms_loop   (loop=True) the jitted while-loop decode of `Engine.generate` (greedy), per
+              token."""
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
-    mb = -(-(ctx + steps + 2) // BLOCK_TOKENS)
+    mb = -(-(ctx + 3 * steps + 4) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=kernels)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
@@ -118,18 +125,35 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         step = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
+    poss = [jnp.full(B, ctx + i, jnp.int32) for i in range(2 * steps + 1)]
     t0 = time.perf_counter()
-    lg, cache = step(params, cache, toks, slots, jnp.full(B, ctx, jnp.int32), one, table)
+    lg, cache = step(params, cache, toks, slots, poss[0], one, table)
     lg.block_until_ready()
     compile_s = time.perf_counter() - t0
     ts = []
     for i in range(steps):
-        pos = jnp.full(B, ctx + 1 + i, jnp.int32)
         t0 = time.perf_counter()
-        lg, cache = step(params, cache, toks, slots, pos, one, table)
+        lg, cache = step(params, cache, toks, slots, poss[1 + i], one, table)
         lg.block_until_ready()
         ts.append(time.perf_counter() - t0)
-    return {"ms": 1e3 * float(np.median(ts)), "compile_s": compile_s}
+    t0 = time.perf_counter()
+    for i in range(steps):
+        lg, cache = step(params, cache, toks, slots, poss[1 + steps + i], one, table)
+    lg.block_until_ready()
+    out = {"ms": 1e3 * float(np.median(ts)), "compile_s": compile_s,
+           "ms_pipe": 1e3 * (time.perf_counter() - t0) / steps}
+    if loop and mesh is None:
+        from dsv4_jax.generate import Greedy, _decode_loop
+        run = _decode_loop(cfg, cs, nm, Greedy(), steps + 1, ())
+        pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
+        args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed))
+        comp = run.lower(params, cache, *args).compile()
+        _, n_gen, cache = comp(params, cache, *args)  # warm
+        t0 = time.perf_counter()
+        _, n_gen, cache = comp(params, cache, *args)
+        n = int(np.asarray(n_gen).max()) - 1  # decode steps taken (token 0 is given)
+        out["ms_loop"] = 1e3 * (time.perf_counter() - t0) / max(n, 1)
+    return out
 
 
 def _layers_cfg(cfg, ratios):
@@ -164,13 +188,21 @@ def main(args):
     sweep = [(mm, B, ctx) for mm in args.matmul for B in args.batch for ctx in args.context]
     for mm, B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
         fl = floor_bytes(cfg, B, ctx, mesh)
-        r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh)
+        r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh,
+                  loop=args.loop)
         floor_ms = 1e3 * fl["total"] / bw
         rows.append((f"model({n}L) matmul={mm}", B, ctx, r["ms"], floor_ms, fl["total"]))
+        rows.append((f"  pipelined", B, ctx, r["ms_pipe"], floor_ms, fl["total"]))
+        if "ms_loop" in r:
+            rows.append((f"  generate loop", B, ctx, r["ms_loop"], floor_ms, fl["total"]))
         print(f"matmul={mm} B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
               f"floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} GB) -> "
               f"{100 * floor_ms / r['ms']:.1f}% of the bandwidth floor "
-              f"(compile {r['compile_s']:.0f} s)", flush=True)
+              f"(compile {r['compile_s']:.0f} s); pipelined {r['ms_pipe']:.2f} ms/step "
+              f"({100 * floor_ms / r['ms_pipe']:.1f}%)"
+              + (f"; generate loop {r['ms_loop']:.2f} ms/token "
+                 f"({100 * floor_ms / r['ms_loop']:.1f}%)" if "ms_loop" in r else ""),
+              flush=True)
         if args.per_kind:
             # one layer of a kind = time([SWA, kind]) - time([SWA]) (embedding + head cancel)
             kinds = {"swa": 0, "csa": 4, "hca": 128}
@@ -205,6 +237,8 @@ def register(sub):
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--per-kind", action="store_true", help="also time one layer of each kind")
+    d.add_argument("--loop", action="store_true",
+                   help="also time the jitted while-loop decode of Engine.generate")
     d.add_argument("--matmul", choices=["xla", "pallas"], nargs="+", default=["xla"],
                    help="quantised linears/experts: XLA and/or the weight-streaming kernels")
     d.add_argument("--devices", type=int, default=0,

@@ -85,40 +85,24 @@ def hc_weights(X, fn, scale, base, cfg: Config):
     pre = jax.nn.sigmoid(m[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(m[..., N:2 * N] * scale[1] + base[N:2 * N])
     C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
+    if jax.default_backend() == "gpu":  # one small kernel instead of ~12 XLA kernels
+        from pallas_kernels.hc_sinkhorn import sinkhorn_softmax
+        C = sinkhorn_softmax(C.reshape(-1, N, N), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        return pre, post, C.reshape(*m.shape[:-1], N, N)
     C = jax.nn.softmax(C, -1) + cfg.hc_eps
-    sinkhorn = sinkhorn_unrolled if jax.default_backend() == "gpu" else sinkhorn_reduce
-    return pre, post, sinkhorn(C, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    return pre, post, sinkhorn_reduce(C, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
 
 def sinkhorn_reduce(C, iters: int, eps: float):
-    """Column normalisation, then (iters - 1) x (row, column) normalisations of C [..., N, N]."""
+    """Column normalisation, then (iters - 1) x (row, column) normalisations of C [..., N, N].
+    (On GPU, hc_weights runs softmax + this loop as one kernel: pallas_kernels/hc_sinkhorn.
+    XLA-GPU splits this form into ~11 kernels; written as N^2 scalar arrays it fuses into
+    one kernel whose single thread runs the whole division chain, 50-100 us per site.)"""
     C = C / (C.sum(-2, keepdims=True) + eps)
     for _ in range(iters - 1):
         C = C / (C.sum(-1, keepdims=True) + eps)
         C = C / (C.sum(-2, keepdims=True) + eps)
     return C
-
-
-def sinkhorn_unrolled(C, iters: int, eps: float):
-    """sinkhorn_reduce with the N x N entries as N^2 separate arrays: XLA-GPU fuses the 20
-    iterations into 2 kernels instead of 11 when compiled alone (H100,
-    benchmarks/step_anatomy.py --sinkhorn); inside the step XLA may already merge some.
-    The CPU backend does not fuse this form."""
-    n = C.shape[-1]
-    e = [[C[..., i, j] for j in range(n)] for i in range(n)]
-
-    def cols(e):
-        s = [sum(e[i][j] for i in range(1, n)) + e[0][j] for j in range(n)]
-        return [[e[i][j] / (s[j] + eps) for j in range(n)] for i in range(n)]
-
-    def rows(e):
-        s = [sum(e[i][j] for j in range(1, n)) + e[i][0] for i in range(n)]
-        return [[e[i][j] / (s[i] + eps) for j in range(n)] for i in range(n)]
-
-    e = cols(e)
-    for _ in range(iters - 1):
-        e = cols(rows(e))
-    return jnp.stack([jnp.stack(r, -1) for r in e], -2)
 
 
 def hc_collapse(X, pre, dtype):
