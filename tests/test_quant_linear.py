@@ -84,8 +84,9 @@ def test_expert_schedule_places_every_pair_once(tile):
         assert n_tiles == -(-(flat == e).sum() // tile)
 
 
-@pytest.mark.parametrize("tile", [1, 8])
+@pytest.mark.parametrize("tile", [1, 8, "pairs"])
 def test_scheduled_moe_equals_dense_loop(tile):
+    """Expert tiles of 1 or 8 rows, and one group per (token, expert) pair."""
     cfg = config.tiny()
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
     fp = P.block_params(params, "layers.3.ffn.")
@@ -95,7 +96,10 @@ def test_scheduled_moe_equals_dense_loop(tile):
     idx = rng.integers(0, E, (N, k))
     idx[:5, 0] = -1  # another device's experts (expert parallelism): combine nothing
     w = jnp.asarray(rng.uniform(0.1, 1, (N, k)), jnp.float32)
-    got = L._moe_scheduled(fp, x, jnp.asarray(idx), w, cfg, F32, tile)
+    if tile == "pairs":
+        got = L._moe_pairs(fp, x, jnp.asarray(idx), w, cfg, F32)
+    else:
+        got = L._moe_scheduled(fp, x, jnp.asarray(idx), w, cfg, F32, tile)
     comb = np.zeros((N, E), np.float32)
     for n in range(N):
         for j in range(k):
@@ -176,6 +180,8 @@ def test_model_layers_through_the_kernel():
     assert Q._kernel_ok(fp["experts.w1"], ker)  # FP4, K = 512: the kernel takes it
     close(L._moe_scheduled(fp, x[0], idx, w, cfg, ker, 8),
           L._moe_scheduled(fp, x[0], idx, w, cfg, xla, 8), 1e-2)
+    close(L._moe_pairs(fp, x[0], idx.at[1, 2].set(-1), w, cfg, ker),
+          L._moe_pairs(fp, x[0], idx.at[1, 2].set(-1), w, cfg, xla), 1e-2)
 
 
 def test_many_rows_stay_in_xla():
