@@ -7,6 +7,6 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 120 python3 -m benchmarks.decode_bench decode --preset tiny --context 512 --steps 3 \
   --devices 2 --expert 2 --matmul pallas 2>&1 | grep -v -i "warn" | tail -3 | tee "$OUT/smoke.log"
-grep -q "ms/step" "$OUT/smoke.log" || { echo "smoke failed"; exit 1; }
+grep -q "pipelined" "$OUT/smoke.log" || { echo "smoke failed"; exit 1; }
 timeout "${LIMIT:-540}" python3 -m benchmarks.decode_bench decode --preset flash --context 4096 \
   --steps 8 --devices 2 --expert 2 "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/flash_x2.log"
