@@ -3,7 +3,8 @@ gathered in-kernel instead of the XLA staging gather).
 
 Run on the device: PYTHONPATH=. python3 benchmarks/attention_decode.py [--budget S] [--out DIR]
 CPU smoke run of the whole script (GPU interpreter, tiny shapes, every code path but the
-real timings): python3 benchmarks/attention_decode.py --tiny --out /tmp/x
+real timings; ~4 min on 2 cores): python3 benchmarks/attention_decode.py --tiny --budget 900
+--variants ws-lane --out /tmp/x
 Each variant is first smoke-tested in a subprocess with a time limit (a kernel that faults
 or hangs is dropped, the rest still run) on Flash CSA, Flash HCA and Pro CSA shapes. Then,
 per case (model, mode, B, context):
@@ -24,7 +25,8 @@ per case (model, mode, B, context):
 Variants: ws-lane = warp_specialized=True (the default), direct-lane = two single-warpgroup
 CTAs per head tile (both gather="direct", Lane lowering), staged = the previous XLA
 staging gather. Cases run in priority order (cases()) until --budget seconds have passed
-since the start (smoke test included; a case once started runs to its end, ~10-25 s);
+since the start (smoke test included; a case once started runs to its end: 19-42 s on the H100, mostly compilation; the
+smoke test takes ~60 s, --trusted skips it);
 skipped ones are listed. The first case gets every variant, later ones the best correct
 one so far (or --default). --split-first also times the XLA side and the kernel alone
 (separate programs) for the first case.
