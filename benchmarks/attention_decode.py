@@ -3,7 +3,7 @@ gathered in-kernel instead of the XLA staging gather).
 
 Run on the device: PYTHONPATH=. python3 benchmarks/attention_decode.py [--budget S] [--out DIR]
 CPU smoke run of the whole script (GPU interpreter, tiny shapes, every code path but the
-real timings; ~4 min on 2 cores): python3 benchmarks/attention_decode.py --tiny --budget 900
+real timings; 4 min for 2 of its 3 cases on 2 cores): python3 benchmarks/attention_decode.py --tiny --budget 900
 --variants ws-lane --out /tmp/x
 Each variant is first smoke-tested in a subprocess with a time limit (a kernel that faults
 or hangs is dropped, the rest still run) on Flash CSA, Flash HCA and Pro CSA shapes. Then,
