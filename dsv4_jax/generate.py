@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import BlockManager, CacheSpec, CapacityExceeded, init_cache
+from .cache import BlockManager, CacheSpec, CapacityExceeded, PoolExhausted, init_cache
 from .config import Config
 from .decode import compiled_step, step as step_fn
 from .quant import Numerics
@@ -219,38 +219,77 @@ class Engine:
             self.bm.release(int(s))
 
     # ---- streaming -------------------------------------------------------------------
+    def _launch(self, slots_run: list[int], toks, pick, key):
+        """Enqueue one decode step for `slots_run` fed with `toks` (host ints by slot, or
+        the device [R, 1] tokens of the previous step) -> device next tokens [R, 1]. Does
+        not wait for the GPU. Blocks are allocated first (all or nothing)."""
+        R = self.cs.max_requests
+        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in slots_run})
+        nvalid = np.zeros(R, np.int32)
+        nvalid[slots_run] = 1
+        if isinstance(toks, dict):
+            host = np.zeros((R, 1), np.int32)
+            for s, t in toks.items():
+                host[s, 0] = t
+            self._check_tokens(host)
+            toks = host
+        logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
+        for s in slots_run:
+            self.bm.advance(s, 1)
+        return pick(logits, key)
+
     def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = ()
                ) -> Iterator[list[tuple[int, int]]]:
         """Yields, per decode step, [(request_index, token)] for requests still running.
-        Stop tokens (EOS + stop_ids) end a request and are yielded."""
+        Stop tokens (EOS + stop_ids) end a request and are yielded.
+
+        Pipelined: step n+1 is enqueued (fed with step n's tokens on the device) before
+        step n's tokens are read back, so the host's launch work overlaps the GPU's. A
+        request that stops at step n therefore runs one extra step, whose token is
+        dropped; the yielded tokens are the same as without pipelining."""
         stops = {self.cfg.eos_token_id, *stop_ids}
         slots = self._admit_all(prompts, max_new_tokens)
         key = jax.random.key(seed)
         sample = jax.jit(sampler.get_next_tokens)
+        pick = jax.jit(lambda lg, k: sampler.get_next_tokens(lg, k)[:, None])
         try:
             t0 = time.perf_counter()
             last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
             first = np.asarray(sample(jnp.stack(last), jax.random.fold_in(key, 0)))
             self.timing = Timing(prefill_s=time.perf_counter() - t0)
             self.timing.first_token_s = self.timing.prefill_s
-            running = {i: int(first[i]) for i in range(len(prompts))}
-            n_out = 1
-            yield list(running.items())
-            running = {i: t for i, t in running.items() if t not in stops}
+            yield [(i, int(first[i])) for i in range(len(prompts))]
+            alive = [i for i in range(len(prompts)) if int(first[i]) not in stops]
+            feed = {slots[i]: int(first[i]) for i in alive}  # host tokens, or device [R, 1]
+            n_out, inflight = 1, []  # inflight: (requests, device tokens) not yet read
             t1 = time.perf_counter()
-            while running and n_out < max_new_tokens:
-                logits = self.decode({slots[i]: t for i, t in running.items()})
-                nxt = np.asarray(sample(logits, jax.random.fold_in(key, n_out)))
+            while True:
+                launched = False
+                if alive and n_out + len(inflight) < max_new_tokens:
+                    try:
+                        nxt = self._launch([slots[i] for i in alive], feed, pick,
+                                           jax.random.fold_in(key, n_out + len(inflight)))
+                        inflight.append((list(alive), nxt))
+                        feed, launched = nxt, True
+                    except PoolExhausted:
+                        if not inflight:  # nothing speculative to settle: a real shortage
+                            raise
+                if not inflight:
+                    break
+                if launched and len(inflight) == 1:
+                    continue  # keep one step in flight ahead of the one being read
+                ids, nxt = inflight.pop(0)
+                toks = np.asarray(nxt)[:, 0]  # waits for that step only
                 n_out += 1
-                running = {i: int(nxt[slots[i]]) for i in running}
+                out = [(i, int(toks[slots[i]])) for i in ids if i in alive]
                 if n_out == 2:  # the first decode step carries compilation: not timed
                     self.timing.compile_s = time.perf_counter() - t1
                     t1 = time.perf_counter()
                 else:
-                    self.timing.new_tokens += len(running)
-                yield list(running.items())
-                running = {i: t for i, t in running.items() if t not in stops}
+                    self.timing.new_tokens += len(out)
+                yield out
+                alive = [i for i in alive if int(toks[slots[i]]) not in stops]
             self.timing.decode_s = time.perf_counter() - t1
         finally:
             for s in slots:

@@ -8,7 +8,7 @@ import pytest
 
 from dsv4_jax import config, model, params as P
 from dsv4_jax.cache import (BlockManager, CacheSpec, CapacityExceeded, PoolExhausted,
-                            cache_bytes, init_cache)
+                            blocks_needed, cache_bytes, init_cache)
 from dsv4_jax.decode import compiled_step
 from dsv4_jax.generate import Engine, Greedy, MinP, TopK, TopP
 from dsv4_jax.quant import Numerics
@@ -138,7 +138,41 @@ def test_generate_jitted_loop_equals_streaming_and_stops(tiny):
     stop = a[0][3]
     c = eng.generate(prompts, max_new_tokens=8, stop_ids=[stop])
     assert c[0] == a[0][:a[0].index(stop) + 1]
-    assert not eng.bm.active.any()
+    # the pipelined stream runs a stopped request one step past its stop and drops that
+    # token: it yields exactly what the loop returns
+    d = [[] for _ in prompts]
+    for step in eng.stream(prompts, max_new_tokens=8, stop_ids=[stop]):
+        assert len({i for i, _ in step}) == len(step)
+        for i, t in step:
+            d[i].append(t)
+    assert d == c
+    assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
+
+
+def test_stream_settles_inflight_step_before_pool_exhausted(tiny):
+    """A pool with exactly the blocks the real steps need: the pipelined stream's extra
+    step past a stop would need one more block; it must not turn into PoolExhausted."""
+    cfg, params = tiny
+    rng = np.random.default_rng()
+    n = next(n for n in range(64, 1024) if blocks_needed(cfg, n + 1) > blocks_needed(cfg, n))
+    big = engine(cfg, params, F32)
+    for _ in range(5):  # a prompt whose first two greedy tokens differ
+        prompt = rng.integers(0, cfg.vocab_size, n - 1).tolist()
+        ref = big.generate([prompt], max_new_tokens=4)[0]
+        if ref[1] != ref[0]:
+            break
+    else:
+        pytest.skip("greedy repeats its first token for every drawn prompt")
+    # prefill n - 1 tokens, the step feeding ref[0] -> n tokens; the next needs a new block
+    cs = CacheSpec.for_numerics(F32, max_requests=1, num_blocks=blocks_needed(cfg, n),
+                                max_blocks=8)
+    tight = Engine(cfg, params, numerics=F32, cache_spec=cs, prefill_chunk=64)
+    got = [t for step in tight.stream([prompt], max_new_tokens=4, stop_ids=[ref[1]])
+           for _, t in step]
+    assert got == ref[:2]
+    with pytest.raises(PoolExhausted):  # without the stop the shortage is real
+        list(tight.stream([prompt], max_new_tokens=4))
+    assert not tight.bm.active.any() and len(tight.bm.free) == cs.num_blocks
 
 
 def test_samplers():
