@@ -12,7 +12,8 @@ rows. A and B are swapped so the weight tile is the wgmma M side:
       -> registers, * 2^(scale-127), -> bf16 [tn, 128 k] in SMEM
       -> acc^T [tn, M] += W_tile @ x_tile^T                            (wgmma, f32)
     out[s, g, n0:n0+tn, :] = acc^T                                     (TMA store)
-  then in XLA: y_GMN = sum_s out[s].transpose(0, 2, 1)   (f32 [S, G, N, M], small)
+  then in XLA: y_GMN = (out[0] + out[1] + ...).transpose(0, 2, 1)   (f32 [S, G, N, M],
+  small; written as adds so the sum fuses into the consumer)
 
 Empty groups (expert id outside [0, E)) issue no weight copies and store zeros.
 
@@ -312,4 +313,9 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
                         interpret=interpret, tkp=tkp)
-    return part.sum(0).transpose(0, 2, 1)
+    # The split sum as adds of static slices (not a reduce): XLA fuses elementwise adds into
+    # the consumer's fusion, where a reduce would be a kernel of its own after every call.
+    y = part[0]
+    for i in range(1, S):
+        y = y + part[i]
+    return y.transpose(0, 2, 1)
