@@ -129,6 +129,23 @@ def test_simulation_on_stays_close_to_port(tiny):
 # ---------------------------------------------------------------------------------------
 # Derived properties
 # ---------------------------------------------------------------------------------------
+def test_hc_collapse_expand_equal_float64_einsum():
+    """The explicit N-term forms (written so XLA fuses them) are the mHC mixes."""
+    rng = np.random.default_rng()
+    X = rng.standard_normal((2, 3, 4, 64)).astype(np.float32)
+    f = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    pre, post = (rng.uniform(0, 2, (2, 3, 4)).astype(np.float32) for _ in range(2))
+    C = rng.uniform(0, 1, (2, 3, 4, 4)).astype(np.float32)
+    got = np.asarray(L.hc_collapse(jnp.asarray(X), jnp.asarray(pre), jnp.float32))
+    ref = np.einsum("...n,...nd->...d", pre.astype(np.float64), X.astype(np.float64))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    got = np.asarray(L.hc_expand(jnp.asarray(f), jnp.asarray(X), jnp.asarray(post),
+                                 jnp.asarray(C), jnp.float32))
+    ref = post[..., :, None].astype(np.float64) * f[..., None, :] + np.einsum(
+        "...ij,...id->...jd", C.astype(np.float64), X.astype(np.float64))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_sinkhorn_doubly_stochastic():
     """20 iterations (the reference's count) end on a column normalisation: columns sum to 1
     to 1e-5, rows to <6e-4 (measured) on unit-scale logits; by 60 iterations both to 1e-5."""
