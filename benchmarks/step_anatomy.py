@@ -4,7 +4,7 @@ it. Decode at batch 1 is bound by kernel count as much as by bytes: every tiny f
 a few microseconds however little it moves.
 
     PYTHONPATH=. python benchmarks/step_anatomy.py --ratios 0 4 128 [--matmul xla|pallas]
-        [--kernels on] [--batch B] [--profile]
+        [--kernels on] [--batch B] [--profile] [--layers N] [--devices 2 --expert 2]
 """
 from __future__ import annotations
 
@@ -74,9 +74,10 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
     prof = jax.profiler.ProfileData.from_file(path)
     src = op_sources(hlo_text)
     evs = []  # (start, end, name, hlo_op)
-    gpu = any(p.name.startswith("/device:GPU") for p in prof.planes)
-    for plane in prof.planes:
-        if gpu and not plane.name.startswith("/device:GPU"):
+    gpus = sorted(p.name for p in prof.planes if p.name.startswith("/device:GPU"))
+    gpu = bool(gpus)
+    for plane in prof.planes:  # GPU: the first device only (sharded runs: one device's view)
+        if gpu and plane.name != gpus[0]:
             continue
         for line in plane.lines:
             if gpu and "stream" not in line.name.lower():
@@ -194,6 +195,11 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="trace the step and sum GPU kernel time per source op")
     ap.add_argument("--hlo-out", help="write the optimised HLO of the step here")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="the preset's first N layers instead of --ratios")
+    ap.add_argument("--devices", type=int, default=0, help="run sharded over N devices")
+    ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
+    ap.add_argument("--model", type=int, default=None, help="mesh model-axis size")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
     a = ap.parse_args()
     import os
@@ -204,19 +210,33 @@ def main():
     if a.sinkhorn:
         sinkhorn_variants()
     cfg = C.get_preset(a.preset)
-    cfg = cfg.replace(num_hidden_layers=len(a.ratios), compress_ratios=tuple(a.ratios) + (0,),
-                      num_hash_layers=0)
+    if a.layers:  # the preset's first N layers (0: all), its own layer kinds
+        n = a.layers
+        cfg = cfg.replace(num_hidden_layers=n, compress_ratios=cfg.compress_ratios[:n] + (0,),
+                          num_hash_layers=min(cfg.num_hash_layers, n))
+    else:
+        cfg = cfg.replace(num_hidden_layers=len(a.ratios),
+                          compress_ratios=tuple(a.ratios) + (0,), num_hash_layers=0)
     nm = Numerics(True, "bfloat16", matmul=a.matmul)
     B, ctx = a.batch, a.context
     mb = -(-(ctx + 40) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=a.kernels)
-    f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
+    mesh = shardings = None
+    if a.devices:  # sharded as `dsv4 bench decode --devices`: profile device 0's stream
+        from dsv4_jax.distributed import make_mesh, param_shardings, shard_cache, sharded_step
+        mesh = make_mesh(a.devices, expert=a.expert, model=a.model)
+        shardings = param_shardings(cfg, mesh, include_mtp=False)
+        f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).jitted
+    else:
+        f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
     t0 = time.perf_counter()
-    params = jax.block_until_ready(P.init_params_device(cfg, 0))
+    params = jax.block_until_ready(P.init_params_device(cfg, 0, shardings=shardings))
     print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
     from benchmarks.decode_bench import random_cache
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
+    if mesh is not None:
+        cache = shard_cache(cache, cfg, cs, mesh)
     i32 = lambda v, *s: jnp.full(s, v, jnp.int32)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
@@ -224,7 +244,8 @@ def main():
     compiled = f.lower(params, cache, *args).compile()
     print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     n, src = kernels_by_source(compiled.as_text())
-    print(f"{jax.devices()[0].device_kind}: ratios {a.ratios} B={B} matmul={a.matmul}: "
+    print(f"{jax.devices()[0].device_kind}: layers {cfg.compress_ratios[:-1]} B={B} "
+          f"matmul={a.matmul} devices={a.devices or 1}: "
           f"{n} kernels in the step")
     for k, v in src.most_common(a.top):
         print(f"  {v:4d}  {k}")
