@@ -54,6 +54,8 @@ def sweep_variants(fmt, G, N, Kd):
                         if tkp:
                             kw["tkp"] = tkp
                         out.append(kw)
+                        if fmt == "fp8":  # dequantised rows fed to the wgmma from registers
+                            out.append(dict(kw, reg_a=True))
     return out
 
 

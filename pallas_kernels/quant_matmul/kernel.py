@@ -142,7 +142,8 @@ def fp4_x_layout(x_GMK):
     return x_GMK.reshape(G, M, K // 32, 16, 2).transpose(0, 4, 2, 1, 3)
 
 
-def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpret, tkp=TKP):
+def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpret, tkp=TKP,
+                 reg_a=False):
     """f32 partials [S, G, N, M] (transposed outputs, one per K split).
 
     fmt "fp8": x bf16 [G, M, K], w e4m3 [E, N, K], sc uint8 [E, N/128, K/128].
@@ -192,6 +193,13 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 # 2^(e-127) splat (built as a vector: scalar bitcasts do not lower)
                 s = lax.bitcast_convert_type(
                     lax.broadcast(sc_raw.astype(jnp.int32) << 23, (64, TK)), jnp.float32)
+                if reg_a:  # dequantised rows go from registers straight into the wgmma
+                    for r in range(tn // 64):
+                        r64 = pl.ds(64 * r, 64)
+                        wv = plgpu.load(w_s.at[slot, r64], layout=WG).astype(jnp.float32)
+                        plgpu.wgmma(acc_ref.at[r64], (wv * s).astype(jnp.bfloat16),
+                                    x_s.at[slot].T)
+                    return
                 for r in range(tn // 64):           # 64 rows at a time: register pressure
                     r64 = pl.ds(64 * r, 64)
                     wv = plgpu.load(w_s.at[slot, r64], layout=WG).astype(jnp.float32)
@@ -282,11 +290,14 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
 
 
 def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=None,
-                          tkp=None, interpret=None):
+                          tkp=None, reg_a=False, interpret=None):
     """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
     output tile), `stages` (pipeline depth), `tn` (64 or 128 weight rows per CTA) and
     `tkp` (FP4: 64 or 128 packed bytes per step) are tuning knobs; the defaults are the
-    best measured on the H100."""
+    best measured on the H100. `reg_a` (FP8, experimental, never run on a GPU yet): feed
+    the dequantised weight rows to the wgmma from registers instead of storing them to
+    SMEM first (the per-weight register -> SMEM -> wgmma pass bounds both paths at ~2e12
+    weights/s; see benchmarks/results/quant_matmul.md)."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
@@ -312,7 +323,7 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
-                        interpret=interpret, tkp=tkp)
+                        interpret=interpret, tkp=tkp, reg_a=reg_a)
     # The split sum as adds of static slices (not a reduce): XLA fuses elementwise adds into
     # the consumer's fusion, where a reduce would be a kernel of its own after every call.
     y = part[0]
