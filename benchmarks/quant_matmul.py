@@ -54,8 +54,7 @@ def sweep_variants(fmt, G, N, Kd):
                         if tkp:
                             kw["tkp"] = tkp
                         out.append(kw)
-                        if fmt == "fp8":  # dequantised rows fed to the wgmma from registers
-                            out.append(dict(kw, reg_a=True))
+                        out.append(dict(kw, reg_a=True))  # rows into the wgmma from registers
     return out
 
 

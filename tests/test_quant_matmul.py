@@ -170,14 +170,19 @@ def test_cuda_lowering_flash_shapes(fmt, E, G, N, Kd):
 
 
 @pytest.mark.parametrize("M", [8, 64])
-def test_cuda_lowering_fp8_register_a(M):
-    """The experimental reg_a variant (dequantised FP8 rows fed to the wgmma from registers,
-    no SMEM round trip) lowers at Flash shapes. The Mosaic-GPU interpreter cannot run a
+def test_cuda_lowering_register_a(M):
+    """The experimental reg_a variant (dequantised rows fed to the wgmma from registers, no
+    SMEM round trip) lowers at Flash shapes. The Mosaic-GPU interpreter cannot run a
     register lhs, so its numbers are checked on the GPU only (test below)."""
     S = jax.ShapeDtypeStruct
-    for E, G, N, Kd in [(1, 1, 32768, 1024), (1, 1, 4096, 8192), (8, 8, 1024, 4096)]:
-        w = Fp8Weight(S((E, N, Kd), jnp.float8_e4m3fn),
-                      S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
+    for fmt, E, G, N, Kd in [("fp8", 1, 1, 32768, 1024), ("fp8", 1, 1, 4096, 8192),
+                             ("fp8", 8, 8, 1024, 4096), ("fp4", 256, 6, 2048, 4096),
+                             ("fp4", 256, 64, 4096, 2048)]:
+        if fmt == "fp8":
+            w = Fp8Weight(S((E, N, Kd), jnp.float8_e4m3fn),
+                          S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
+        else:
+            w = Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
         f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=True)
         lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32), w).lower(
             lowering_platforms=("cuda",))
@@ -185,13 +190,13 @@ def test_cuda_lowering_fp8_register_a(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-reg-a"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-reg-a", "fp4-reg-a"])
 def test_gpu_matches_reference(fmt):
     rng = np.random.default_rng(5)
     E, N, Kd = 4, 1024, 2048
-    w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
+    w = (rand_fp4 if fmt.startswith("fp4") else rand_fp8)(rng, E, N, Kd)
     ex = jnp.asarray([3, -1, 0, 3, 1, 7], jnp.int32)
     x = rand_x(rng, 6, 16, Kd)
-    kw = dict(reg_a=True) if fmt == "fp8-reg-a" else {}
+    kw = dict(reg_a=True) if fmt.endswith("reg-a") else {}
     f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, **kw))
     check(f(x, ex, w), ref_np(x, ex, w), ex, E)

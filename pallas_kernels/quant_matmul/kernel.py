@@ -27,6 +27,8 @@ bf16 SMEM tile [tn, 16] per nibble half, multiplied with the matching x chunk [M
 That decode is ALU bound (~10 instructions per weight), so FP4 reaches ~1/3 of the copy
 bandwidth where FP8 reaches ~2/3 (see benchmarks/results/quant_matmul.md).
 """
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -44,6 +46,9 @@ STAGES = 2        # weight tiles in flight per CTA (fewer, smaller CTAs per SM m
 CTAS_PER_SM = {"fp8": 2, "fp4": 3}   # K-split target
 NUM_SMS = 132     # H100 SXM
 WG = plgpu.Layout.WGMMA
+# Default of the experimental `reg_a` knob; DSV4_REG_A=1 turns it on process-wide so a
+# whole-model benchmark can compare both without code changes.
+REG_A = os.environ.get("DSV4_REG_A", "0") == "1"
 
 
 def check_inputs(x_GMK, expert_G, w, for_kernel=True):
@@ -228,7 +233,13 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                     for h, f16 in ((0, ((b & 7) << 9) | ((b & 8) << 12)),
                                    (1, ((b & 0x70) << 5) | ((b & 0x80) << 8))):
                         f16 = lax.bitcast_convert_type(f16.astype(jnp.int16), jnp.float16)
-                        wb_s[h, c] = (f16.astype(jnp.float32) * mult).astype(jnp.bfloat16)
+                        wb = (f16.astype(jnp.float32) * mult).astype(jnp.bfloat16)
+                        if reg_a:  # straight from registers into the wgmma
+                            plgpu.wgmma(acc_ref, wb, x_s.at[slot, h, c].T)
+                        else:
+                            wb_s[h, c] = wb
+                if reg_a:
+                    return
                 plgpu.commit_smem()
                 for h in range(2):
                     for c in range(NC):
@@ -290,14 +301,14 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
 
 
 def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=None,
-                          tkp=None, reg_a=False, interpret=None):
+                          tkp=None, reg_a=None, interpret=None):
     """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
     output tile), `stages` (pipeline depth), `tn` (64 or 128 weight rows per CTA) and
     `tkp` (FP4: 64 or 128 packed bytes per step) are tuning knobs; the defaults are the
-    best measured on the H100. `reg_a` (FP8, experimental, never run on a GPU yet): feed
+    best measured on the H100. `reg_a` (experimental, never run on a GPU yet): feed
     the dequantised weight rows to the wgmma from registers instead of storing them to
     SMEM first (the per-weight register -> SMEM -> wgmma pass bounds both paths at ~2e12
-    weights/s; see benchmarks/results/quant_matmul.md)."""
+    weights/s; see benchmarks/results/quant_matmul.md); default $DSV4_REG_A (off)."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
@@ -323,7 +334,7 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
-                        interpret=interpret, tkp=tkp, reg_a=reg_a)
+                        interpret=interpret, tkp=tkp, reg_a=REG_A if reg_a is None else reg_a)
     # The split sum as adds of static slices (not a reduce): XLA fuses elementwise adds into
     # the consumer's fusion, where a reduce would be a kernel of its own after every call.
     y = part[0]
