@@ -2,6 +2,7 @@
 the XLA reference, then device time of the kernel vs the XLA paths it replaces.
 
     PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT [--sweep] [--budget 240]
+    PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --reg-a-ab
 
 Timing: CUPTI device time of every kernel a call launches (the kernel plus its small XLA
 epilogue; for the baselines the dequantise fusion plus the GEMM), median over many calls
@@ -42,7 +43,9 @@ SWEEP_SHAPES = [("wq_b", "fp8", 1, 32768, 1024, 8), ("wo_b", "fp8", 1, 4096, 819
                 ("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 64, 4096, 2048, 8)]
 
 
-def sweep_variants(fmt, G, N, Kd):
+def sweep_variants(fmt, G, N, Kd, reg_a_only=False):
+    if reg_a_only:  # A/B of the register-lhs variant at the default tiling
+        return [dict(reg_a=False), dict(reg_a=True)]
     out = []
     for tn in (128, 64):
         for tkp in ((None,) if fmt == "fp8" else (128, 64)):
@@ -175,6 +178,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="M=8 only")
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--reg-a-ab", action="store_true",
+                    help="the sweep only compares reg_a off / on at the default tiling")
     args = ap.parse_args()
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -235,7 +240,7 @@ def main():
             bank = (rand_fp4_bank if fmt == "fp4" else rand_fp8_bank)(key, E, N, Kd)
             nrot = max(4, math.ceil(ROTATE_BYTES / (G * N * Kd / (2 if fmt == "fp4" else 1))))
             rot = [jnp.asarray((np.arange(G) + i * G) % E, jnp.int32) for i in range(min(nrot, 64))]
-            for kw in sweep_variants(fmt, G, N, Kd):
+            for kw in sweep_variants(fmt, G, N, Kd, reg_a_only=args.reg_a_ab):
                 if left() < 0:
                     break
                 results.append(run_config(name + " sweep", fmt, bank, G, M, Kd, N, rot,
