@@ -397,3 +397,23 @@ runpy.run_module("benchmarks.decode_bench", run_name="__main__")
     assert "TPGUARD" in out and "tensor parallelism" in out  # kernels refused under TP
     assert "mesh {'data': 1, 'expert': 2, 'model': 1}" in out
     assert "matmul=xla B=2 ctx=300:" in out and "% of the bandwidth floor" in out
+
+
+def test_step_anatomy_profiles_a_sharded_step():
+    """benchmarks/step_anatomy.py --profile on a 2-device mesh: it compiles the sharded
+    step, counts its kernels by source op and sums one device's kernel time from a profiler
+    trace (on CPU: the XLA thunks), so the tool works before a GPU run depends on it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=root, DSV4_COMPILE_CACHE="off")
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "step_anatomy.py"),
+                           "--preset", "tiny", "--layers", "2", "--devices", "2", "--expert",
+                           "2", "--context", "300", "--profile", "--top", "5"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    n = int(out.split(" kernels in the step")[0].rsplit(" ", 1)[1])
+    assert n > 10
+    prof = out.split("profile: ")[1].split("\n")[0]
+    assert prof.startswith("10 steps") and "kernel time" in prof
+    assert "host events by total time" in out
