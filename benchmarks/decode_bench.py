@@ -9,6 +9,9 @@ depend on the values), so no prefill is needed. The floor is the bytes a decode 
 read: every non-expert weight once, the routed experts the batch hits (expected distinct
 experts under uniform routing), the head, and each request's cache reads (window, CSA top-k
 entries + all indexer keys, all HCA entries), divided by the measured copy bandwidth.
+Each configuration is timed one step at a time (latency: host launch + GPU work) and
+pipelined (steps enqueued back to back: what Engine.stream / Engine.generate get), and with
+--loop also through Engine.generate's jitted while loop.
 """
 from __future__ import annotations
 

@@ -414,10 +414,11 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
     """sum_k w[..., k] expert_{idx[..., k]}(x) over the E experts stacked in p["experts.*"]
     (E = their leading dim: all experts, or one device's share; an index outside [0, E)
     combines nothing and reads no weights). x [B, T, D], idx/w [B, T, k] -> [B, T, D] f32.
-    Few tokens (decode): the (token, expert) pairs are grouped by expert into tiles
-    (`expert_schedule`) and each tile reads its expert's stored weights once (the Pallas
-    weight-streaming kernel with nm.matmul="pallas"); many tokens: loop over all E experts
-    with a combine mask."""
+    Up to PAIR_GROUP_TOKENS tokens: one group per (token, expert) pair (`_moe_pairs`, no
+    sort or scatters). Few tokens (decode batches): the pairs are grouped by expert into
+    tiles (`expert_schedule`) and each tile reads its expert's stored weights once (the
+    Pallas weight-streaming kernel with nm.matmul="pallas"). Many tokens: loop over all E
+    experts with a combine mask."""
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     k = idx.shape[-1]
     B, T, D = x.shape
