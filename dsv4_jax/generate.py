@@ -236,7 +236,12 @@ class Engine:
         logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
         for s in slots_run:
             self.bm.advance(s, 1)
-        return pick(logits, key)
+        nxt = pick(logits, key)
+        if "interpret" in (self.nm.matmul, self.cs.kernels):
+            # the Mosaic-GPU interpreter runs jax ops inside its callbacks; a second step
+            # dispatched while one is in flight can deadlock the CPU client
+            jax.block_until_ready(nxt)
+        return nxt
 
     def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = ()
