@@ -28,23 +28,10 @@ from dsv4_jax.quant import Numerics
 KERNEL_OPS = ("fusion", "custom-call", "dot", "scatter", "gather", "copy", "sort")
 
 
-def kernels_by_source(hlo_text: str) -> tuple[int, Counter]:
-    """(number of kernel-launching instructions in ENTRY, Counter of their source ops)."""
-    entry = hlo_text[hlo_text.index("ENTRY"):]
-    count, src = 0, Counter()
-    for line in entry.splitlines():
-        m = re.search(r"= \S+ ([\w-]+)\(", line)
-        if not m or m.group(1) not in KERNEL_OPS:
-            continue
-        count += 1
-        name = re.search(r'op_name="([^"]+)"', line)
-        parts = [p for p in (name.group(1) if name else "?").split("/") if not p.startswith("jit(")]
-        src[f"{m.group(1)}: " + "/".join(parts[-2:])[:80]] += 1
-    return count, src
-
-
-def op_sources(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> 'opcode: last two op_name parts' for every ENTRY kernel."""
+def op_sources(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """HLO instruction name -> (opcode, 'opcode: last two op_name parts') for every ENTRY
+    instruction (without op_name metadata: the instruction's name, which says what it
+    fuses)."""
     entry = hlo_text[hlo_text.index("ENTRY"):]
     out = {}
     for line in entry.splitlines():
@@ -52,12 +39,18 @@ def op_sources(hlo_text: str) -> dict[str, str]:
         if not m:
             continue
         name = re.search(r'op_name="([^"]+)"', line)
-        if name is None:  # no metadata: the instruction's name says what it fuses
-            out[m.group(1)] = f"{m.group(2)}: <{re.sub(r'[.]\d+$', '', m.group(1))}>"
+        if name is None:
+            out[m.group(1)] = (m.group(2), f"{m.group(2)}: <{re.sub(r'[.]\d+$', '', m.group(1))}>")
             continue
         parts = [p for p in name.group(1).split("/") if not p.startswith("jit(")]
-        out[m.group(1)] = f"{m.group(2)}: " + "/".join(parts[-2:])[:80]
+        out[m.group(1)] = (m.group(2), f"{m.group(2)}: " + "/".join(parts[-2:])[:80])
     return out
+
+
+def kernels_by_source(hlo_text: str) -> tuple[int, Counter]:
+    """(number of kernel-launching instructions in ENTRY, Counter of their source ops)."""
+    src = Counter(label for op, label in op_sources(hlo_text).values() if op in KERNEL_OPS)
+    return sum(src.values()), src
 
 
 def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
@@ -111,7 +104,7 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
             gaps.append((e[0] - end, e[2]))
             end = max(end, e[1])
             busy += e[1] - e[0]
-            label = src.get(e[3]) if e[3] in src and not e[3].startswith("command_buffer") else None
+            label = src[e[3]][1] if e[3] in src and not e[3].startswith("command_buffer") else None
             per_src[label or f"kernel: {re.sub(r'_?[0-9]+$', '', e[2])[:60]}"] += e[1] - e[0]
             per_name[e[2][:70]] += e[1] - e[0]
     n = len(steps)

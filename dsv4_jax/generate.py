@@ -185,19 +185,25 @@ class Engine:
             self.bm.advance(slot, len(part))
         return logits
 
-    def decode(self, tokens_by_slot: dict[int, int]):
-        """One decode step for the given slots -> logits [R, V] (rows of other slots are
-        garbage). Allocates the blocks the step fills first (all or nothing)."""
+    def decode(self, tokens_by_slot: dict[int, int], slots=None):
+        """One decode step -> logits [R, V] (rows of other slots are garbage). Feeds
+        `tokens_by_slot` (host ints by slot) or, with `slots` given, a device [R, 1] token
+        array to those slots (what the pipelined stream passes on from the previous step).
+        Allocates the blocks the step fills first (all or nothing); does not wait for the
+        GPU."""
         R = self.cs.max_requests
-        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in tokens_by_slot})
-        toks = np.zeros((R, 1), np.int32)
+        slots = list(tokens_by_slot) if slots is None else slots
+        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in slots})
         nvalid = np.zeros(R, np.int32)
-        for s, t in tokens_by_slot.items():
-            toks[s, 0] = t
-            nvalid[s] = 1
-        self._check_tokens(toks)
+        nvalid[slots] = 1
+        toks = tokens_by_slot
+        if isinstance(toks, dict):
+            toks = np.zeros((R, 1), np.int32)
+            for s, t in tokens_by_slot.items():
+                toks[s, 0] = t
+            self._check_tokens(toks)
         logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
-        for s in tokens_by_slot:
+        for s in slots:
             self.bm.advance(s, 1)
         return logits
 
@@ -221,22 +227,8 @@ class Engine:
     # ---- streaming -------------------------------------------------------------------
     def _launch(self, slots_run: list[int], toks, pick, key):
         """Enqueue one decode step for `slots_run` fed with `toks` (host ints by slot, or
-        the device [R, 1] tokens of the previous step) -> device next tokens [R, 1]. Does
-        not wait for the GPU. Blocks are allocated first (all or nothing)."""
-        R = self.cs.max_requests
-        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in slots_run})
-        nvalid = np.zeros(R, np.int32)
-        nvalid[slots_run] = 1
-        if isinstance(toks, dict):
-            host = np.zeros((R, 1), np.int32)
-            for s, t in toks.items():
-                host[s, 0] = t
-            self._check_tokens(host)
-            toks = host
-        logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
-        for s in slots_run:
-            self.bm.advance(s, 1)
-        nxt = pick(logits, key)
+        the device [R, 1] tokens of the previous step) -> device next tokens [R, 1]."""
+        nxt = pick(self.decode(toks, slots=slots_run), key)
         if "interpret" in (self.nm.matmul, self.cs.kernels):
             # the Mosaic-GPU interpreter runs jax ops inside its callbacks; a second step
             # dispatched while one is in flight can deadlock the CPU client
