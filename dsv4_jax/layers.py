@@ -451,8 +451,6 @@ def expert_schedule(idx_NK, E: int, tile: int):
     e = idx_NK.reshape(P).astype(jnp.int32)
     e = jnp.where((e >= 0) & (e < E), e, E)  # invalid -> bucket E (computed nowhere)
     tok = jnp.arange(P, dtype=jnp.int32) // k
-    if tile == 1:
-        return jnp.where(e < E, e, -1), jnp.arange(P, dtype=jnp.int32), jnp.zeros_like(e), tok
     order = jnp.argsort(e, stable=True)
     es = e[order]
     counts = jnp.zeros(E + 1, jnp.int32).at[e].add(1)
@@ -474,6 +472,18 @@ def expert_schedule(idx_NK, E: int, tile: int):
 PAIR_GROUP_TOKENS = 8
 
 
+def _grouped_swiglu(p, X_GMD, expert_G, Wr_GM, cfg: Config, nm: Numerics):
+    """The routed-expert FFN over groups: X [G, M, D] (act-quant simulated), group g run by
+    expert expert_G[g] (-1: none), rows weighted by Wr [G, M] before W2 -> f32 [G, M, D]."""
+    h1 = grouped_linear(X_GMD, expert_G, p["experts.w1"], nm)
+    h3 = grouped_linear(X_GMD, expert_G, p["experts.w3"], nm)
+    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit) * Wr_GM[..., None]
+    h = h.astype(nm.jdtype)
+    if nm.act_quant:
+        h = fp8_block_sim(h, 128)
+    return grouped_linear(h, expert_G, p["experts.w2"], nm)
+
+
 def _moe_pairs(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):
     """Routed experts with one group per (token, expert) pair: x [N, D], idx/w [N, k] ->
     [N, D] f32 (an index outside [0, E) contributes nothing and reads no weights)."""
@@ -484,13 +494,7 @@ def _moe_pairs(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):
     e = jnp.where((e >= 0) & (e < E), e, -1)
     xq = fp8_block_sim(x_ND, 128) if nm.act_quant else x_ND
     X = jnp.repeat(xq, k, axis=0)[:, None, :]  # [P, 1, D]: pair j is token j // k
-    h1 = grouped_linear(X, e, p["experts.w1"], nm)
-    h3 = grouped_linear(X, e, p["experts.w3"], nm)
-    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit)
-    h = (h * w_NK.reshape(N * k, 1, 1).astype(F32)).astype(nm.jdtype)
-    if nm.act_quant:
-        h = fp8_block_sim(h, 128)
-    y = grouped_linear(h, e, p["experts.w2"], nm)  # [P, 1, D]
+    y = _grouped_swiglu(p, X, e, w_NK.reshape(N * k, 1).astype(F32), cfg, nm)
     return y.reshape(N, k, D).sum(1)
 
 
@@ -503,11 +507,5 @@ def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int):
     xq = fp8_block_sim(x_ND, 128) if nm.act_quant else x_ND
     X = jnp.zeros((S, tile, D), xq.dtype).at[slot, row].set(xq[tok])
     Wr = jnp.zeros((S, tile), F32).at[slot, row].set(w_NK.reshape(-1).astype(F32))
-    h1 = grouped_linear(X, slot_expert, p["experts.w1"], nm)
-    h3 = grouped_linear(X, slot_expert, p["experts.w3"], nm)
-    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit) * Wr[..., None]
-    h = h.astype(nm.jdtype)
-    if nm.act_quant:
-        h = fp8_block_sim(h, 128)
-    y = grouped_linear(h, slot_expert, p["experts.w2"], nm)  # [S, tile, D]
+    y = _grouped_swiglu(p, X, slot_expert, Wr, cfg, nm)  # [S, tile, D]
     return jnp.zeros((N, D), F32).at[tok].add(y[slot, row])
