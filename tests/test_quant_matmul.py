@@ -171,8 +171,8 @@ def test_cuda_lowering_flash_shapes(fmt, E, G, N, Kd):
 
 @pytest.mark.parametrize("M", [8, 64])
 def test_cuda_lowering_register_a(M):
-    """The experimental reg_a variant (dequantised rows fed to the wgmma from registers, no
-    SMEM round trip) lowers at Flash shapes. The Mosaic-GPU interpreter cannot run a
+    """Both variants (reg_a: dequantised rows fed to the wgmma from registers, the default;
+    and the SMEM round trip) lower at Flash shapes. The Mosaic-GPU interpreter cannot run a
     register lhs, so its numbers are checked on the GPU only (test below)."""
     S = jax.ShapeDtypeStruct
     for fmt, E, G, N, Kd in [("fp8", 1, 1, 32768, 1024), ("fp8", 1, 1, 4096, 8192),
@@ -183,20 +183,21 @@ def test_cuda_lowering_register_a(M):
                           S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
         else:
             w = Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
-        f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=True)
-        lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32), w).lower(
-            lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+        for reg_a in (True, False):
+            f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=reg_a)
+            lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32),
+                                       w).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-reg-a", "fp4-reg-a"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-smem", "fp4-smem"])
 def test_gpu_matches_reference(fmt):
     rng = np.random.default_rng(5)
     E, N, Kd = 4, 1024, 2048
     w = (rand_fp4 if fmt.startswith("fp4") else rand_fp8)(rng, E, N, Kd)
     ex = jnp.asarray([3, -1, 0, 3, 1, 7], jnp.int32)
     x = rand_x(rng, 6, 16, Kd)
-    kw = dict(reg_a=True) if fmt.endswith("reg-a") else {}
+    kw = dict(reg_a=False) if fmt.endswith("smem") else {}
     f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, **kw))
     check(f(x, ex, w), ref_np(x, ex, w), ex, E)

@@ -46,9 +46,10 @@ STAGES = 2        # weight tiles in flight per CTA (fewer, smaller CTAs per SM m
 CTAS_PER_SM = {"fp8": 2, "fp4": 3}   # K-split target
 NUM_SMS = 132     # H100 SXM
 WG = plgpu.Layout.WGMMA
-# Default of the experimental `reg_a` knob; DSV4_REG_A=1 turns it on process-wide so a
-# whole-model benchmark can compare both without code changes.
-REG_A = os.environ.get("DSV4_REG_A", "0") == "1"
+# Default of the `reg_a` knob (dequantised rows into the wgmma from registers): on since the
+# H100 A/B of 2026-11-22 (4-10% less kernel time, 4 Flash layers 1.65 -> 1.60 ms pipelined);
+# DSV4_REG_A=0 turns it off process-wide for A/B runs without code changes.
+REG_A = os.environ.get("DSV4_REG_A", "1") == "1"
 
 
 def check_inputs(x_GMK, expert_G, w, for_kernel=True):
@@ -161,15 +162,17 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
     tr16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     tr32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     if fmt == "fp8":
-        bufs = [plgpu.SMEM((stages, tn, TK), jnp.float8_e4m3fn, transforms=tr8),   # w_s
-                plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16),         # x_s
-                plgpu.SMEM((tn, TK), jnp.bfloat16, transforms=tr16)]                # wb_s
+        bufs = dict(w_s=plgpu.SMEM((stages, tn, TK), jnp.float8_e4m3fn, transforms=tr8),
+                    x_s=plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16))
+        wb = plgpu.SMEM((tn, TK), jnp.bfloat16, transforms=tr16)
     else:
         trw = (plgpu.TilingTransform((8, tkp)), plgpu.SwizzleTransform(tkp))
-        bufs = [plgpu.SMEM((stages, tn, tkp), jnp.uint8, transforms=trw),          # w_s
-                plgpu.SMEM((stages, 2, NC, M, 16), jnp.bfloat16, transforms=tr32),  # x_s
-                plgpu.SMEM((2, NC, tn, 16), jnp.bfloat16, transforms=tr32),         # wb_s
-                plgpu.SMEM((tn, nk * NC), jnp.uint8)]                               # sc_s
+        bufs = dict(w_s=plgpu.SMEM((stages, tn, tkp), jnp.uint8, transforms=trw),
+                    x_s=plgpu.SMEM((stages, 2, NC, M, 16), jnp.bfloat16, transforms=tr32),
+                    sc_s=plgpu.SMEM((tn, nk * NC), jnp.uint8))
+        wb = plgpu.SMEM((2, NC, tn, 16), jnp.bfloat16, transforms=tr32)
+    if not reg_a:  # dequantised bf16 rows staged for the wgmma
+        bufs["wb_s"] = wb
 
     def kernel(x_g, ex_g, w_g, sc_g, o_g, bar, sbar):
         g = lax.axis_index("g")
@@ -181,7 +184,7 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
         k0 = sp * nk
         rows = pl.ds(nt * tn, tn)
 
-        def stream(w_s, x_s, wb_s, sc_s=None):
+        def stream(w_s, x_s, wb_s=None, sc_s=None):
             def issue(j, slot):
                 if fmt == "fp8":
                     kk = pl.ds((k0 + j) * TK, TK)
@@ -279,7 +282,7 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
 
             return pl.run_scoped(mma, plgpu.ACC((tn, M), jnp.float32))
 
-        acc = pl.run_scoped(stream, *bufs)       # the stream buffers are freed here
+        acc = pl.run_scoped(stream, **bufs)      # the stream buffers are freed here
 
         def store(o_s):
             o_s[...] = acc
@@ -305,10 +308,10 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
     output tile), `stages` (pipeline depth), `tn` (64 or 128 weight rows per CTA) and
     `tkp` (FP4: 64 or 128 packed bytes per step) are tuning knobs; the defaults are the
-    best measured on the H100. `reg_a` (experimental, never run on a GPU yet): feed
-    the dequantised weight rows to the wgmma from registers instead of storing them to
-    SMEM first (the per-weight register -> SMEM -> wgmma pass bounds both paths at ~2e12
-    weights/s; see benchmarks/results/quant_matmul.md); default $DSV4_REG_A (off)."""
+    best measured on the H100. `reg_a`: feed the dequantised weight rows to the wgmma from
+    registers instead of storing them to SMEM first (default $DSV4_REG_A, on; GPU-tested
+    against the reference). The Mosaic-GPU interpreter cannot run a register lhs, so in
+    interpret mode the SMEM path runs whatever `reg_a` says."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
@@ -334,7 +337,8 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
-                        interpret=interpret, tkp=tkp, reg_a=REG_A if reg_a is None else reg_a)
+                        interpret=interpret, tkp=tkp,
+                        reg_a=not interpret and (REG_A if reg_a is None else reg_a))
     # The split sum as adds of static slices (not a reduce): XLA fuses elementwise adds into
     # the consumer's fusion, where a reduce would be a kernel of its own after every call.
     y = part[0]
