@@ -3,6 +3,8 @@ the XLA reference, then device time of the kernel vs the XLA paths it replaces.
 
     PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT [--sweep] [--budget 240]
     PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --reg-a-ab
+    PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --decode-ab
+    PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --decode swar
 
 Timing: CUPTI device time of every kernel a call launches (the kernel plus its small XLA
 epilogue; for the baselines the dequantise fusion plus the GEMM), median over many calls
@@ -41,11 +43,23 @@ ROTATE_BYTES = 200e6
 SWEEP_SHAPES = [("wq_b", "fp8", 1, 32768, 1024, 8), ("wo_b", "fp8", 1, 4096, 8192, 8),
                 ("wo_b", "fp8", 1, 4096, 8192, 64), ("shared w1/w3", "fp8", 1, 2048, 4096, 8),
                 ("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 64, 4096, 2048, 8)]
+# decode A/B (--decode-ab): the Flash shapes where the dequantise pass costs the most
+DECODE_AB_SHAPES = [
+    ("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 6, 4096, 2048, 8),
+    ("expert w1/w3", "fp4", 6, 2048, 4096, 64), ("expert w1/w3", "fp4", 64, 2048, 4096, 8),
+    ("expert w2", "fp4", 64, 4096, 2048, 8), ("wq_b", "fp8", 1, 32768, 1024, 8),
+    ("wo_b", "fp8", 1, 4096, 8192, 8), ("wo_b", "fp8", 1, 4096, 8192, 64),
+    ("shared w1/w3", "fp8", 1, 2048, 4096, 8), ("wo_a (E=G=8)", "fp8", 8, 1024, 4096, 8)]
+# tiling sweep for one decode (--decode X): the M = 8 shapes that matter most
+TILING_SHAPES = [("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 64, 4096, 2048, 8),
+                 ("wo_b", "fp8", 1, 4096, 8192, 8), ("wq_b", "fp8", 1, 32768, 1024, 8)]
 
 
-def sweep_variants(fmt, G, N, Kd, reg_a_only=False):
+def sweep_variants(fmt, G, N, Kd, reg_a_only=False, decode=None):
     if reg_a_only:  # A/B of the register-lhs variant at the default tiling
         return [dict(reg_a=False), dict(reg_a=True)]
+    if decode == "ab":  # A/B of the dequantise code at the default tiling (reg_a default)
+        return [dict(decode="cvt"), dict(decode="swar")]
     out = []
     for tn in (128, 64):
         for tkp in ((None,) if fmt == "fp8" else (128, 64)):
@@ -56,6 +70,9 @@ def sweep_variants(fmt, G, N, Kd, reg_a_only=False):
                         kw = dict(tn=tn, stages=stages, splits=S)
                         if tkp:
                             kw["tkp"] = tkp
+                        if decode:  # one decode, reg_a at its default
+                            out.append(dict(kw, decode=decode))
+                            continue
                         out.append(kw)
                         out.append(dict(kw, reg_a=True))  # rows into the wgmma from registers
     return out
@@ -131,6 +148,13 @@ def fp8dot(x_GMK, expert_G, w):
     return (yb * s).sum(1)
 
 
+REF_FNS = {
+    "f32": jax.jit(lambda x, e, w: grouped_matmul_reference(x, e, w, dtype=jnp.float32)),
+    "bf16": jax.jit(lambda x, e, w: grouped_matmul_reference(x, e, w, dtype=jnp.bfloat16)),
+    "fp8dot": jax.jit(fp8dot),
+}
+
+
 def run_config(name, fmt, bank, G, M, Kd, N, rotate_experts, impls, log, kernel_kw=None):
     """Time impls on one shape; returns a result dict (plus correctness for the kernel)."""
     kernel_kw = kernel_kw or {}
@@ -139,12 +163,7 @@ def run_config(name, fmt, bank, G, M, Kd, N, rotate_experts, impls, log, kernel_
     n = max(24, 2 * len(rotate_experts))
     args = [(x, rotate_experts[i % len(rotate_experts)], bank) for i in range(n)]
     wbytes = G * expert_bytes(bank)
-    fns = {
-        "kernel": jax.jit(lambda x, e, w: grouped_matmul(x, e, w, **kernel_kw)),
-        "f32": jax.jit(lambda x, e, w: grouped_matmul_reference(x, e, w, dtype=jnp.float32)),
-        "bf16": jax.jit(lambda x, e, w: grouped_matmul_reference(x, e, w, dtype=jnp.bfloat16)),
-        "fp8dot": jax.jit(fp8dot),
-    }
+    fns = dict(REF_FNS, kernel=jax.jit(lambda x, e, w: grouped_matmul(x, e, w, **kernel_kw)))
     res = dict(name=name, fmt=fmt, G=G, M=M, N=N, K=Kd, weight_MB=wbytes / 1e6, **kernel_kw)
     # correctness: one empty group where G > 1
     ex = np.asarray(rotate_experts[0]).copy()
@@ -180,6 +199,11 @@ def main():
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--reg-a-ab", action="store_true",
                     help="the sweep only compares reg_a off / on at the default tiling")
+    ap.add_argument("--decode-ab", action="store_true",
+                    help="the sweep compares decode cvt / swar at the default tiling "
+                         "(DECODE_AB_SHAPES)")
+    ap.add_argument("--decode", choices=("cvt", "swar"),
+                    help="tiling sweep (TILING_SHAPES) with this decode, reg_a default")
     args = ap.parse_args()
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -233,14 +257,17 @@ def main():
             del bank
     # Tuning sweep: tile rows, FP4 step width, pipeline depth, K splits (kernel only)
     if args.sweep:
-        for name, fmt, G, N, Kd, M in SWEEP_SHAPES:
+        shapes = (DECODE_AB_SHAPES if args.decode_ab else TILING_SHAPES if args.decode
+                  else SWEEP_SHAPES)
+        mode = "ab" if args.decode_ab else args.decode
+        for name, fmt, G, N, Kd, M in shapes:
             if left() < 0:
                 break
             E = 256 if fmt == "fp4" else dense_rotation(G * N * Kd) * G
             bank = (rand_fp4_bank if fmt == "fp4" else rand_fp8_bank)(key, E, N, Kd)
             nrot = max(4, math.ceil(ROTATE_BYTES / (G * N * Kd / (2 if fmt == "fp4" else 1))))
             rot = [jnp.asarray((np.arange(G) + i * G) % E, jnp.int32) for i in range(min(nrot, 64))]
-            for kw in sweep_variants(fmt, G, N, Kd, reg_a_only=args.reg_a_ab):
+            for kw in sweep_variants(fmt, G, N, Kd, reg_a_only=args.reg_a_ab, decode=mode):
                 if left() < 0:
                     break
                 results.append(run_config(name + " sweep", fmt, bank, G, M, Kd, N, rot,
@@ -264,7 +291,8 @@ def table(results, bw, device):
         def cmp(k):
             t = r.get(f"t_{k}_us")
             return f"{t:.1f} ({t / tk:.2f}x)" if t is not None else "-"
-        extra = "".join(f" {k}={r[k]}" for k in ("tn", "tkp", "stages", "splits") if k in r)
+        extra = "".join(f" {k}={r[k]}" for k in ("tn", "tkp", "stages", "splits", "reg_a",
+                                                  "decode") if k in r)
         out.append(f"| {r['name']}{extra} | {r['fmt']} | {r['G']} | {r['M']} | {r['N']} x {r['K']} | "
                    f"{r['weight_MB']:.1f} | {tk:.1f} | {r['GBps']:.0f} | {100 * r['GBps'] * 1e9 / bw:.0f}% | "
                    f"{cmp('f32')} | {cmp('bf16')} | {cmp('fp8dot')} | {r['rel_err']:.1e} | "

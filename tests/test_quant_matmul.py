@@ -2,6 +2,7 @@
 reference, the reference vs an independent numpy dequantisation, input validation, and
 the CUDA lowering at DeepSeek-V4-Flash shapes."""
 import functools
+import re
 
 import ml_dtypes
 import numpy as np
@@ -169,6 +170,122 @@ def test_cuda_lowering_flash_shapes(fmt, E, G, N, Kd):
         assert "mosaic_gpu" in lowered.as_text()
 
 
+# ---- the "swar" decode's inline PTX, executed on a numpy model of its instructions ----
+
+def _bf16x2_mul(a, b):
+    """PTX mul.rn.bf16x2 on uint32 words: per 16-bit lane, exact product rounded to
+    nearest even bf16, subnormals kept (computed in float64 through ml_dtypes)."""
+    out = np.zeros_like(a)
+    for sh in (0, 16):
+        fa = ((a >> sh) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        fb = ((b >> sh) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        r = (fa * fb).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        out |= r << sh
+    return out
+
+
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): byte i of the result is byte sel[4i:4i+3] of {b, a}
+    (bit 3 of the selector nibble replicates that byte's sign bit)."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = src[nib & 7]
+        if nib & 8:
+            byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint32)
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(ptx, outs, ins):
+    """Executes the subset of PTX the swar decode uses on uint32 numpy arrays: `ins` are
+    $len(outs).. operands, returns the `outs` output operands ($0..)."""
+    regs = {f"${len(outs) + i}": np.asarray(v, np.uint32) for i, v in enumerate(ins)}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.uint32(int(tok, 0))
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in src]
+        M32 = np.uint64(0xFFFFFFFF)
+        if op == "prmt.b32":
+            r = _prmt(np.broadcast_to(v[0], v[2].shape if np.ndim(v[0]) == 0 else np.shape(v[0])).astype(np.uint32),
+                      np.uint32(v[1]), int(v[2]))
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "shl.b32":
+            r = ((v[0].astype(np.uint64) << np.uint64(int(v[1]))) & M32).astype(np.uint32)
+        elif op == "mad.lo.u32":
+            r = ((v[0].astype(np.uint64) * np.uint64(int(v[1])) + v[2]) & M32).astype(np.uint32)
+        elif op == "mul.rn.bf16x2":
+            r = _bf16x2_mul(v[0], v[1])
+        else:
+            raise NotImplementedError(op)
+        regs[d] = np.asarray(r, np.uint32)
+    return [regs[f"${i}"] for i in range(len(outs))]
+
+
+def _bf16_words(fmt, e):
+    sa, sb = K.swar_scale_words(fmt, jnp.asarray(e, jnp.int32))
+    return np.asarray(sa).astype(np.uint32), np.asarray(sb).astype(np.uint32)
+
+
+def _lanes(w):
+    """uint32 bf16x2 words -> float64 (lane 0, lane 1)."""
+    f = lambda u: u.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    return f(w & 0xFFFF), f(w >> 16)
+
+
+def test_fp4_swar_ptx_exact_all_codes_and_scales():
+    """Every pair of packed bytes' nibbles x every e8m0 scale byte 0..254: the PTX gives
+    exactly bf16(e2m1 * 2^(e-127)) (rounding only where that overflows bf16)."""
+    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 37), np.arange(255), indexing="ij")
+    b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
+    sa, sb = _bf16_words("fp4", e)
+    lo, hi = run_ptx(K.FP4_SWAR_PTX, ["lo", "hi"], [b0 | (b1 << 8), sa, sb])
+    dec = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    scale = 2.0 ** (e.astype(np.float64) - 127)
+    want = lambda n: (dec(n) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
+    for got, (n0, n1) in ((lo, (b0 & 15, b1 & 15)), (hi, (b0 >> 4, b1 >> 4))):
+        g0, g1 = _lanes(got)
+        np.testing.assert_array_equal(g0, want(n0))
+        np.testing.assert_array_equal(g1, want(n1))
+    # the interesting corner: the e2m1 subnormal (0.5) at the smallest scales
+    assert _lanes(run_ptx(K.FP4_SWAR_PTX, ["lo", "hi"], [np.uint32(1), *_bf16_words("fp4", 0)])[0])[0] == 2.0 ** -128
+
+
+def test_fp8_swar_ptx_exact_all_codes_and_scales():
+    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 29), np.arange(255), indexing="ij")
+    b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
+    ok = ((b0 & 0x7F) != 0x7F) & ((b1 & 0x7F) != 0x7F)              # no NaN codes
+    b0, b1, e = b0[ok], b1[ok], e[ok]
+    sa, sb = _bf16_words("fp8", e)
+    [out] = run_ptx(K.FP8_SWAR_PTX, ["out"], [b0 | (b1 << 8), sa, sb])
+    dec = lambda b: b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    scale = 2.0 ** (e.astype(np.float64) - 127)
+    want = lambda b: (dec(b) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
+    g0, g1 = _lanes(out)
+    np.testing.assert_array_equal(g0, want(b0))
+    np.testing.assert_array_equal(g1, want(b1))
+
+
+def test_swar_scale_words_are_normal_bf16():
+    for fmt in ("fp4", "fp8"):
+        for w in _bf16_words(fmt, np.arange(255)):
+            assert (w & 0xFFFF == w >> 16).all()
+            f = (w >> 7) & 0xFF                     # biased exponent of each half
+            assert ((f >= 1) & (f <= 254)).all() and (w & 0x7F == 0).all()
+
+
 @pytest.mark.parametrize("M", [8, 64])
 def test_cuda_lowering_register_a(M):
     """Both variants (reg_a: dequantised rows fed to the wgmma from registers, the default;
@@ -183,21 +300,44 @@ def test_cuda_lowering_register_a(M):
                           S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
         else:
             w = Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
-        for reg_a in (True, False):
-            f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=reg_a)
+        for reg_a, decode in ((True, "cvt"), (False, "cvt"), (True, "swar"), (False, "swar")):
+            f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=reg_a, decode=decode)
             lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32),
                                        w).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["cvt", "swar"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-smem", "fp4-smem"])
-def test_gpu_matches_reference(fmt):
+def test_gpu_matches_reference(fmt, decode):
     rng = np.random.default_rng(5)
     E, N, Kd = 4, 1024, 2048
     w = (rand_fp4 if fmt.startswith("fp4") else rand_fp8)(rng, E, N, Kd)
     ex = jnp.asarray([3, -1, 0, 3, 1, 7], jnp.int32)
     x = rand_x(rng, 6, 16, Kd)
     kw = dict(reg_a=False) if fmt.endswith("smem") else {}
-    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, **kw))
+    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode=decode, **kw))
     check(f(x, ex, w), ref_np(x, ex, w), ex, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_gpu_swar_full_scale_range(fmt):
+    """Scales 2^-117 .. 2^100 (far outside real checkpoints; the smallest scales are left
+    out only so that no product is an f32 subnormal in the tensor cores; the numpy model
+    of the PTX covers e = 0..254): every weight exactly as the numpy dequantisation,
+    read out through an identity-like x (one 1.0 per row picks single weights)."""
+    rng = np.random.default_rng(6)
+    E, N, Kd = 1, 256, 512
+    w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
+    sc = rng.integers(10, 228, w.scale.shape, dtype=np.uint8)
+    w = type(w)(*(jax.tree.leaves(w)[:-1] + [jnp.asarray(sc.view(ml_dtypes.float8_e8m0fnu))]))
+    cols = rng.choice(Kd, 16, replace=False)
+    x = np.zeros((1, 16, Kd), np.float32)
+    x[0, np.arange(16), cols] = 1.0
+    x = jnp.asarray(x, jnp.bfloat16)
+    ex = jnp.asarray([0], jnp.int32)
+    y = np.asarray(jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode="swar"))(x, ex, w))
+    W = dequant_np(w)[0]                                        # f64 [N, K], exact
+    np.testing.assert_array_equal(y[0], W[:, cols].T.astype(np.float32))

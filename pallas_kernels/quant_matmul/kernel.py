@@ -29,11 +29,16 @@ bandwidth where FP8 reaches ~2/3 (see benchmarks/results/quant_matmul.md).
 """
 import os
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental import mosaic as _mosaic  # noqa: F401  (mosaic.gpu below)
+from jax.experimental.mosaic import gpu as mgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 
 from dsv4_jax.quant import Fp4Weight, Fp8Weight
 
@@ -50,6 +55,11 @@ WG = plgpu.Layout.WGMMA
 # H100 A/B of 2026-11-22 (4-10% less kernel time, 4 Flash layers 1.65 -> 1.60 ms pipelined);
 # DSV4_REG_A=0 turns it off process-wide for A/B runs without code changes.
 REG_A = os.environ.get("DSV4_REG_A", "1") == "1"
+# Default of the `decode` knob: "cvt" (float conversions: e4m3 -> f16 -> f32, or e2m1 bits
+# under the f16 exponent -> f32; * f32 scale; -> bf16) or "swar" (bf16 bits built with
+# 32-bit integer ops two weights at a time, scale by bf16x2 multiplies; inline PTX, see
+# FP4_SWAR_PTX). $DSV4_QMM_DECODE overrides it process-wide for A/B runs.
+DECODE = os.environ.get("DSV4_QMM_DECODE", "cvt")
 
 
 def check_inputs(x_GMK, expert_G, w, for_kernel=True):
@@ -116,28 +126,159 @@ def default_splits(fmt, G, N, K, tn=TN, tkp=TKP, num_sms=NUM_SMS):
 SMEM_BUDGET = 225 * 1024
 
 
-def _smem_bytes(fmt, tn, M, stages, nk, tkp=TKP):
+def _smem_bytes(fmt, tn, M, stages, nk, tkp=TKP, reg_a=False):
+    """Stream buffers of one CTA (the output tile reuses them after the stream)."""
     if fmt == "fp8":
         per_stage = tn * TK + M * TK * 2
-        fixed = tn * TK * 2
+        wb = tn * TK * 2                                  # dequantised bf16 tile
+        fixed = 0
     else:
         per_stage = tn * tkp + M * tkp * 2 * 2
-        fixed = tn * tkp * 2 * 2 + tn * nk * (tkp // 16)
-    return per_stage * stages + fixed
+        wb = tn * tkp * 2 * 2
+        fixed = tn * nk * (tkp // 16)                     # the CTA's scales
+    return per_stage * stages + fixed + (0 if reg_a else wb)
 
 
-def choose_stages(fmt, tn, M, nk, max_stages=STAGES, tkp=TKP):
-    """Pipeline depth: up to `max_stages` weight tiles in flight, within the SMEM budget."""
+def choose_stages(fmt, tn, M, nk, max_stages=STAGES, tkp=TKP, reg_a=False):
+    """Pipeline depth: up to `max_stages` weight tiles in flight, within the SMEM budget
+    (with `reg_a` the dequantised tile never goes to SMEM, so it is not counted)."""
     st = max(1, min(max_stages, nk))
-    while st > 1 and _smem_bytes(fmt, tn, M, st, nk, tkp) > SMEM_BUDGET:
+    while st > 1 and _smem_bytes(fmt, tn, M, st, nk, tkp, reg_a) > SMEM_BUDGET:
         st -= 1
-    if _smem_bytes(fmt, tn, M, st, nk, tkp) > SMEM_BUDGET:
+    if _smem_bytes(fmt, tn, M, st, nk, tkp, reg_a) > SMEM_BUDGET:
         raise ValueError(f"{fmt} tiles for M={M} do not fit in shared memory")
     return st
 
 
 def _u8(a):
     return lax.bitcast_convert_type(a, jnp.uint8)
+
+
+# ---- "swar" decode: bf16 bits from integer ops, two weights per 32-bit op -------------
+# One WGMMA-layout register holds two packed bytes of one row, B0 (column 2j) and B1
+# (column 2j + 1); the matching bf16 operands hold the same two columns as one bf16x2
+# word. y = [B0, 0, B1, 0] (prmt) puts each byte in its own 16-bit lane; then per lane:
+#   FP4 nibble s|m (m = 2a + b): (m << 6) | (s << 15) is bf16 e2m1(m) * 2^-126 exactly
+#     (a = 0, i.e. m = 1, lands on the bf16 subnormal 2^-127: the e2m1 subnormal), so
+#     w = bits * 2^(e - 1), done as two exact bf16x2 multiplies by SA = 2^(min(e,128) - 1)
+#     and SB = 2^(max(e,128) - 128) so that every e8m0 byte 0..254 stays in range.
+#   FP8 byte s|eeee|mmm: ((b & 0x7f) << 4) | (s << 15) is bf16 e4m3 * 2^-120 exactly
+#     (e4m3 subnormals land on bf16 subnormals), times SA = 2^(min(e,134) - 7) and
+#     SB = 2^(max(e,134) - 134).
+# The sign moves with the magnitude bits (n << k puts it 6 bits short of bit 15) and a
+# multiply-add lifts it: s * (2^15 - 2^(15-6)) added to the shifted word.
+# Needs subnormal-preserving bf16 multiplies (PTX mul.rn.bf16x2 has no .ftz; sm_90).
+# The Mosaic-GPU interpreter (XLA on CPU flushes subnormals) cannot run PTX, so interpret
+# mode runs the "cvt" decode; tests execute these exact PTX strings on a small numpy model
+# of the instructions (tests/test_quant_matmul.py) and on the GPU against the reference.
+FP4_SWAR_PTX = """{
+.reg .b32 y, n, s;
+prmt.b32 y, $2, 0, 0x4140;
+and.b32 n, y, 0x000F000F;
+and.b32 s, y, 0x00080008;
+shl.b32 n, n, 6;
+mad.lo.u32 n, s, 4032, n;
+mul.rn.bf16x2 n, n, $3;
+mul.rn.bf16x2 $0, n, $4;
+and.b32 n, y, 0x00F000F0;
+and.b32 s, y, 0x00800080;
+shl.b32 n, n, 2;
+mad.lo.u32 n, s, 252, n;
+mul.rn.bf16x2 n, n, $3;
+mul.rn.bf16x2 $1, n, $4;
+}"""
+# $0 <- low nibbles of B0, B1 (even k); $1 <- high nibbles (odd k); $2 = B0 | B1 << 8;
+# $3, $4 = SA, SB as bf16x2 words (the same value in both halves).
+
+FP8_SWAR_PTX = """{
+.reg .b32 y, n, s;
+prmt.b32 y, $1, 0, 0x4140;
+and.b32 s, y, 0x00800080;
+shl.b32 n, y, 4;
+mad.lo.u32 n, s, 240, n;
+mul.rn.bf16x2 n, n, $2;
+mul.rn.bf16x2 $0, n, $3;
+}"""
+# $0 <- bf16x2 of B0, B1; $1 = B0 | B1 << 8; $2, $3 = SA, SB.
+
+SWAR_SPLIT = {"fp4": (128, -1), "fp8": (134, -7)}   # (split exponent, SA exponent offset)
+
+
+def swar_scale_words(fmt, e):
+    """int32 e8m0 bytes -> (SA, SB) bf16x2 words (int32) with SA * SB = 2^(e - 1) (FP4) or
+    2^(e - 7) (FP8), each factor a normal bf16 for every e in 0..254."""
+    split, off = SWAR_SPLIT[fmt]
+    fa = jnp.minimum(e, split) + off + 127           # biased exponent of SA
+    fb = jnp.maximum(e, split) - split + 127         # biased exponent of SB
+    return (fa << 7) * 0x10001, (fb << 7) * 0x10001
+
+
+def _pair_i32(reg):
+    """vector<2 x 8 bit> register -> i32 holding the two bytes in its low half."""
+    i16 = ir.IntegerType.get_signless(16)
+    i8 = ir.IntegerType.get_signless(8)
+    if ir.VectorType(reg.type).element_type != i8:
+        reg = vector.bitcast(ir.VectorType.get((2,), i8), reg)
+    return arith.extui(ir.IntegerType.get_signless(32), mgpu.utils.bitcast(reg, i16))
+
+
+def _first_lane(reg):
+    """Element 0 of a register (vector<2 x f32 / i32>) as i32."""
+    if isinstance(reg.type, ir.VectorType):
+        reg = vector.extract(reg, dynamic_position=[],
+                             static_position=ir.DenseI64ArrayAttr.get([0]))
+    i32 = ir.IntegerType.get_signless(32)
+    return reg if reg.type == i32 else arith.bitcast(i32, reg)
+
+
+def fp4_swar_decode(b_u8, sa_f32, sb_f32):
+    """Packed e2m1 bytes uint8 [R, C] and the per-element scale words (bf16x2 bits held in
+    f32 [R, C], constant along each row chunk), all WGMMA layout -> (even-k, odd-k) bf16
+    [R, C] weights, exact. GPU only (inline PTX)."""
+    R, C = b_u8.shape
+    out = plgpu.ShapeDtypeStruct((R, C), jnp.bfloat16, layout=WG)
+
+    @plgpu.inline_mgpu(arg_types=(WG, WG, WG), return_type=(out, out))
+    def dec(ctx, w, sa, sb):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        lo = np.empty_like(w.registers)
+        hi = np.empty_like(w.registers)
+        for idx, reg in np.ndenumerate(w.registers):
+            r0, r1 = mgpu.utils.inline_ptx(
+                FP4_SWAR_PTX, _pair_i32(reg), _first_lane(sa.registers[idx]),
+                _first_lane(sb.registers[idx]), result_types=[i32, i32])
+            lo[idx] = mgpu.utils.bitcast(r0, bf2)
+            hi[idx] = mgpu.utils.bitcast(r1, bf2)
+        mk = lambda r: mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT,
+                                            _is_signed=None)
+        return mk(lo), mk(hi)
+
+    return dec(b_u8, sa_f32, sb_f32)
+
+
+def fp8_swar_decode(b_u8, sa_i32, sb_i32):
+    """e4m3 bytes uint8 [R, C] (WGMMA layout) and the step's two scale words (int32
+    scalars broadcast to [R, C], splat layout) -> bf16 [R, C], exact. GPU only."""
+    R, C = b_u8.shape
+    splat = plgpu.Layout.WG_SPLAT((R, C))
+
+    @plgpu.inline_mgpu(arg_types=(WG, splat, splat),
+                       return_type=plgpu.ShapeDtypeStruct((R, C), jnp.bfloat16, layout=WG))
+    def dec(ctx, w, sa, sb):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        a, b = _first_lane(sa.registers.flat[0]), _first_lane(sb.registers.flat[0])
+        regs = np.empty_like(w.registers)
+        for idx, reg in np.ndenumerate(w.registers):
+            r = mgpu.utils.inline_ptx(FP8_SWAR_PTX, _pair_i32(reg), a, b, result_types=i32)
+            regs[idx] = mgpu.utils.bitcast(r, bf2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None)
+
+    return dec(b_u8, lax.broadcast(sa_i32, (R, C)), lax.broadcast(sb_i32, (R, C)))
 
 
 def fp4_x_layout(x_GMK):
@@ -149,10 +290,11 @@ def fp4_x_layout(x_GMK):
 
 
 def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpret, tkp=TKP,
-                 reg_a=False):
+                 reg_a=False, decode="cvt"):
     """f32 partials [S, G, N, M] (transposed outputs, one per K split).
 
-    fmt "fp8": x bf16 [G, M, K], w e4m3 [E, N, K], sc uint8 [E, N/128, K/128].
+    fmt "fp8": x bf16 [G, M, K], w e4m3 [E, N, K] (uint8 view for decode "swar"),
+               sc uint8 [E, N/128, K/128].
     fmt "fp4": x bf16 fp4_x_layout [G, 2, K/32, M, 16], w uint8 [E, N, K/2],
                sc uint8 [E, N, K/32]."""
     E = w.shape[0]
@@ -162,7 +304,7 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
     tr16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     tr32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     if fmt == "fp8":
-        bufs = dict(w_s=plgpu.SMEM((stages, tn, TK), jnp.float8_e4m3fn, transforms=tr8),
+        bufs = dict(w_s=plgpu.SMEM((stages, tn, TK), w.dtype, transforms=tr8),
                     x_s=plgpu.SMEM((stages, M, TK), jnp.bfloat16, transforms=tr16))
         wb = plgpu.SMEM((tn, TK), jnp.bfloat16, transforms=tr16)
     else:
@@ -198,6 +340,19 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                                                 x_s.at[slot, h], bar.at[slot])
 
             def fp8_step(acc_ref, j, slot, sc_raw):
+                if decode == "swar":
+                    sa, sb = swar_scale_words("fp8", sc_raw.astype(jnp.int32))
+                    for r in range(tn // 64):
+                        r64 = pl.ds(64 * r, 64)
+                        wv = fp8_swar_decode(plgpu.load(w_s.at[slot, r64], layout=WG), sa, sb)
+                        if reg_a:
+                            plgpu.wgmma(acc_ref.at[r64], wv, x_s.at[slot].T)
+                        else:
+                            wb_s[r64] = wv
+                    if not reg_a:
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, wb_s, x_s.at[slot].T)
+                    return
                 # 2^(e-127) splat (built as a vector: scalar bitcasts do not lower)
                 s = lax.bitcast_convert_type(
                     lax.broadcast(sc_raw.astype(jnp.int32) << 23, (64, TK)), jnp.float32)
@@ -216,27 +371,41 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 plgpu.wgmma(acc_ref, wb_s, x_s.at[slot].T)
 
             def fp4_step(acc_ref, j, slot):
-                # 8 scale columns [tn, 8] holding this step's NC -> f32 multipliers
-                # 2^(e-127) * 2^14 (undoing the f16 bias trick below); one per-row vector per
-                # scale block by a masked row sum (a strided SMEM column load does not lower).
+                # The 8 scale columns [tn, 8] holding this step's NC blocks; one per-row
+                # vector per scale block by a masked row sum (a strided SMEM column load
+                # does not lower).
                 c0 = j * NC
                 scl = plgpu.load(sc_s.at[:, pl.ds(c0 - lax.rem(c0, 8), 8)], layout=WG,
-                                 optimized=False)
-                mult_all = lax.bitcast_convert_type((scl.astype(jnp.int32) + 14) << 23,
-                                                    jnp.float32)
+                                 optimized=False).astype(jnp.int32)
                 col = plgpu.broadcasted_iota(jnp.int32, (tn, 8), 1, layout=WG) - lax.rem(c0, 8)
                 b_all = plgpu.load(w_s.at[slot], layout=WG)                      # [tn, tkp]
-                for c in range(NC):                 # 16 packed bytes = one scale block
+                if decode == "swar":
+                    e_all = scl.astype(jnp.float32)           # (exact small integers)
+                else:  # f32 multipliers 2^(e-127) * 2^14 (undoing the f16 bias trick below)
+                    mult_all = lax.bitcast_convert_type((scl + 14) << 23, jnp.float32)
+
+                def decode_block(c):
+                    """(even-k, odd-k) bf16 [tn, 16] of scale block c."""
+                    if decode == "swar":
+                        e = jnp.where(col == c, e_all, 0.0).sum(axis=1).astype(jnp.int32)
+                        sa, sb = (lax.broadcast_in_dim(v, (tn, 16), [0])
+                                  for v in swar_scale_words("fp4", e))
+                        return fp4_swar_decode(b_all[:, 16 * c:16 * (c + 1)], sa, sb)
                     b = b_all[:, 16 * c:16 * (c + 1)].astype(jnp.int32)           # [tn, 16]
                     mult = jnp.where(col == c, mult_all, 0.0).sum(axis=1)         # [tn]
                     mult = lax.broadcast_in_dim(mult, (tn, 16), [0])
                     # e2m1 magnitude bits m under the f16 exponent (m << 9) encode exactly
                     # e2m1(m) * 2^-14 (m = 1 is an f16 subnormal, kept by the cvt to f32);
                     # the sign goes to bit 15. Low nibble: bits 0-3, high: bits 4-7.
-                    for h, f16 in ((0, ((b & 7) << 9) | ((b & 8) << 12)),
-                                   (1, ((b & 0x70) << 5) | ((b & 0x80) << 8))):
+                    out = []
+                    for f16 in (((b & 7) << 9) | ((b & 8) << 12),
+                                ((b & 0x70) << 5) | ((b & 0x80) << 8)):
                         f16 = lax.bitcast_convert_type(f16.astype(jnp.int16), jnp.float16)
-                        wb = (f16.astype(jnp.float32) * mult).astype(jnp.bfloat16)
+                        out.append((f16.astype(jnp.float32) * mult).astype(jnp.bfloat16))
+                    return out
+
+                for c in range(NC):                 # 16 packed bytes = one scale block
+                    for h, wb in enumerate(decode_block(c)):
                         if reg_a:  # straight from registers into the wgmma
                             plgpu.wgmma(acc_ref, wb, x_s.at[slot, h, c].T)
                         else:
@@ -304,14 +473,16 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
 
 
 def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=None,
-                          tkp=None, reg_a=None, interpret=None):
+                          tkp=None, reg_a=None, decode=None, interpret=None):
     """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
     output tile), `stages` (pipeline depth), `tn` (64 or 128 weight rows per CTA) and
     `tkp` (FP4: 64 or 128 packed bytes per step) are tuning knobs; the defaults are the
     best measured on the H100. `reg_a`: feed the dequantised weight rows to the wgmma from
     registers instead of storing them to SMEM first (default $DSV4_REG_A, on; GPU-tested
     against the reference). The Mosaic-GPU interpreter cannot run a register lhs, so in
-    interpret mode the SMEM path runs whatever `reg_a` says."""
+    interpret mode the SMEM path runs whatever `reg_a` says. `decode`: "cvt" or "swar"
+    (default $DSV4_QMM_DECODE or DECODE), see FP4_SWAR_PTX; interpret mode always runs "cvt"
+    (the interpreter cannot run inline PTX)."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
@@ -330,15 +501,20 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     if not _valid_split(fmt, K, S, tkp):
         raise ValueError(f"splits={S} is not a valid K split for {fmt} K={K}")
     nk = _steps(fmt, K, tkp) // S
-    st = choose_stages(fmt, tn, M, nk, tkp=tkp, **({"max_stages": stages} if stages else {}))
+    reg_a = not interpret and (REG_A if reg_a is None else reg_a)
+    decode = decode or DECODE
+    if decode not in ("cvt", "swar"):
+        raise ValueError(f"decode must be 'cvt' or 'swar', got {decode!r}")
+    decode = "cvt" if interpret else decode
+    st = choose_stages(fmt, tn, M, nk, tkp=tkp, reg_a=reg_a,
+                       **({"max_stages": stages} if stages else {}))
     ex = expert_G.astype(jnp.int32)
     if fmt == "fp8":
-        args = (x_GMK, ex, w.w, _u8(w.scale))
+        args = (x_GMK, ex, _u8(w.w) if decode == "swar" else w.w, _u8(w.scale))
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
-                        interpret=interpret, tkp=tkp,
-                        reg_a=not interpret and (REG_A if reg_a is None else reg_a))
+                        interpret=interpret, tkp=tkp, reg_a=reg_a, decode=decode)
     # The split sum as adds of static slices (not a reduce): XLA fuses elementwise adds into
     # the consumer's fusion, where a reduce would be a kernel of its own after every call.
     y = part[0]
