@@ -1,9 +1,12 @@
 """Decode step with the Pallas kernels vs the pure-JAX step, on identical cache states.
 
     PYTHONPATH=. python benchmarks/decode_kernels_check.py [--interpret] [--preset tiny]
+        [--devices 2 --expert 2]
 
 Prefills requests with the pure-JAX path, copies the cache, then runs the same decode steps
-with kernels off and on (or interpreted on CPU) and compares the logits."""
+with kernels off and on (or interpreted on CPU) and compares the logits. With --devices the
+tested side runs sharded (dsv4_jax.distributed.sharded_step on that mesh); the reference
+stays single-device."""
 import argparse
 import copy
 import dataclasses
@@ -21,9 +24,10 @@ from dsv4_jax.quant import Numerics
 
 
 def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
-        random_cache=False, matmul="xla", act_quant=True):
+        random_cache=False, matmul="xla", act_quant=True, mesh=None):
     """Pure-JAX step vs the step with cache kernels `kernels` ("on" | "interpret" | "off")
-    and quantised matmuls `matmul` ("xla" | "pallas" | "interpret")."""
+    and quantised matmuls `matmul` ("xla" | "pallas" | "interpret"), sharded over `mesh`
+    when given."""
     nm = Numerics(act_quant=act_quant, dtype="bfloat16")
     mb = -(-(ctx + steps + 1) // 128)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
@@ -43,10 +47,14 @@ def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
             base.prefill(s, rng.integers(0, cfg.vocab_size, n))
     feed = rng.integers(0, cfg.vocab_size, (steps, B))
     out = {}
-    for side, mode, mm in (("ref", "off", "xla"), ("test", kernels, matmul)):
-        eng = Engine(cfg, params, numerics=dataclasses.replace(nm, matmul=mm),
-                     cache_spec=dataclasses.replace(cs, kernels=mode), prefill_chunk=chunk)
+    for side, mode, mm, m in (("ref", "off", "xla", None), ("test", kernels, matmul, mesh)):
+        ecs = dataclasses.replace(cs, kernels=mode)
+        eng = Engine(cfg, params, numerics=dataclasses.replace(nm, matmul=mm), cache_spec=ecs,
+                     prefill_chunk=chunk, mesh=m)
         eng.cache = jax.tree.map(jnp.copy, base.cache)
+        if m is not None:
+            from dsv4_jax.distributed import shard_cache
+            eng.cache = shard_cache(eng.cache, cfg, ecs, m)
         eng.bm = copy.deepcopy(base.bm)
         lg, times = [], []
         for i in range(steps):
@@ -80,6 +88,9 @@ if __name__ == "__main__":
                     help="cache kernels of the tested side")
     ap.add_argument("--matmul", choices=["xla", "pallas"], default="xla",
                     help="quantised matmuls of the tested side")
+    ap.add_argument("--devices", type=int, default=0,
+                    help="run the tested side sharded over this many devices")
+    ap.add_argument("--expert", type=int, default=None, help="mesh expert axis size")
     ap.add_argument("--act-quant", choices=["on", "off"], nargs="+", default=["on"],
                     help="off: bf16 without the FP8 activation simulation (whose rounding "
                          "amplifies summation-order differences to ~5-10%%)")
@@ -92,11 +103,16 @@ if __name__ == "__main__":
         params = P.init_params_device(cfg, 0)
     else:
         params = P.init_params(cfg, 0)
+    mesh = None
+    if a.devices:
+        from dsv4_jax.distributed import make_mesh
+        mesh = make_mesh(a.devices, expert=a.expert)
     for aq, B, ctx in itertools.product(a.act_quant, a.batch, a.context):
         kern = a.kernels if a.kernels == "off" or not a.interpret else "interpret"
         mm = "interpret" if a.interpret and a.matmul != "xla" else a.matmul
         r = run(cfg, params, B, ctx, a.steps, kern, chunk=a.chunk, timing=not a.interpret,
-                random_cache=a.random_cache, matmul=mm, act_quant=aq == "on")
+                random_cache=a.random_cache, matmul=mm, act_quant=aq == "on", mesh=mesh)
         print(f"{cfg.name} L={cfg.num_hidden_layers} kernels={kern} matmul={mm} "
+              f"devices={a.devices or 1} "
               f"act_quant={aq} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
                                             f"{k}={v}" for k, v in r.items()), flush=True)

@@ -396,9 +396,14 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
     slots and pool blocks (local indices; use DataParallelBlockManager and put group g's
     requests in the g-th chunk of rows); expert and tensor parallelism inside as usual.
     Other shapes (e.g. a one-request prefill chunk) run the same step under plain GSPMD."""
-    if cs.kernels != "off":
-        raise ValueError("sharded_step runs the pure-JAX decode path (CacheSpec.kernels='off'); "
-                         "the Pallas kernels are single-device")
+    # The cache kernels run where attention is replicated: expert parallelism only. Under
+    # "model" the heads are split; under "data" the step is a partly manual shard_map, where
+    # the Mosaic-GPU interpreter's callbacks cannot run (so it could not be tested on CPU).
+    split = {a: mesh.shape.get(a, 1) for a in ("data", "model") if mesh.shape.get(a, 1) > 1}
+    if cs.kernels != "off" and split:
+        raise ValueError(f"the cache kernels (CacheSpec.kernels={cs.kernels!r}) run on meshes "
+                         f"that only split experts; this mesh splits {split}: use "
+                         "kernels='off' or an expert-only mesh")
     if nm.matmul != "xla" and mesh.shape.get("model", 1) > 1:
         raise ValueError("Numerics(matmul='pallas') under tensor parallelism (mesh 'model' "
                          f"size {mesh.shape['model']}) would all-gather the split weights "

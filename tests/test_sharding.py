@@ -417,3 +417,82 @@ def test_step_anatomy_profiles_a_sharded_step():
     prof = out.split("profile: ")[1].split("\n")[0]
     assert prof.startswith("10 steps") and "kernel time" in prof
     assert "host events by total time" in out
+
+
+_KERNEL_MESH_SCRIPT = r'''
+import json, sys
+import numpy as np
+from dsv4_jax import config, distributed as DI, params as P
+from dsv4_jax.cache import CacheSpec, init_cache
+from dsv4_jax.decode import compiled_step
+from dsv4_jax.quant import Numerics
+# SWA, CSA and HCA layers, a hash and a routed MoE layer
+cfg = config.tiny().replace(num_hidden_layers=3, compress_ratios=(0, 4, 128, 0),
+                            num_hash_layers=1)
+nm = Numerics(True, "bfloat16")
+rng = np.random.default_rng(int(sys.argv[1]))
+params = P.init_params(cfg, int(rng.integers(1 << 30)))
+cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=2,
+                            kernels="interpret")
+mesh = DI.make_mesh(2, expert=2)
+toks = rng.integers(0, cfg.vocab_size, (3, 2, 1)).astype(np.int32)
+pos0 = rng.integers(0, 120, 2).astype(np.int32)
+
+def run(step, params, cache):
+    bm = DI.DataParallelBlockManager(cfg, cs, 1)
+    slots = np.array([bm.admit(1) for _ in range(2)], np.int32)
+    out = []
+    for t in range(len(toks)):
+        for s in slots:
+            bm.ensure(int(s), int(pos0[s]) + t + 1)
+        lg, cache = step(params, cache, toks[t], slots, pos0 + t, np.ones(2, np.int32),
+                         bm.table)
+        out.append(np.asarray(lg))
+    return np.stack(out), cache
+
+a, ca = run(compiled_step(cfg, cs, nm), params, init_cache(cfg, cs))
+b, cb = run(DI.sharded_step(cfg, cs, nm, mesh), DI.shard_params(params, cfg, mesh),
+            DI.shard_cache(init_cache(cfg, cs), cfg, cs, mesh))
+import jax
+from dsv4_jax.quant import unpack_e2m1
+
+def values(path, a):
+    """Stored values; FP8 / packed FP4 codes as numbers (a rounded-away sign of zero
+    may differ: XLA fuses the replicated layers differently under the mesh)."""
+    if "idx_codes" in path:
+        return np.asarray(unpack_e2m1(a))
+    a = np.asarray(a)
+    return a.astype(np.float32) if "float8" in str(a.dtype) else a
+
+diff = [jax.tree_util.keystr(k) for (k, x), y in zip(jax.tree_util.tree_flatten_with_path(ca)[0],
+                                                     jax.tree.leaves(cb))
+        if not np.array_equal(values(jax.tree_util.keystr(k), x),
+                              values(jax.tree_util.keystr(k), y), equal_nan=True)]
+errs = []
+for m in (DI.make_mesh(2, data=2, expert=1), DI.make_mesh(2, expert=1, model=2)):
+    try:
+        DI.sharded_step(cfg, cs, nm, m)
+        errs.append("")
+    except ValueError as e:
+        errs.append(str(e))
+print(json.dumps({"max_abs": float(np.abs(a - b).max()), "scale": float(np.abs(a).max()),
+                  "argmax": float((a.argmax(-1) == b.argmax(-1)).mean()),
+                  "cache_diff": diff, "errs": errs}))
+'''
+
+
+def test_kernel_decode_step_on_an_expert_mesh():
+    """The decode step with the cache kernels (Mosaic-GPU interpreter) sharded over 2
+    devices with the experts split: the same logits and cache bits as the single-device
+    kernel step. Meshes that split data or heads are refused with a clear error."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT)
+    seed = str(int(np.random.default_rng().integers(1 << 30)))
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_MESH_SCRIPT, seed], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["scale"] > 0 and res["max_abs"] <= 1e-6 * res["scale"], res
+    assert res["argmax"] == 1.0 and not res["cache_diff"], res
+    assert "splits {'data': 2}" in res["errs"][0], res["errs"]
+    assert "splits {'model': 2}" in res["errs"][1], res["errs"]
