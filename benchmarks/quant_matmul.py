@@ -5,6 +5,7 @@ the XLA reference, then device time of the kernel vs the XLA paths it replaces.
     PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --reg-a-ab
     PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --decode-ab
     PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --decode swar
+    PYTHONPATH=. python benchmarks/quant_matmul.py --out $OUT --sweep --sweep-only --final-ab
 
 Timing: CUPTI device time of every kernel a call launches (the kernel plus its small XLA
 epilogue; for the baselines the dequantise fusion plus the GEMM), median over many calls
@@ -50,14 +51,27 @@ DECODE_AB_SHAPES = [
     ("expert w2", "fp4", 64, 4096, 2048, 8), ("wq_b", "fp8", 1, 32768, 1024, 8),
     ("wo_b", "fp8", 1, 4096, 8192, 8), ("wo_b", "fp8", 1, 4096, 8192, 64),
     ("shared w1/w3", "fp8", 1, 2048, 4096, 8), ("wo_a (E=G=8)", "fp8", 8, 1024, 4096, 8)]
+# old vs new defaults (--final-ab): FP4 experts; "old" = the defaults before 2026-11-22
+# evening (decode cvt, 64-row tiles, 64 B steps), "new" = today's defaults, plus one
+# alternative tiling per shape
+FINAL_AB_SHAPES = [
+    ("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 6, 4096, 2048, 8),
+    ("expert w1/w3", "fp4", 64, 2048, 4096, 8), ("expert w2", "fp4", 64, 4096, 2048, 8),
+    ("expert w1/w3", "fp4", 6, 2048, 4096, 32), ("expert w1/w3", "fp4", 6, 2048, 4096, 64),
+    ("expert w2", "fp4", 6, 4096, 2048, 64), ("wo_b", "fp8", 1, 4096, 8192, 8)]
 # tiling sweep for one decode (--decode X): the M = 8 shapes that matter most
 TILING_SHAPES = [("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4", 64, 4096, 2048, 8),
                  ("wo_b", "fp8", 1, 4096, 8192, 8), ("wq_b", "fp8", 1, 32768, 1024, 8)]
 
 
-def sweep_variants(fmt, G, N, Kd, reg_a_only=False, decode=None):
+def sweep_variants(fmt, G, N, Kd, reg_a_only=False, decode=None, M=8):
     if reg_a_only:  # A/B of the register-lhs variant at the default tiling
         return [dict(reg_a=False), dict(reg_a=True)]
+    if decode == "final":
+        if fmt == "fp8":
+            return [dict()]
+        alt = dict(decode="swar", tn=128, tkp=128) if M > 32 else dict(decode="swar", tn=64, tkp=128)
+        return [dict(decode="cvt", tn=64, tkp=64), dict(), alt]
     if decode == "ab":  # A/B of the dequantise code at the default tiling (reg_a default)
         return [dict(decode="cvt"), dict(decode="swar")]
     out = []
@@ -202,6 +216,9 @@ def main():
     ap.add_argument("--decode-ab", action="store_true",
                     help="the sweep compares decode cvt / swar at the default tiling "
                          "(DECODE_AB_SHAPES)")
+    ap.add_argument("--fmt", choices=("fp8", "fp4"), help="sweep only this format's shapes")
+    ap.add_argument("--final-ab", action="store_true",
+                    help="old vs new defaults at FINAL_AB_SHAPES")
     ap.add_argument("--decode", choices=("cvt", "swar"),
                     help="tiling sweep (TILING_SHAPES) with this decode, reg_a default")
     args = ap.parse_args()
@@ -257,17 +274,19 @@ def main():
             del bank
     # Tuning sweep: tile rows, FP4 step width, pipeline depth, K splits (kernel only)
     if args.sweep:
-        shapes = (DECODE_AB_SHAPES if args.decode_ab else TILING_SHAPES if args.decode
-                  else SWEEP_SHAPES)
-        mode = "ab" if args.decode_ab else args.decode
+        shapes = (FINAL_AB_SHAPES if args.final_ab else DECODE_AB_SHAPES if args.decode_ab
+                  else TILING_SHAPES if args.decode else SWEEP_SHAPES)
+        mode = "final" if args.final_ab else "ab" if args.decode_ab else args.decode
         for name, fmt, G, N, Kd, M in shapes:
             if left() < 0:
                 break
+            if args.fmt and fmt != args.fmt:
+                continue
             E = 256 if fmt == "fp4" else dense_rotation(G * N * Kd) * G
             bank = (rand_fp4_bank if fmt == "fp4" else rand_fp8_bank)(key, E, N, Kd)
             nrot = max(4, math.ceil(ROTATE_BYTES / (G * N * Kd / (2 if fmt == "fp4" else 1))))
             rot = [jnp.asarray((np.arange(G) + i * G) % E, jnp.int32) for i in range(min(nrot, 64))]
-            for kw in sweep_variants(fmt, G, N, Kd, reg_a_only=args.reg_a_ab, decode=mode):
+            for kw in sweep_variants(fmt, G, N, Kd, reg_a_only=args.reg_a_ab, decode=mode, M=M):
                 if left() < 0:
                     break
                 results.append(run_config(name + " sweep", fmt, bank, G, M, Kd, N, rot,

@@ -322,6 +322,18 @@ def test_gpu_matches_reference(fmt, decode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [8, 64])
+def test_gpu_fp4_default_tiles(M):
+    """The FP4 defaults at M = 8 and 64 (swar decode, 128-row tiles, 128 B steps)."""
+    rng = np.random.default_rng(7)
+    E, N, Kd = 8, 1024, 2048
+    w = rand_fp4(rng, E, N, Kd)
+    ex = jnp.asarray([5, 0, -1, 7, 5, 2], jnp.int32)
+    x = rand_x(rng, 6, M, Kd)
+    check(jax.jit(K.grouped_matmul_pallas)(x, ex, w), ref_np(x, ex, w), ex, E)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_gpu_swar_full_scale_range(fmt):
     """Scales 2^-117 .. 2^100 (far outside real checkpoints; the smallest scales are left

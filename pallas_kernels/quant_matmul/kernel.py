@@ -23,9 +23,16 @@ nibbles never need reordering. Per step: packed tile uint8 [tn, tkp B] (2 tkp k)
 CTA's scales uint8 [tn, nk * tkp/16] are loaded once. Each 16-byte column chunk (one
 scale block) is decoded with integer arithmetic (Hopper has no e2m1 casts: the 3
 magnitude bits placed under the f16 exponent give e2m1 * 2^-14 exactly) into its own
-bf16 SMEM tile [tn, 16] per nibble half, multiplied with the matching x chunk [M, 16].
-That decode is ALU bound (~10 instructions per weight), so FP4 reaches ~1/3 of the copy
-bandwidth where FP8 reaches ~2/3 (see benchmarks/results/quant_matmul.md).
+bf16 tile [tn, 16] per nibble half (registers with reg_a, else SMEM), multiplied with the
+matching x chunk [M, 16].
+
+Dequantise code (`decode`): "cvt" goes through float conversions (~10 instructions per
+FP4 weight: nibble masks and shifts into f16 bits, f16 -> f32, * f32 scale, -> bf16);
+"swar" (FP4 default) builds the bf16 bits with 32-bit integer ops on two weights at once
+and applies the scale with two exact bf16x2 multiplies (~3.5 instructions per weight,
+inline PTX: FP4_SWAR_PTX). H100, M = 8: FP4 experts 30 -> 40% of the copy bandwidth at
+G = 6 and 40 -> 60% at G = 64 (benchmarks/results/quant_matmul.md). FP8 keeps "cvt": its
+"swar" form measured no faster (it is not bound by the conversions).
 """
 import os
 
@@ -44,9 +51,19 @@ from dsv4_jax.quant import Fp4Weight, Fp8Weight
 
 # Defaults from the H100 sweep (benchmarks/results/quant_matmul.md)
 TN = 128          # FP8 weight rows (n) per CTA: the wgmma M side (64 when M > 128)
-TN_FP4 = 64       # FP4 weight rows per CTA (the in-register decode is ALU bound: more CTAs)
 TK = 128          # k per FP8 pipeline step (one FP8 scale block)
-TKP = 64          # packed bytes per FP4 pipeline step (128 k, 4 scale blocks)
+TKP = 64          # packed bytes per FP4 pipeline step (2 k per byte) unless fp4_tiles says
+
+
+def fp4_tiles(decode, M):
+    """FP4 (weight rows per CTA, packed bytes per step), from the H100 runs of 2026-11-22
+    (benchmarks/results/quant_matmul.md): the "cvt" decode is ALU bound and wants small
+    CTAs, many per SM; with the cheaper "swar" decode 128 B steps win, with 128-row tiles
+    at M = 8 (G = 64 experts 163.5 -> 156.1 us) and M = 64 (42.2 -> 39.2 us) but 64-row
+    tiles at M = 32 (29.1 -> 27.6 us). M = 16-24 and 40-128 are not measured."""
+    if decode == "cvt":
+        return 64, 64
+    return (64, 128) if 8 < M <= 32 else (128, 128)
 STAGES = 2        # weight tiles in flight per CTA (fewer, smaller CTAs per SM measured faster)
 CTAS_PER_SM = {"fp8": 2, "fp4": 3}   # K-split target
 NUM_SMS = 132     # H100 SXM
@@ -55,11 +72,15 @@ WG = plgpu.Layout.WGMMA
 # H100 A/B of 2026-11-22 (4-10% less kernel time, 4 Flash layers 1.65 -> 1.60 ms pipelined);
 # DSV4_REG_A=0 turns it off process-wide for A/B runs without code changes.
 REG_A = os.environ.get("DSV4_REG_A", "1") == "1"
-# Default of the `decode` knob: "cvt" (float conversions: e4m3 -> f16 -> f32, or e2m1 bits
-# under the f16 exponent -> f32; * f32 scale; -> bf16) or "swar" (bf16 bits built with
-# 32-bit integer ops two weights at a time, scale by bf16x2 multiplies; inline PTX, see
-# FP4_SWAR_PTX). $DSV4_QMM_DECODE overrides it process-wide for A/B runs.
-DECODE = os.environ.get("DSV4_QMM_DECODE", "cvt")
+# Default of the `decode` knob per format: "cvt" (float conversions: e4m3 -> f16 -> f32, or
+# e2m1 bits under the f16 exponent -> f32; * f32 scale; -> bf16) or "swar" (bf16 bits built
+# with 32-bit integer ops two weights at a time, scaled by exact bf16x2 multiplies; inline
+# PTX, see FP4_SWAR_PTX). H100 A/B of 2026-11-22: FP4 "swar" 20-26% less kernel time at
+# M = 8 (expert w2 G=64 237.5 -> 175.2 us, 157.4 with fp4_tiles); FP8 "swar" no faster
+# (within 2%), so FP8 stays "cvt". $DSV4_QMM_DECODE (cvt / swar) overrides both.
+DECODE = {"fp8": "cvt", "fp4": "swar"}
+if os.environ.get("DSV4_QMM_DECODE"):
+    DECODE = dict.fromkeys(DECODE, os.environ["DSV4_QMM_DECODE"])
 
 
 def check_inputs(x_GMK, expert_G, w, for_kernel=True):
@@ -481,8 +502,8 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     registers instead of storing them to SMEM first (default $DSV4_REG_A, on; GPU-tested
     against the reference). The Mosaic-GPU interpreter cannot run a register lhs, so in
     interpret mode the SMEM path runs whatever `reg_a` says. `decode`: "cvt" or "swar"
-    (default $DSV4_QMM_DECODE or DECODE), see FP4_SWAR_PTX; interpret mode always runs "cvt"
-    (the interpreter cannot run inline PTX)."""
+    (default DECODE[fmt]: FP4 "swar", FP8 "cvt"), see FP4_SWAR_PTX; interpret mode runs
+    "cvt" (the interpreter cannot run inline PTX) with the tiling `decode` implies."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
@@ -490,22 +511,23 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     if fmt == "fp4" and K % 512:
         raise ValueError(f"the FP4 kernel needs K % 512 == 0 (scale rows in 16-byte "
                          f"units), got K={K}")
+    decode = decode or DECODE[fmt]
+    if decode not in ("cvt", "swar"):
+        raise ValueError(f"decode must be 'cvt' or 'swar', got {decode!r}")
+    reg_a = not interpret and (REG_A if reg_a is None else reg_a)
     # acc [tn, M] f32 lives in registers: 64 rows when M > 128
-    tn = tn or (64 if M > 128 else TN_FP4 if fmt == "fp4" else TN)
+    fp4_tn, fp4_tkp = fp4_tiles(decode, M)
+    tn = tn or (64 if M > 128 else fp4_tn if fmt == "fp4" else TN)
     if tn not in (64, 128) or N % tn:
         raise ValueError(f"tn must be 64 or 128 and divide N={N}, got {tn}")
-    tkp = tkp or TKP
+    tkp = tkp or fp4_tkp
     if tkp not in (64, 128):
         raise ValueError(f"tkp must be 64 or 128, got {tkp}")
     S = splits or default_splits(fmt, G, N, K, tn, tkp)
     if not _valid_split(fmt, K, S, tkp):
         raise ValueError(f"splits={S} is not a valid K split for {fmt} K={K}")
     nk = _steps(fmt, K, tkp) // S
-    reg_a = not interpret and (REG_A if reg_a is None else reg_a)
-    decode = decode or DECODE
-    if decode not in ("cvt", "swar"):
-        raise ValueError(f"decode must be 'cvt' or 'swar', got {decode!r}")
-    decode = "cvt" if interpret else decode
+    decode = "cvt" if interpret else decode   # the interpreter cannot run inline PTX
     st = choose_stages(fmt, tn, M, nk, tkp=tkp, reg_a=reg_a,
                        **({"max_stages": stages} if stages else {}))
     ex = expert_G.astype(jnp.int32)
