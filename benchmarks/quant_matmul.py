@@ -71,7 +71,7 @@ def sweep_variants(fmt, G, N, Kd, reg_a_only=False, decode=None, M=8):
         if fmt == "fp8":
             return [dict()]
         alt = dict(decode="swar", tn=128, tkp=128) if M > 32 else dict(decode="swar", tn=64, tkp=128)
-        return [dict(decode="cvt", tn=64, tkp=64), dict(), alt]
+        return [dict(decode="cvt", tn=64, tkp=64), dict(), dict(decode="swar-shfl"), alt]
     if decode == "ab":  # A/B of the dequantise code at the default tiling (reg_a default)
         return [dict(decode="cvt"), dict(decode="swar")]
     out = []

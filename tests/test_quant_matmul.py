@@ -300,7 +300,8 @@ def test_cuda_lowering_register_a(M):
                           S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
         else:
             w = Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
-        for reg_a, decode in ((True, "cvt"), (False, "cvt"), (True, "swar"), (False, "swar")):
+        for reg_a, decode in ((True, "cvt"), (False, "cvt"), (True, "swar"), (False, "swar"),
+                              (True, "swar-shfl")):
             f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=reg_a, decode=decode)
             lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32),
                                        w).lower(lowering_platforms=("cuda",))
@@ -308,7 +309,7 @@ def test_cuda_lowering_register_a(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["cvt", "swar"])
+@pytest.mark.parametrize("decode", ["cvt", "swar", "swar-shfl"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-smem", "fp4-smem"])
 def test_gpu_matches_reference(fmt, decode):
     rng = np.random.default_rng(5)
@@ -323,14 +324,16 @@ def test_gpu_matches_reference(fmt, decode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [8, 64])
-def test_gpu_fp4_default_tiles(M):
-    """The FP4 defaults at M = 8 and 64 (swar decode, 128-row tiles, 128 B steps)."""
+@pytest.mark.parametrize("decode", [None, "swar-shfl"])
+def test_gpu_fp4_default_tiles(M, decode):
+    """The FP4 default tiles at M = 8 and 64 (128-row tiles, 128 B steps)."""
     rng = np.random.default_rng(7)
     E, N, Kd = 8, 1024, 2048
     w = rand_fp4(rng, E, N, Kd)
     ex = jnp.asarray([5, 0, -1, 7, 5, 2], jnp.int32)
     x = rand_x(rng, 6, M, Kd)
-    check(jax.jit(K.grouped_matmul_pallas)(x, ex, w), ref_np(x, ex, w), ex, E)
+    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode=decode))
+    check(f(x, ex, w), ref_np(x, ex, w), ex, E)
 
 
 @pytest.mark.gpu

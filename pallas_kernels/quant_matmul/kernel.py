@@ -252,10 +252,23 @@ def _first_lane(reg):
     return reg if reg.type == i32 else arith.bitcast(i32, reg)
 
 
-def fp4_swar_decode(b_u8, sa_f32, sb_f32):
-    """Packed e2m1 bytes uint8 [R, C] and the per-element scale words (bf16x2 bits held in
-    f32 [R, C], constant along each row chunk), all WGMMA layout -> (even-k, odd-k) bf16
-    [R, C] weights, exact. GPU only (inline PTX)."""
+def _shfl_column(reg, c):
+    """Column c (0..7) of an [R, 8] WGMMA-layout 32-bit tile, for this thread's row of
+    `reg`: the 4 lanes of a row group hold columns (0, 1), (2, 3), (4, 5), (6, 7)."""
+    i32 = ir.IntegerType.get_signless(32)
+    v = vector.extract(reg, dynamic_position=[],
+                       static_position=ir.DenseI64ArrayAttr.get([c & 1]))
+    v = v if v.type == i32 else arith.bitcast(i32, v)
+    return mgpu.utils.inline_ptx(f"shfl.sync.idx.b32 $0, $1, {c >> 1}, 0x1C1F, 0xFFFFFFFF;",
+                                 v, result_types=i32, convergent=True)
+
+
+def fp4_swar_decode(b_u8, sa, sb, col=None):
+    """Packed e2m1 bytes uint8 [R, C] (WGMMA layout) -> (even-k, odd-k) bf16 [R, C]
+    weights, exact. GPU only (inline PTX). The scale words (bf16x2 bits, int32 or f32):
+    col=None: sa, sb [R, C], constant along each row; col=c: the step's [R, 8] word tiles,
+    block c's words fetched from the lane of the row group that holds column c (one
+    shuffle per row and word instead of a masked row sum)."""
     R, C = b_u8.shape
     out = plgpu.ShapeDtypeStruct((R, C), jnp.bfloat16, layout=WG)
 
@@ -266,17 +279,30 @@ def fp4_swar_decode(b_u8, sa_f32, sb_f32):
         bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
         lo = np.empty_like(w.registers)
         hi = np.empty_like(w.registers)
+        rows = {}
+
+        def words(idx):
+            if col is None:
+                return _first_lane(sa.registers[idx]), _first_lane(sb.registers[idx])
+            # registers are indexed (row tile, column tile of 8, ...): same rows, column 0
+            key = idx[:1] + (0,) + idx[2:]
+            if key not in rows:
+                rows[key] = (_shfl_column(sa.registers[key], col),
+                             _shfl_column(sb.registers[key], col))
+            return rows[key]
+
+        if col is not None:
+            assert sa.shape == (R, 8) and sa.registers.shape[1] == 1, sa.registers.shape
         for idx, reg in np.ndenumerate(w.registers):
             r0, r1 = mgpu.utils.inline_ptx(
-                FP4_SWAR_PTX, _pair_i32(reg), _first_lane(sa.registers[idx]),
-                _first_lane(sb.registers[idx]), result_types=[i32, i32])
+                FP4_SWAR_PTX, _pair_i32(reg), *words(idx), result_types=[i32, i32])
             lo[idx] = mgpu.utils.bitcast(r0, bf2)
             hi[idx] = mgpu.utils.bitcast(r1, bf2)
         mk = lambda r: mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT,
                                             _is_signed=None)
         return mk(lo), mk(hi)
 
-    return dec(b_u8, sa_f32, sb_f32)
+    return dec(b_u8, sa, sb)
 
 
 def fp8_swar_decode(b_u8, sa_i32, sb_i32):
@@ -361,7 +387,7 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                                                 x_s.at[slot, h], bar.at[slot])
 
             def fp8_step(acc_ref, j, slot, sc_raw):
-                if decode == "swar":
+                if decode.startswith("swar"):
                     sa, sb = swar_scale_words("fp8", sc_raw.astype(jnp.int32))
                     for r in range(tn // 64):
                         r64 = pl.ds(64 * r, 64)
@@ -400,14 +426,20 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                                  optimized=False).astype(jnp.int32)
                 col = plgpu.broadcasted_iota(jnp.int32, (tn, 8), 1, layout=WG) - lax.rem(c0, 8)
                 b_all = plgpu.load(w_s.at[slot], layout=WG)                      # [tn, tkp]
-                if decode == "swar":
+                shfl = decode == "swar-shfl" and NC == 8   # the 8 columns are this step's
+                if shfl:
+                    sa_all, sb_all = swar_scale_words("fp4", scl)                 # [tn, 8]
+                elif decode.startswith("swar"):
                     e_all = scl.astype(jnp.float32)           # (exact small integers)
                 else:  # f32 multipliers 2^(e-127) * 2^14 (undoing the f16 bias trick below)
                     mult_all = lax.bitcast_convert_type((scl + 14) << 23, jnp.float32)
 
                 def decode_block(c):
                     """(even-k, odd-k) bf16 [tn, 16] of scale block c."""
-                    if decode == "swar":
+                    if shfl:
+                        return fp4_swar_decode(b_all[:, 16 * c:16 * (c + 1)], sa_all, sb_all,
+                                               col=c)
+                    if decode.startswith("swar"):
                         e = jnp.where(col == c, e_all, 0.0).sum(axis=1).astype(jnp.int32)
                         sa, sb = (lax.broadcast_in_dim(v, (tn, 16), [0])
                                   for v in swar_scale_words("fp4", e))
@@ -512,8 +544,8 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
         raise ValueError(f"the FP4 kernel needs K % 512 == 0 (scale rows in 16-byte "
                          f"units), got K={K}")
     decode = decode or DECODE[fmt]
-    if decode not in ("cvt", "swar"):
-        raise ValueError(f"decode must be 'cvt' or 'swar', got {decode!r}")
+    if decode not in ("cvt", "swar", "swar-shfl"):
+        raise ValueError(f"decode must be 'cvt', 'swar' or 'swar-shfl', got {decode!r}")
     reg_a = not interpret and (REG_A if reg_a is None else reg_a)
     # acc [tn, M] f32 lives in registers: 64 rows when M > 128
     fp4_tn, fp4_tkp = fp4_tiles(decode, M)
@@ -532,7 +564,7 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
                        **({"max_stages": stages} if stages else {}))
     ex = expert_G.astype(jnp.int32)
     if fmt == "fp8":
-        args = (x_GMK, ex, _u8(w.w) if decode == "swar" else w.w, _u8(w.scale))
+        args = (x_GMK, ex, _u8(w.w) if decode != "cvt" else w.w, _u8(w.scale))
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
