@@ -8,6 +8,7 @@ of which the first nvalid[b] are real (the rest is padding: never written, never
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -251,7 +252,17 @@ def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs
     return M.head(params, X_last, cfg, nm), new_cache
 
 
+# XLA options of the step programs. A GPU step runs as one CUDA graph; with concurrent
+# regions its independent small kernels (the q / kv / compressor / indexer branches of a
+# layer) overlap in the graph: H100, SWA + CSA + HCA layers + head, B = 1: sync step 2.24 ->
+# 1.87 ms, pipelined 1.27 -> 1.09 ms (benchmarks/results/session5_h100/flags.log). Only
+# the scheduling changes, not the kernels. DSV4_GRAPH_CONCURRENT=0 turns it off (A/B runs).
+STEP_COMPILER_OPTIONS = {"xla_gpu_graph_enable_concurrent_region":
+                         os.environ.get("DSV4_GRAPH_CONCURRENT", "1") == "1"}
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
     """jit(step) with the cache donated; one compilation per (B, T) shape."""
-    return jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
+    return jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
+                   compiler_options=STEP_COMPILER_OPTIONS)

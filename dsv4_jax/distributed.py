@@ -434,5 +434,6 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
 
     jitted = jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp),
                                         csh, rep, rep, rep, rep, rep),
-                     out_shardings=(rep, csh), donate_argnums=(1,))
+                     out_shardings=(rep, csh), donate_argnums=(1,),
+                     compiler_options=D.STEP_COMPILER_OPTIONS)
     return ShardedStep(jitted, cs, G)

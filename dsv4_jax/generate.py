@@ -18,7 +18,7 @@ import numpy as np
 
 from .cache import BlockManager, CacheSpec, CapacityExceeded, PoolExhausted, init_cache
 from .config import Config
-from .decode import compiled_step, step as step_fn
+from .decode import STEP_COMPILER_OPTIONS, compiled_step, step as step_fn
 from .quant import Numerics
 
 
@@ -394,4 +394,4 @@ def _decode_loop(cfg, cs, nm, sampler, max_new: int, stops: tuple[int, ...]):
         c = jax.lax.while_loop(cond, body, (cache, tok0, pos0, running, out, jnp.int32(1), n_gen))
         return c[4], c[6], c[0]
 
-    return jax.jit(run, donate_argnums=(1,))
+    return jax.jit(run, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
