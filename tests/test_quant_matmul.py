@@ -324,7 +324,7 @@ def test_gpu_matches_reference(fmt, decode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [8, 64])
-@pytest.mark.parametrize("decode", [None, "swar-shfl"])
+@pytest.mark.parametrize("decode", [None, "swar"])
 def test_gpu_fp4_default_tiles(M, decode):
     """The FP4 default tiles at M = 8 and 64 (128-row tiles, 128 B steps)."""
     rng = np.random.default_rng(7)

@@ -18,8 +18,8 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", **kernel_kw):
     == 0 and K % 128 == 0 (FP8) / K % 512 == 0 (FP4); `kernel_kw` are tuning knobs
     (splits, stages, tn, tkp, reg_a, decode). Edges: with decode "cvt" (the FP8 default) an
     e8m0 scale byte 0 (2^-127) reads as 0 and FP4 scale bytes >= 241 overflow; the "swar"
-    decode (the FP4 default) is exact for every scale byte 0..254 (e4m3 NaN codes come out
-    as finite numbers there). Real checkpoints use neither edge."""
+    decodes ("swar-shfl" is the FP4 default) are exact for every scale byte 0..254 (e4m3
+    NaN codes come out as finite numbers there). Real checkpoints use neither edge."""
     if impl == "xla":
         check_inputs(x_GMK, expert_G, w, for_kernel=False)
         return grouped_matmul_reference(x_GMK, expert_G, w)

@@ -28,11 +28,12 @@ matching x chunk [M, 16].
 
 Dequantise code (`decode`): "cvt" goes through float conversions (~10 instructions per
 FP4 weight: nibble masks and shifts into f16 bits, f16 -> f32, * f32 scale, -> bf16);
-"swar" (FP4 default) builds the bf16 bits with 32-bit integer ops on two weights at once
-and applies the scale with two exact bf16x2 multiplies (~3.5 instructions per weight,
-inline PTX: FP4_SWAR_PTX). H100, M = 8: FP4 experts 30 -> 40% of the copy bandwidth at
-G = 6 and 40 -> 60% at G = 64 (benchmarks/results/quant_matmul.md). FP8 keeps "cvt": its
-"swar" form measured no faster (it is not bound by the conversions).
+"swar" builds the bf16 bits with 32-bit integer ops on two weights at once and applies
+the scale with two exact bf16x2 multiplies (~3.5 instructions per weight, inline PTX:
+FP4_SWAR_PTX); "swar-shfl" (FP4 default) also fetches each row's scale words with one
+lane shuffle. H100, M = 8, FP4 experts: 30 -> 45% of the copy bandwidth at G = 6 and
+40 -> 73% at G = 64 (benchmarks/results/quant_matmul.md). FP8 keeps "cvt": its "swar"
+form measured no faster (it is not bound by the conversions).
 """
 import os
 
@@ -58,9 +59,10 @@ TKP = 64          # packed bytes per FP4 pipeline step (2 k per byte) unless fp4
 def fp4_tiles(decode, M):
     """FP4 (weight rows per CTA, packed bytes per step), from the H100 runs of 2026-11-22
     (benchmarks/results/quant_matmul.md): the "cvt" decode is ALU bound and wants small
-    CTAs, many per SM; with the cheaper "swar" decode 128 B steps win, with 128-row tiles
-    at M = 8 (G = 64 experts 163.5 -> 156.1 us) and M = 64 (42.2 -> 39.2 us) but 64-row
-    tiles at M = 32 (29.1 -> 27.6 us). M = 16-24 and 40-128 are not measured."""
+    CTAs, many per SM; with the cheaper "swar" decodes 128 B steps win (and "swar-shfl"
+    needs them), with 128-row tiles at M = 8 (G = 64 experts 163.5 -> 156.1 us) and M = 64
+    (42.2 -> 39.2 us) but 64-row tiles at M = 32 (29.1 -> 27.6 us; equal with swar-shfl).
+    M = 16-24 and 40-128 are not measured."""
     if decode == "cvt":
         return 64, 64
     return (64, 128) if 8 < M <= 32 else (128, 128)
@@ -73,12 +75,14 @@ WG = plgpu.Layout.WGMMA
 # DSV4_REG_A=0 turns it off process-wide for A/B runs without code changes.
 REG_A = os.environ.get("DSV4_REG_A", "1") == "1"
 # Default of the `decode` knob per format: "cvt" (float conversions: e4m3 -> f16 -> f32, or
-# e2m1 bits under the f16 exponent -> f32; * f32 scale; -> bf16) or "swar" (bf16 bits built
+# e2m1 bits under the f16 exponent -> f32; * f32 scale; -> bf16), "swar" (bf16 bits built
 # with 32-bit integer ops two weights at a time, scaled by exact bf16x2 multiplies; inline
-# PTX, see FP4_SWAR_PTX). H100 A/B of 2026-11-22: FP4 "swar" 20-26% less kernel time at
-# M = 8 (expert w2 G=64 237.5 -> 175.2 us, 157.4 with fp4_tiles); FP8 "swar" no faster
-# (within 2%), so FP8 stays "cvt". $DSV4_QMM_DECODE (cvt / swar) overrides both.
-DECODE = {"fp8": "cvt", "fp4": "swar"}
+# PTX, see FP4_SWAR_PTX) or "swar-shfl" (FP4: "swar" whose per-row scale words come from
+# the neighbour lane by one shuffle instead of a masked row sum, when a step holds 8 scale
+# blocks, i.e. tkp = 128; FP8: same as "swar"). H100 runs of 2026-11-22, FP4 experts M = 8,
+# G = 64: cvt 238 us, swar 155 us, swar-shfl 130 us (73% of the copy bandwidth); FP8
+# "swar" no faster (within 2%), so FP8 stays "cvt". $DSV4_QMM_DECODE overrides both.
+DECODE = {"fp8": "cvt", "fp4": "swar-shfl"}
 if os.environ.get("DSV4_QMM_DECODE"):
     DECODE = dict.fromkeys(DECODE, os.environ["DSV4_QMM_DECODE"])
 
@@ -533,9 +537,10 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     best measured on the H100. `reg_a`: feed the dequantised weight rows to the wgmma from
     registers instead of storing them to SMEM first (default $DSV4_REG_A, on; GPU-tested
     against the reference). The Mosaic-GPU interpreter cannot run a register lhs, so in
-    interpret mode the SMEM path runs whatever `reg_a` says. `decode`: "cvt" or "swar"
-    (default DECODE[fmt]: FP4 "swar", FP8 "cvt"), see FP4_SWAR_PTX; interpret mode runs
-    "cvt" (the interpreter cannot run inline PTX) with the tiling `decode` implies."""
+    interpret mode the SMEM path runs whatever `reg_a` says. `decode`: "cvt", "swar" or
+    "swar-shfl" (default DECODE[fmt]: FP4 "swar-shfl", FP8 "cvt"), see DECODE and
+    FP4_SWAR_PTX; interpret mode runs "cvt" (the interpreter cannot run inline PTX) with
+    the tiling `decode` implies."""
     check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
