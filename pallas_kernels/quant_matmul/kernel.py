@@ -43,7 +43,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental import mosaic as _mosaic  # noqa: F401  (mosaic.gpu below)
 from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
@@ -54,18 +53,6 @@ from dsv4_jax.quant import Fp4Weight, Fp8Weight
 TN = 128          # FP8 weight rows (n) per CTA: the wgmma M side (64 when M > 128)
 TK = 128          # k per FP8 pipeline step (one FP8 scale block)
 TKP = 64          # packed bytes per FP4 pipeline step (2 k per byte) unless fp4_tiles says
-
-
-def fp4_tiles(decode, M):
-    """FP4 (weight rows per CTA, packed bytes per step), from the H100 runs of 2026-11-22
-    (benchmarks/results/quant_matmul.md): the "cvt" decode is ALU bound and wants small
-    CTAs, many per SM; with the cheaper "swar" decodes 128 B steps win (and "swar-shfl"
-    needs them), with 128-row tiles at M = 8 (G = 64 experts 163.5 -> 156.1 us) and M = 64
-    (42.2 -> 39.2 us) but 64-row tiles at M = 32 (29.1 -> 27.6 us; equal with swar-shfl).
-    M = 16-24 and 40-128 are not measured."""
-    if decode == "cvt":
-        return 64, 64
-    return (64, 128) if 8 < M <= 32 else (128, 128)
 STAGES = 2        # weight tiles in flight per CTA (fewer, smaller CTAs per SM measured faster)
 CTAS_PER_SM = {"fp8": 2, "fp4": 3}   # K-split target
 NUM_SMS = 132     # H100 SXM
@@ -85,6 +72,18 @@ REG_A = os.environ.get("DSV4_REG_A", "1") == "1"
 DECODE = {"fp8": "cvt", "fp4": "swar-shfl"}
 if os.environ.get("DSV4_QMM_DECODE"):
     DECODE = dict.fromkeys(DECODE, os.environ["DSV4_QMM_DECODE"])
+
+
+def fp4_tiles(decode, M):
+    """FP4 (weight rows per CTA, packed bytes per step), from the H100 runs of 2026-11-22
+    (benchmarks/results/quant_matmul.md): the "cvt" decode is ALU bound and wants small
+    CTAs, many per SM; with the cheaper "swar" decodes 128 B steps win (and "swar-shfl"
+    needs them), with 128-row tiles at M = 8 (G = 64 experts 163.5 -> 156.1 us) and M = 64
+    (42.2 -> 39.2 us) but 64-row tiles at M = 32 (29.1 -> 27.6 us; equal with swar-shfl).
+    M = 16-24 and 40-128 are not measured."""
+    if decode == "cvt":
+        return 64, 64
+    return (64, 128) if 8 < M <= 32 else (128, 128)
 
 
 def check_inputs(x_GMK, expert_G, w, for_kernel=True):
