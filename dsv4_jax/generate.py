@@ -149,7 +149,10 @@ class Engine:
             self.params = dist.shard_params(params, cfg, mesh)
             self.cache = dist.shard_cache(self.cache, cfg, self.cs, mesh)
             self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
-            self._step = dist.sharded_step(cfg, self.cs, numerics, mesh)
+            # a checkpoint loaded without its MTP block steps without it (the step never
+            # runs MTP; its shardings must match the tree it is given)
+            mtp = any(k.startswith("mtp.") for k in params)
+            self._step = dist.sharded_step(cfg, self.cs, numerics, mesh, include_mtp=mtp)
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
 
