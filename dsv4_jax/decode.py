@@ -114,15 +114,30 @@ def _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs, cfg
     return ent, eidx, comp
 
 
+# The read-only kernels behind one jit each: the layers' identical calls then share one
+# lowered kernel (43 Flash layers otherwise lower and compile ~170 copies: the whole-model
+# compile went 69 -> 347 s on 2 x H200 when the cache kernels came on). The in-place
+# scatters stay inline: their cache buffers must alias the step's donated ones.
+@functools.partial(jax.jit, static_argnames=("topk", "interpret"))
+def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret):
+    from pallas_kernels.indexer_decode import indexer_topk
+    return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret):
+    from pallas_kernels.sparse_decode_attention import sparse_decode_attention
+    return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, interpret=interpret)
+
+
 def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
                       cs: CacheSpec, nm: Numerics, ratio: int, freqs):
     """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
     the window row and of completed compressed entries / indexer keys, the lightning indexer
     top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from pallas_kernels.indexer_decode import indexer_topk
     from pallas_kernels.kv_scatter import append_window, flush_compressed
-    from pallas_kernels.sparse_decode_attention import hca_indices, sparse_decode_attention
+    from pallas_kernels.sparse_decode_attention import hca_indices
     interp = plgpu.InterpretGPUParams() if cs.kernels == "interpret" else None
     B = x.shape[0]
     t, ok = tok_pos[:, 0], valid[:, 0]
@@ -154,8 +169,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            idx = indexer_topk(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"], bt_rows, t,
-                               cfg.index_topk, interpret=interp)
+            idx = _indexer_topk_jit(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"],
+                                    bt_rows, t, topk=cfg.index_topk, interpret=interp)
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
@@ -163,9 +178,9 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         cmp = (jnp.zeros((1, 1, 448), jnp.float8_e4m3fn), jnp.full((1, 1, 8), 127, jnp.uint8),
                jnp.zeros((1, 1, 64), jnp.bfloat16))
         idx = jnp.full((B, 64), -1, jnp.int32)
-    o = sparse_decode_attention(q[:, 0], (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"],
-                                          lc["win_pos"]), cmp, bt_rows, idx, t, ap["attn_sink"],
-                                interpret=interp)
+    win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
+    o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
+                              interpret=interp)
     return o[:, None].astype(F32)
 
 

@@ -47,3 +47,29 @@ def test_kernel_decode_layers_match_pure_jax():
         err = np.linalg.norm(a - b) / np.linalg.norm(a)
         # attention core agrees to ~0.3% (bf16 P); wo_b's FP8 input rounding amplifies it
         assert err < 0.05, (i, err)
+
+
+def test_read_only_kernels_lowered_once_per_shape():
+    """The indexer top-k and sparse attention kernels sit behind one jit each, so a model's
+    layers share one lowered (and one compiled) copy per shape: the CUDA lowering of the
+    5-layer tiny step (SWA, 2 CSA, 2 HCA) defines attention once per layer kind and calls
+    it from every layer. Without it the 43-layer Flash step compiled ~5x slower."""
+    import re
+    cfg = config.tiny()
+    nm = Numerics(True, "bfloat16")
+    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2, kernels="on")
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 1), jnp.int32), S((2,), jnp.int32), S((2,), jnp.int32), S((2,), jnp.int32),
+            S((2, 2), jnp.int32))
+    from dsv4_jax.cache import cache_structs
+    low = D.compiled_step(cfg, cs, nm).trace(P.abstract_params(cfg), cache_structs(cfg, cs),
+                                             *args).lower(lowering_platforms=("cuda",))
+    txt = low.as_text()
+    defs = re.findall(r"func\.func (?:private|public) @(\w+)", txt)
+    count = lambda name: sum(d == name or d.startswith(name + "_") for d in defs)
+    assert count("_sparse_attention_jit") == 3, defs  # one per layer kind (SWA, CSA, HCA)
+    assert count("_indexer_topk_jit") == 1, defs  # CSA only
+    # ... and they are called from every layer that uses them
+    assert len(re.findall(r"call @_sparse_attention_jit(?:_\d+)?\b", txt)) == cfg.num_hidden_layers
+    assert len(re.findall(r"call @_indexer_topk_jit(?:_\d+)?\b", txt)) == sum(
+        cfg.layer_ratio(i) == 4 for i in range(cfg.num_hidden_layers))
