@@ -32,13 +32,35 @@ def _add_model_args(ap):
                          "(auto: on for a Hopper GPU)")
     ap.add_argument("--matmul", choices=["auto", "xla", "pallas"], default="auto",
                     help="weight-streaming FP8/FP4 matmul kernels (auto: pallas on a Hopper GPU)")
+    ap.add_argument("--devices", type=int, default=0,
+                    help="run sharded over this many devices (weights loaded into their "
+                         "shards); the mesh axes below default to all devices on 'expert'")
+    ap.add_argument("--expert", type=int, help="mesh 'expert' axis size (expert parallelism)")
+    ap.add_argument("--model", type=int, help="mesh 'model' axis size (tensor parallelism)")
+    ap.add_argument("--data", type=int, help="mesh 'data' axis size (request slots split)")
+
+
+def _mesh(args):
+    """The mesh asked for by --devices (None without); all devices on 'expert' unless the
+    axes are given."""
+    if not getattr(args, "devices", 0):
+        for ax in ("expert", "model", "data"):
+            if getattr(args, ax, None):
+                raise ValueError(f"--{ax} needs --devices")
+        return None
+    from .distributed import make_mesh
+    given = {ax: getattr(args, ax) for ax in ("expert", "model", "data") if getattr(args, ax)}
+    if not given:
+        given = {"expert": args.devices}
+    return make_mesh(args.devices, **given)
 
 
 def _load_model(args):
     from . import config as C, params as P
+    args.mesh = _mesh(args)
     if args.checkpoint:
         from .loading import load
-        cfg, params = load(args.checkpoint)
+        cfg, params = load(args.checkpoint, mesh=args.mesh)
         return cfg, params, args.checkpoint
     cfg = C.get_preset(args.preset)
     if args.preset != "tiny":
@@ -64,16 +86,23 @@ def _engine(args, cfg, params):
     from .generate import Engine
     from .quant import Numerics
     hopper = _on_hopper()
-    matmul = args.matmul if args.matmul != "auto" else "pallas" if hopper else "xla"
+    mesh = getattr(args, "mesh", None)
+    split = {} if mesh is None else {a: n for a, n in mesh.shape.items() if n > 1}
+    # auto: the matmul kernels unless heads / weights are split ("model"); the cache kernels
+    # only where attention is replicated (a mesh that splits only the experts)
+    matmul = (args.matmul if args.matmul != "auto" else
+              "pallas" if hopper and "model" not in split else "xla")
     kernels = (args.kernels if args.kernels != "auto" else  # the kernels read FP8/FP4 caches
-               "on" if hopper and args.act_quant == "on" else "off")
+               "on" if hopper and args.act_quant == "on" and not set(split) - {"expert"}
+               else "off")
     if (matmul == "pallas" or kernels == "on") and not hopper:
         raise SystemExit("--matmul pallas / --kernels on need a Hopper GPU (sm_90); "
                          f"this run has {_device_name()}")
     nm = Numerics(act_quant=args.act_quant == "on", dtype=args.dtype, matmul=matmul)
     cs = CacheSpec.for_numerics(nm, max_requests=args.max_requests, num_blocks=args.num_blocks,
                                 max_blocks=args.max_blocks, kernels=kernels)
-    return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=args.prefill_chunk)
+    return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=args.prefill_chunk,
+                  mesh=mesh)
 
 
 def _sampler(args):
@@ -115,7 +144,8 @@ def cmd_generate(args):
     kw = dict(max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
               stop_ids=stop_ids)
     print(f"model: {cfg.name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
-          f"{len(prompts)} prompt(s), act-quant {args.act_quant}", file=sys.stderr)
+          f"{len(prompts)} prompt(s), act-quant {args.act_quant}"
+          + (f", mesh {dict(eng.mesh.shape)}" if eng.mesh is not None else ""), file=sys.stderr)
     t0 = time.perf_counter()
     if args.stream:
         outs = [[] for _ in prompts]

@@ -72,3 +72,32 @@ def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
         compilation_cache.reset_cache()
     assert cache.is_dir() and any(cache.iterdir()), "no compiled program was written"
     capsys.readouterr()
+
+
+def test_generate_on_a_mesh_equals_single_device(tmp_path):
+    """`dsv4 generate --devices 2` (2 virtual CPU devices, experts split, the checkpoint
+    loaded into its shards) prints the same greedy completion as one device; a mesh axis
+    without --devices is a clear error."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=root, DSV4_COMPILE_CACHE="off")
+    ck = tmp_path / "ck"
+    seed = str(int(np.random.default_rng().integers(1000)))
+    base = [sys.executable, "-m", "dsv4_jax"]
+    subprocess.run(base + ["make-checkpoint", "--preset", "tiny", "--seed", seed, "--quiet",
+                           str(ck)], env=env, check=True, capture_output=True, timeout=600)
+    gen = base + ["generate", "--checkpoint", str(ck), "--prompt", "one two three",
+                  "--max-new-tokens", "6"]
+    outs = [subprocess.run(gen + extra, env=env, capture_output=True, text=True, timeout=900)
+            for extra in ([], ["--devices", "2"])]
+    for p in outs:
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert "--- prompt" in outs[0].stdout and outs[0].stdout == outs[1].stdout
+    assert "mesh {'data': 1, 'expert': 2, 'model': 1}" in outs[1].stderr
+    assert "mesh" not in outs[0].stderr
+    bad = subprocess.run(gen + ["--expert", "2"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "--expert needs --devices" in bad.stderr
