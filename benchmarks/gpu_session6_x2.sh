@@ -15,3 +15,10 @@ T ${LIMIT:-380} python3 -m benchmarks.decode_bench decode --preset flash --conte
   --steps 8 --devices 2 --expert 2 --matmul pallas --kernels on --batch 1 8 \
   | tee $OUT/flash43_x2_kernels.log
 true
+# optional (AB=1): the experimental jitted in-place scatters (decode.DEDUP_SCATTER): compile
+# time and step time at B = 1; adopt only if the step time does not grow (no cache copies)
+if [ "${AB:-0}" = 1 ]; then
+  DSV4_DEDUP_SCATTER=1 T ${LIMIT:-380} python3 -m benchmarks.decode_bench decode --preset flash \
+    --context 4096 --steps 8 --devices 2 --expert 2 --matmul pallas --kernels on --batch 1 \
+    | tee $OUT/flash43_x2_dedup_scatter.log
+fi

@@ -130,6 +130,27 @@ def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret):
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, interpret=interpret)
 
 
+# Experimental, off until a GPU run compares compile and step time: the in-place scatters
+# behind one jit each as well (DSV4_DEDUP_SCATTER=1). After XLA inlines the call their
+# outputs should still alias the donated cache; if they did not, every step would copy the
+# window ring and the pool.
+DEDUP_SCATTER = os.environ.get("DSV4_DEDUP_SCATTER", "0") == "1"
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _append_window_jit(win, kv, pos, *, interpret):
+    from pallas_kernels.kv_scatter import append_window
+    return append_window(win, kv, pos, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
+def _flush_compressed_jit(pool, idx_pool, entry, key, flush, entry_idx, block_table, *, fmt,
+                          interpret):
+    from pallas_kernels.kv_scatter import flush_compressed
+    return flush_compressed(pool, idx_pool, entry, key, flush, entry_idx, block_table, fmt=fmt,
+                            interpret=interpret)
+
+
 def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
                       cs: CacheSpec, nm: Numerics, ratio: int, freqs):
     """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
@@ -138,6 +159,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from pallas_kernels.kv_scatter import append_window, flush_compressed
     from pallas_kernels.sparse_decode_attention import hca_indices
+    if DEDUP_SCATTER:
+        append_window, flush_compressed = _append_window_jit, _flush_compressed_jit
     interp = plgpu.InterpretGPUParams() if cs.kernels == "interpret" else None
     B = x.shape[0]
     t, ok = tok_pos[:, 0], valid[:, 0]

@@ -18,7 +18,7 @@ def _bits(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a
 
 
-def test_kernel_decode_layers_match_pure_jax():
+def test_kernel_decode_layers_match_pure_jax(monkeypatch):
     cfg = config.tiny()
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
     nm = Numerics(True, "bfloat16")
@@ -47,9 +47,18 @@ def test_kernel_decode_layers_match_pure_jax():
         err = np.linalg.norm(a - b) / np.linalg.norm(a)
         # attention core agrees to ~0.3% (bf16 P); wo_b's FP8 input rounding amplifies it
         assert err < 0.05, (i, err)
+        if i < 3:  # SWA, CSA, HCA: the experimental jitted scatters write the same bits
+            monkeypatch.setattr(D, "DEDUP_SCATTER", True)
+            c, cc = D.attention_cached(ap, eng.cache[f"L{i}"], x, *args, cfg,
+                                       dataclasses.replace(cs, kernels="interpret"), nm,
+                                       cfg.layer_ratio(i))
+            monkeypatch.setattr(D, "DEDUP_SCATTER", False)
+            for va, vc in zip(jax.tree.leaves(cb), jax.tree.leaves(cc)):
+                assert np.array_equal(_bits(va), _bits(vc)), f"layer {i}: jitted scatter differs"
+            assert np.array_equal(np.asarray(c, np.float32), b)
 
 
-def test_read_only_kernels_lowered_once_per_shape():
+def test_read_only_kernels_lowered_once_per_shape(monkeypatch):
     """The indexer top-k and sparse attention kernels sit behind one jit each, so a model's
     layers share one lowered (and one compiled) copy per shape: the CUDA lowering of the
     5-layer tiny step (SWA, 2 CSA, 2 HCA) defines attention once per layer kind and calls
@@ -73,3 +82,12 @@ def test_read_only_kernels_lowered_once_per_shape():
     assert len(re.findall(r"call @_sparse_attention_jit(?:_\d+)?\b", txt)) == cfg.num_hidden_layers
     assert len(re.findall(r"call @_indexer_topk_jit(?:_\d+)?\b", txt)) == sum(
         cfg.layer_ratio(i) == 4 for i in range(cfg.num_hidden_layers))
+    # the experimental knob puts the scatters behind one jit too (one per layer kind)
+    import functools
+    monkeypatch.setattr(D, "DEDUP_SCATTER", True)
+    f = jax.jit(functools.partial(D.step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
+    defs = re.findall(r"func\.func (?:private|public) @(\w+)", f.trace(
+        P.abstract_params(cfg), cache_structs(cfg, cs), *args).lower(
+        lowering_platforms=("cuda",)).as_text())
+    assert count("_append_window_jit") == 1, defs  # the ring has one shape in every layer
+    assert count("_flush_compressed_jit") == 2, defs  # CSA (with indexer keys), HCA
