@@ -115,9 +115,10 @@ def _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs, cfg
 
 
 # The read-only kernels behind one jit each: the layers' identical calls then share one
-# lowered kernel (43 Flash layers otherwise lower and compile ~170 copies: the whole-model
-# compile went 69 -> 347 s on 2 x H200 when the cache kernels came on). The in-place
-# scatters stay inline: their cache buffers must alias the step's donated ones.
+# lowered kernel per layer kind instead of one per call (Flash: 64 calls). The whole-model
+# compile on 2 x H200 went 69 -> 347 s when the cache kernels came on, most likely from the
+# per-call copies; not re-measured yet. The in-place scatters stay inline: their cache
+# buffers must alias the step's donated ones (see DEDUP_SCATTER).
 @functools.partial(jax.jit, static_argnames=("topk", "interpret"))
 def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret):
     from pallas_kernels.indexer_decode import indexer_topk
@@ -293,8 +294,9 @@ def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs
 # XLA options of the step programs. A GPU step runs as one CUDA graph; with concurrent
 # regions its independent small kernels (the q / kv / compressor / indexer branches of a
 # layer) overlap in the graph: H100, SWA + CSA + HCA layers + head, B = 1: sync step 2.24 ->
-# 1.87 ms, pipelined 1.27 -> 1.09 ms (benchmarks/results/session5_h100/flags.log). Only
-# the scheduling changes, not the kernels. DSV4_GRAPH_CONCURRENT=0 turns it off (A/B runs).
+# 1.87 ms, pipelined 1.27 -> 1.09 ms (benchmarks/results/session5_h100/flags.log); 4 Flash
+# layers: sync 2.71 -> 2.31 ms, pipelined 1.47 either way. Only the scheduling changes, not
+# the kernels. DSV4_GRAPH_CONCURRENT=0 turns it off (A/B runs).
 STEP_COMPILER_OPTIONS = {"xla_gpu_graph_enable_concurrent_region":
                          os.environ.get("DSV4_GRAPH_CONCURRENT", "1") == "1"}
 
