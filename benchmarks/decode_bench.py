@@ -166,17 +166,20 @@ def _layers_cfg(cfg, ratios):
 
 
 def main(args):
+    from dsv4_jax.distributed import init_processes_from_env
+    multi = init_processes_from_env()  # one process per GPU (benchmarks/launch_local.sh)
     base = C.get_preset(args.preset)
     n = args.layers or base.num_hidden_layers
     cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
                        num_hash_layers=min(base.num_hash_layers, n))
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     mesh = None
     if args.devices:
         from dsv4_jax.distributed import make_mesh, param_shardings
         mesh = make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
     print(f"device {dev.device_kind} x {args.devices or 1}"
+          f"{f' in {jax.process_count()} processes' if multi else ''}"
           f"{' mesh ' + str(dict(mesh.shape)) if mesh else ''}; measured copy bandwidth "
           f"{bw / 1e9:.0f} GB/s per device; {cfg.name}: {n} layers, d={cfg.hidden_size}, "
           f"H={cfg.num_attention_heads}; kernels={args.kernels}", flush=True)

@@ -22,3 +22,11 @@ if [ "${AB:-0}" = 1 ]; then
     --context 4096 --steps 8 --devices 2 --expert 2 --matmul pallas --kernels on --batch 1 \
     | tee $OUT/flash43_x2_dedup_scatter.log
 fi
+# optional (MP=1): the same whole-model bench as two processes, one per GPU
+# (benchmarks/launch_local.sh): the single-process step is host bound (19.3 ms host
+# enqueue for both GPUs against an 11.5 ms GPU span), each process launches only its GPU
+if [ "${MP:-0}" = 1 ]; then
+  LOGDIR=$OUT T ${LIMIT:-380} bash benchmarks/launch_local.sh 2 python3 -m benchmarks.decode_bench \
+    decode --preset flash --context 4096 --steps 8 --devices 2 --expert 2 --matmul pallas \
+    --kernels on --batch 1 | tee $OUT/flash43_x2_two_processes.log
+fi

@@ -256,6 +256,8 @@ def main(argv=None):
         raise SystemExit(run(args))
     _compile_cache(args)
     try:
+        from .distributed import init_processes_from_env
+        init_processes_from_env()  # a no-op unless DSV4_COORDINATOR is set
         args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"dsv4 {args.cmd}: error: {e}") from None

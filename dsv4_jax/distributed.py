@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,27 @@ REPLICATED = frozenset({
 # ---------------------------------------------------------------------------------------
 # Mesh
 # ---------------------------------------------------------------------------------------
+def init_processes_from_env() -> bool:
+    """Join a multi-process run when DSV4_COORDINATOR ("host:port"), DSV4_NUM_PROCESSES and
+    DSV4_PROCESS_ID are set (one process per GPU on a host, or per host): calls
+    `jax.distributed.initialize` before any other JAX work; on CPU the cross-process
+    collectives use gloo. Returns whether it did. `benchmarks/launch_local.sh` starts such
+    processes on one machine."""
+    addr = os.environ.get("DSV4_COORDINATOR")
+    if not addr or jax.distributed.is_initialized():
+        return bool(addr)
+    try:
+        n, pid = int(os.environ["DSV4_NUM_PROCESSES"]), int(os.environ["DSV4_PROCESS_ID"])
+    except (KeyError, ValueError) as e:
+        raise ValueError("DSV4_COORDINATOR needs integer DSV4_NUM_PROCESSES and "
+                         f"DSV4_PROCESS_ID: {e}") from None
+    if not 0 <= pid < n:
+        raise ValueError(f"DSV4_PROCESS_ID {pid} is not in [0, {n})")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backend only
+    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
+    return True
+
+
 def make_mesh(n_devices: int | None = None, *, expert: int | None = None,
               model: int | None = None, data: int | None = None, devices=None) -> Mesh:
     """A ("data", "expert", "model") mesh over the first n_devices of `devices` (default
@@ -186,8 +208,8 @@ def cache_shardings(cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
 
 
 def _put(x, sharding):
-    if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)  # (a global array, e.g. loaded onto the mesh)
     # multi-host: every process holds the full host value and builds its own shards
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])

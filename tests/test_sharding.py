@@ -496,3 +496,35 @@ def test_kernel_decode_step_on_an_expert_mesh():
     assert res["argmax"] == 1.0 and not res["cache_diff"], res
     assert "splits {'data': 2}" in res["errs"][0], res["errs"]
     assert "splits {'model': 2}" in res["errs"][1], res["errs"]
+
+
+def test_two_processes_generate_the_same_tokens(tmp_path):
+    """Multi-controller JAX: `dsv4 generate --devices 2` run as two processes of one CPU
+    device each (joined through DSV4_COORDINATOR, gloo collectives, the checkpoint loaded
+    into each process's shards) prints the same greedy completion as one process."""
+    import socket
+    env = dict(os.environ, PYTHONPATH=ROOT, DSV4_COMPILE_CACHE="off", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    ck = tmp_path / "ck"
+    seed = str(int(np.random.default_rng().integers(1000)))
+    base = [sys.executable, "-m", "dsv4_jax"]
+    subprocess.run(base + ["make-checkpoint", "--preset", "tiny", "--seed", seed, "--quiet",
+                           str(ck)], env=env, check=True, capture_output=True, timeout=600)
+    gen = base + ["generate", "--checkpoint", str(ck), "--prompt", "one two three",
+                  "--max-new-tokens", "6"]
+    single = subprocess.run(gen, env=env, capture_output=True, text=True, timeout=900)
+    assert single.returncode == 0, single.stderr[-2000:]
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(gen + ["--devices", "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(env, DSV4_COORDINATOR=f"127.0.0.1:{port}",
+                                       DSV4_NUM_PROCESSES="2", DSV4_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        out = "".join(l for l in out.splitlines(True) if not l.startswith("[Gloo]"))
+        assert out == single.stdout and "--- prompt" in out
+        assert "mesh {'data': 1, 'expert': 2, 'model': 1}" in err
