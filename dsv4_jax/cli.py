@@ -41,18 +41,15 @@ def _add_model_args(ap):
 
 
 def _mesh(args):
-    """The mesh asked for by --devices (None without); all devices on 'expert' unless the
-    axes are given."""
+    """The mesh asked for by --devices (None without); make_mesh's defaults put the devices
+    not given to another axis on 'expert'."""
     if not getattr(args, "devices", 0):
         for ax in ("expert", "model", "data"):
             if getattr(args, ax, None):
                 raise ValueError(f"--{ax} needs --devices")
         return None
     from .distributed import make_mesh
-    given = {ax: getattr(args, ax) for ax in ("expert", "model", "data") if getattr(args, ax)}
-    if not given:
-        given = {"expert": args.devices}
-    return make_mesh(args.devices, **given)
+    return make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
 
 
 def _load_model(args):

@@ -74,23 +74,16 @@ def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_generate_on_a_mesh_equals_single_device(tmp_path):
+def test_generate_on_a_mesh_equals_single_device(tiny_generate_cmd):
     """`dsv4 generate --devices 2` (2 virtual CPU devices, experts split, the checkpoint
     loaded into its shards) prints the same greedy completion as one device; a mesh axis
     without --devices is a clear error."""
     import os
     import subprocess
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=root, DSV4_COMPILE_CACHE="off")
-    ck = tmp_path / "ck"
-    seed = str(int(np.random.default_rng().integers(1000)))
-    base = [sys.executable, "-m", "dsv4_jax"]
-    subprocess.run(base + ["make-checkpoint", "--preset", "tiny", "--seed", seed, "--quiet",
-                           str(ck)], env=env, check=True, capture_output=True, timeout=600)
-    gen = base + ["generate", "--checkpoint", str(ck), "--prompt", "one two three",
-                  "--max-new-tokens", "6"]
+    gen = tiny_generate_cmd(env)
     outs = [subprocess.run(gen + extra, env=env, capture_output=True, text=True, timeout=900)
             for extra in ([], ["--devices", "2"])]
     for p in outs:

@@ -498,20 +498,14 @@ def test_kernel_decode_step_on_an_expert_mesh():
     assert "splits {'model': 2}" in res["errs"][1], res["errs"]
 
 
-def test_two_processes_generate_the_same_tokens(tmp_path):
+def test_two_processes_generate_the_same_tokens(tiny_generate_cmd):
     """Multi-controller JAX: `dsv4 generate --devices 2` run as two processes of one CPU
     device each (joined through DSV4_COORDINATOR, gloo collectives, the checkpoint loaded
     into each process's shards) prints the same greedy completion as one process."""
     import socket
     env = dict(os.environ, PYTHONPATH=ROOT, DSV4_COMPILE_CACHE="off", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    ck = tmp_path / "ck"
-    seed = str(int(np.random.default_rng().integers(1000)))
-    base = [sys.executable, "-m", "dsv4_jax"]
-    subprocess.run(base + ["make-checkpoint", "--preset", "tiny", "--seed", seed, "--quiet",
-                           str(ck)], env=env, check=True, capture_output=True, timeout=600)
-    gen = base + ["generate", "--checkpoint", str(ck), "--prompt", "one two three",
-                  "--max-new-tokens", "6"]
+    gen = tiny_generate_cmd(env)
     single = subprocess.run(gen, env=env, capture_output=True, text=True, timeout=900)
     assert single.returncode == 0, single.stderr[-2000:]
     with socket.socket() as s:  # a free port for the coordinator
