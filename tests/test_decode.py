@@ -129,15 +129,19 @@ def test_generate_jitted_loop_equals_streaming_and_stops(tiny):
     for step in eng.stream(prompts, max_new_tokens=8):
         for i, t in step:
             b[i].append(t)
-    assert a == b and all(len(x) == 8 for x in a)
+    assert a == b
+    eos = cfg.eos_token_id  # random weights may emit it: a request then ends on it
+    for x in a:
+        assert (len(x) == 8 and eos not in x) or (x.index(eos) == len(x) - 1), x
     # greedy = argmax of the teacher-forced logits of prompt + generated tokens
     seq = np.asarray([prompts[1] + a[1]], np.int32)
     lg = eng.teacher_forced_logits(seq, len(prompts[1]))
     assert (lg[0, :-1].argmax(-1) == np.asarray(a[1])).all()
     # a stop id ends the request and is returned
-    stop = a[0][3]
+    r = max(range(len(a)), key=lambda i: len(a[i]))
+    stop = a[r][min(3, len(a[r]) - 1)]
     c = eng.generate(prompts, max_new_tokens=8, stop_ids=[stop])
-    assert c[0] == a[0][:a[0].index(stop) + 1]
+    assert c[r] == a[r][:a[r].index(stop) + 1]
     # the pipelined stream runs a stopped request one step past its stop and drops that
     # token: it yields exactly what the loop returns
     d = [[] for _ in prompts]
