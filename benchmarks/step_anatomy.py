@@ -5,6 +5,7 @@ a few microseconds however little it moves.
 
     PYTHONPATH=. python benchmarks/step_anatomy.py --ratios 0 4 128 [--matmul xla|pallas]
         [--kernels on] [--batch B] [--profile] [--layers N] [--devices 2 --expert 2]
+        [--donate-logits]
 """
 from __future__ import annotations
 
@@ -204,6 +205,10 @@ def main():
     ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     ap.add_argument("--model", type=int, default=None, help="mesh model-axis size")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
+    ap.add_argument("--donate-logits", action="store_true",
+                    help="single device: the step writes its logits over the previous "
+                         "step's (donated), so the output keeps one address (does a fresh "
+                         "output buffer make XLA update the CUDA graph every step?)")
     a = ap.parse_args()
     import os
     cache_dir = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
@@ -235,6 +240,12 @@ def main():
         from dsv4_jax.decode import STEP_COMPILER_OPTIONS
         f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
                     compiler_options=STEP_COMPILER_OPTIONS)
+        if a.donate_logits:
+            def step_into(params, cache, lg_prev, *args):
+                lg, cache = step(params, cache, *args, cfg=cfg, cs=cs, nm=nm)
+                return lg + 0.0 * lg_prev, cache   # aliases lg_prev (donated)
+            f = jax.jit(step_into, donate_argnums=(1, 2),
+                        compiler_options=STEP_COMPILER_OPTIONS)
     t0 = time.perf_counter()
     params = jax.block_until_ready(P.init_params_device(cfg, 0, shardings=shardings))
     print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -245,8 +256,14 @@ def main():
     i32 = lambda v, *s: jnp.full(s, v, jnp.int32)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
+    donate = a.donate_logits and not a.devices
+    lg = jnp.zeros((B, cfg.vocab_size), jnp.float32)
     t0 = time.perf_counter()
-    compiled = f.lower(params, cache, *args).compile()
+    compiled = (f.lower(params, cache, lg, *args) if donate
+                else f.lower(params, cache, *args)).compile()
+
+    def call(lg, cache):   # -> (logits, cache); with --donate-logits lg is overwritten
+        return compiled(params, cache, lg, *args) if donate else compiled(params, cache, *args)
     print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     n, src = kernels_by_source(compiled.as_text())
     print(f"{jax.devices()[0].device_kind}: layers {cfg.compress_ratios[:-1]} B={B} "
@@ -257,24 +274,25 @@ def main():
     ts, td = [], []
     for i in range(22):
         t0 = time.perf_counter()
-        lg, cache = compiled(params, cache, *args)
+        lg, cache = call(lg, cache)
         td.append(time.perf_counter() - t0)  # the call returns once the step is enqueued
         lg.block_until_ready()
         ts.append(time.perf_counter() - t0)
     ms = 1e3 * float(np.median(ts[2:]))
     t0 = time.perf_counter()
     for i in range(20):  # back to back, one wait: host launch overlaps the GPU's work
-        lg, cache = compiled(params, cache, *args)
+        lg, cache = call(lg, cache)
     lg.block_until_ready()
     pipe = 1e3 * (time.perf_counter() - t0) / 20
     print(f"step {ms:.3f} ms (host enqueue {1e3 * float(np.median(td[2:])):.3f} ms) -> "
-          f"{1e3 * ms / n:.1f} us per kernel on average; pipelined {pipe:.3f} ms")
+          f"{1e3 * ms / n:.1f} us per kernel on average; pipelined {pipe:.3f} ms"
+          + (" (logits written over the donated previous ones)" if donate else ""))
     if a.profile:
-        state = {"cache": cache}
+        state = {"cache": cache, "lg": lg}
 
         def run():
-            lg, state["cache"] = compiled(params, state["cache"], *args)
-            lg.block_until_ready()
+            state["lg"], state["cache"] = call(state["lg"], state["cache"])
+            state["lg"].block_until_ready()
         profile_kernels(run, 10, compiled.as_text(), a.top)
     if a.hlo_out:
         with open(a.hlo_out, "w") as fh:
