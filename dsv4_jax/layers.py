@@ -76,6 +76,15 @@ def apply_rope(x, pos, freqs, inverse=False):
 # ---------------------------------------------------------------------------------------
 # mHC: manifold-constrained hyper-connections
 # ---------------------------------------------------------------------------------------
+
+# Whether to trace the GPU-only paths: None = whether jax runs on a GPU; True / False force
+# it (benchmarks/aot_anatomy.py compiles for a GPU from a CPU process).
+ON_GPU: bool | None = None
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu" if ON_GPU is None else ON_GPU
+
 def hc_weights(X, fn, scale, base, cfg: Config):
     """X [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all f32)."""
     N = cfg.hc_mult
@@ -85,7 +94,7 @@ def hc_weights(X, fn, scale, base, cfg: Config):
     pre = jax.nn.sigmoid(m[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(m[..., N:2 * N] * scale[1] + base[N:2 * N])
     C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
-    if jax.default_backend() == "gpu":  # one small kernel instead of ~12 XLA kernels
+    if on_gpu():  # one small kernel instead of ~12 XLA kernels
         from pallas_kernels.hc_sinkhorn import sinkhorn_softmax
         C = sinkhorn_softmax(C.reshape(-1, N, N), cfg.hc_sinkhorn_iters, cfg.hc_eps)
         return pre, post, C.reshape(*m.shape[:-1], N, N)
