@@ -111,6 +111,9 @@ def main(argv=None):
     ap.add_argument("--spec", default="h100_sxm", help="gpu_specs/<name>.txtpb")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--hlo-out", help="write the optimised HLO here")
+    ap.add_argument("--xla-opt", action="append", default=[], metavar="NAME=VALUE",
+                    help="an XLA compiler option on top of decode.STEP_COMPILER_OPTIONS "
+                         "(repeatable), e.g. xla_gpu_dot_merger_threshold_mb=0")
     a = ap.parse_args(argv)
     cfg = C.get_preset(a.preset)
     n = a.layers
@@ -122,12 +125,16 @@ def main(argv=None):
                                 max_blocks=mb, kernels=a.kernels)
     dev = gpu_devices(a.spec)[0]
     t0 = time.perf_counter()
-    compiled = compile_step(cfg, cs, nm, a.batch, dev)
+    opts = dict(STEP_COMPILER_OPTIONS)
+    for kv in a.xla_opt:
+        k, _, v = kv.partition("=")
+        opts[k] = {"true": True, "false": False}.get(v.lower(), v)
+    compiled = compile_step(cfg, cs, nm, a.batch, dev, opts)
     hlo = compiled.as_text()
     k, src = kernels_by_source(hlo)
     print(f"{a.spec} (compile only, {time.perf_counter() - t0:.0f} s): {a.preset} layers "
           f"{cfg.compress_ratios[:-1]} B={a.batch} kernels={a.kernels} matmul={a.matmul}: "
-          f"{k} kernels in the step")
+          f"{k} kernels in the step" + (f" (options {a.xla_opt})" if a.xla_opt else ""))
     for name, v in src.most_common(a.top):
         print(f"  {v:4d}  {name}")
     if a.hlo_out:

@@ -13,6 +13,10 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
 SKIP=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED
+# (0) session 6's kernel change, first on the GPU: no group-id operand (expert_G=None) and
+#     only the real rows returned (rows=); then every GPU test of the matmul kernel
+T 150 python3 -m pytest -q -p no:warnings -m gpu tests/test_quant_matmul.py \
+  | tail -5 | tee $OUT/tests_gpu_quant_matmul.log
 T 60 python3 benchmarks/graph_launch.py | tee $OUT/graph_launch_default.log
 XLA_FLAGS=$SKIP T 60 python3 benchmarks/graph_launch.py | tee $OUT/graph_launch_skip_profiled.log
 XLA_FLAGS=--xla_gpu_enable_command_buffer= T 60 python3 benchmarks/graph_launch.py --n 64 256 \

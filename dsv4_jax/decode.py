@@ -11,6 +11,7 @@ import functools
 import os
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from .cache import BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv
@@ -46,20 +47,41 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
     a, z = L.compressor_project(p, x, r, tok_pos)  # [B, T, coff*c]
     off = pos % r
     nb = -(-(r + T) // r)  # virtual blocks covering the state rows and the chunk
-    VL = (nb + 1) * r  # one spare block so the trailing partial block always exists
-    t = jnp.arange(T)
-    dst = jnp.where(t[None, :] < nvalid[:, None], off[:, None] + t[None, :], VL)  # [B, T]
-    b_ix = jnp.arange(B)[:, None]
-    va = jnp.zeros((B, VL, a.shape[-1]), F32).at[:, :r].set(st_a)
-    vz = jnp.zeros((B, VL, z.shape[-1]), F32).at[:, :r].set(st_z)
-    va = va.at[b_ix, dst].set(a, mode="drop")
-    vz = vz.at[b_ix, dst].set(z, mode="drop")
     blockstart = pos - off
     end = pos + nvalid
+    ncomp = (end - blockstart) // r  # complete blocks this step, <= nb
+    if T == 1:
+        # Decode: the token lands in row `off` of the current block, which completes when
+        # off == r - 1; nothing is gathered, so the state updates in place (the general
+        # form below made XLA copy the state arrays and slice them every step). Same
+        # values as the general form.
+        put = (jnp.arange(r)[None, :, None] == off[:, None, None]) & (nvalid > 0)[:, None, None]
+        cur_a, cur_z = jnp.where(put, a, st_a), jnp.where(put, z, st_z)     # [B, r, coff*c]
+        a_blk = jnp.stack([cur_a, jnp.zeros_like(cur_a)], 1)                # [B, 2, r, .]
+        z_blk = jnp.stack([cur_z, jnp.zeros_like(cur_z)], 1)
+        done = (ncomp > 0)[:, None, None]
+        new_st_a, new_st_z = jnp.where(done, 0.0, cur_a), jnp.where(done, 0.0, cur_z)
+        last_a, last_z = cur_a, cur_z   # the block that completed, if one did
+    else:
+        VL = (nb + 1) * r  # one spare block so the trailing partial block always exists
+        t = jnp.arange(T)
+        dst = jnp.where(t[None, :] < nvalid[:, None], off[:, None] + t[None, :], VL)  # [B, T]
+        b_ix = jnp.arange(B)[:, None]
+        va = jnp.zeros((B, VL, a.shape[-1]), F32).at[:, :r].set(st_a)
+        vz = jnp.zeros((B, VL, z.shape[-1]), F32).at[:, :r].set(st_z)
+        va = va.at[b_ix, dst].set(a, mode="drop")
+        vz = vz.at[b_ix, dst].set(z, mode="drop")
+        a_blk = va[:, :nb * r].reshape(B, nb, r, -1)
+        z_blk = vz[:, :nb * r].reshape(B, nb, r, -1)
+        # new state: the block holding `end` becomes current; the one before it previous
+        allb_a = va.reshape(B, nb + 1, r, -1)
+        allb_z = vz.reshape(B, nb + 1, r, -1)
+        new_st_a = allb_a[jnp.arange(B), ncomp]
+        new_st_z = allb_z[jnp.arange(B), ncomp]
+        last = jnp.maximum(ncomp - 1, 0)
+        last_a, last_z = allb_a[jnp.arange(B), last], allb_z[jnp.arange(B), last]
     k = jnp.arange(nb)
     complete = blockstart[:, None] + (k[None, :] + 1) * r <= end[:, None]  # [B, nb]
-    a_blk = va[:, :nb * r].reshape(B, nb, r, -1)
-    z_blk = vz[:, :nb * r].reshape(B, nb, r, -1)
     if r == 4:
         has_prev = (blockstart > 0)[:, None, None]
         prev_a = jnp.where(has_prev, pv_a, 0.0)
@@ -70,18 +92,11 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
     first = blockstart[:, None] + k[None, :] * r
     entries = L.finish_entries(p, pooled, first, freqs, cfg, nm, kind)
     eidx = blockstart[:, None] // r + k[None, :]
-    # new state: the block holding `end` becomes current; the one before it previous
-    ncomp = (end - blockstart) // r  # complete blocks this step, <= nb
-    allb_a = va.reshape(B, nb + 1, r, -1)
-    allb_z = vz.reshape(B, nb + 1, r, -1)
-    new_st_a = allb_a[jnp.arange(B), ncomp]
-    new_st_z = allb_z[jnp.arange(B), ncomp]
     new_pv_a = new_pv_z = None
     if r == 4:
-        last = jnp.maximum(ncomp - 1, 0)
         got = (ncomp > 0)[:, None, None]
-        new_pv_a = jnp.where(got, allb_a[jnp.arange(B), last][..., :c], pv_a)
-        new_pv_z = jnp.where(got, allb_z[jnp.arange(B), last][..., :c], pv_z)
+        new_pv_a = jnp.where(got, last_a[..., :c], pv_a)
+        new_pv_z = jnp.where(got, last_z[..., :c], pv_z)
     return entries, eidx, complete, (new_st_a, new_st_z, new_pv_a, new_pv_z)
 
 
@@ -152,6 +167,13 @@ def _flush_compressed_jit(pool, idx_pool, entry, key, flush, entry_idx, block_ta
                             interpret=interpret)
 
 
+# The window-only layers' dummy compressed pool (its rows are never read: every id is -1).
+# Not all-equal on purpose: XLA turns a splat constant into a broadcast, which is then a
+# kernel of its own every step.
+_DUMMY_POOL = (np.eye(1, 448, dtype=jnp.float8_e4m3fn)[None], np.eye(1, 8, dtype=np.uint8)[None] + 126,
+               np.eye(1, 64, dtype=jnp.bfloat16)[None])
+
+
 def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
                       cs: CacheSpec, nm: Numerics, ratio: int, freqs):
     """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
@@ -198,10 +220,9 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
-    else:  # window only: an empty compressed list over a one-row dummy pool
-        cmp = (jnp.zeros((1, 1, 448), jnp.float8_e4m3fn), jnp.full((1, 1, 8), 127, jnp.uint8),
-               jnp.zeros((1, 1, 64), jnp.bfloat16))
-        idx = jnp.full((B, 64), -1, jnp.int32)
+    else:  # window only: an empty compressed list over a one-row dummy pool, never read
+        cmp = _DUMMY_POOL
+        idx = np.full((B, 64), -1, np.int32)
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
                               interpret=interp)

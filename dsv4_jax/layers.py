@@ -307,7 +307,7 @@ def attn_output(p, o, pos, freqs, cfg: Config, nm: Numerics):
         wg = Fp8Weight(w.w.reshape(G, cfg.o_lora_rank, -1),
                        w.scale.reshape(G, cfg.o_lora_rank // 128, -1))
         z = grouped_linear(og.reshape(B * T, G, -1).transpose(1, 0, 2),
-                           jnp.arange(G, dtype=jnp.int32), wg, nm)  # [G, B*T, ol]
+                           None, wg, nm)  # [G, B*T, ol]; group g = weight group g
         z = z.transpose(1, 0, 2).reshape(B, T, G, -1).astype(nm.jdtype)
     else:
         wo_a = dequant(w, nm.jdtype).reshape(G, cfg.o_lora_rank, H // G * K)

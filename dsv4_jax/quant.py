@@ -173,25 +173,31 @@ def _kernel_ok(w, nm: Numerics) -> bool:
     return w.shape[-2] % 128 == 0 and w.shape[-1] % kstep == 0
 
 
-@functools.partial(jax.jit, static_argnames=("impl",))
-def _grouped_matmul_jit(x_GMK, expert_G, w, impl):
+@functools.partial(jax.jit, static_argnames=("impl", "rows"))
+def _grouped_matmul_jit(x_GMK, expert_G, w, impl, rows):
     """The kernel behind one jit: layers with equal shapes then share one lowered kernel
-    in the step's module (43 Flash layers would otherwise lower ~500 copies)."""
+    in the step's module (43 Flash layers would otherwise lower ~500 copies). Only the
+    first `rows` (real) rows of each group come back."""
     from pallas_kernels.quant_matmul import grouped_matmul
-    return grouped_matmul(x_GMK, expert_G, w, impl=impl)
+    return grouped_matmul(x_GMK, expert_G, w, impl=impl, rows=rows)
 
 
 def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
     """y[g] = x[g] @ W[expert_G[g]].T -> f32 [G, M, out]; W stacked [E, out, in]; an
-    expert index outside [0, E) gives zero rows. x must already be act-quant simulated.
+    expert index outside [0, E) gives zero rows; expert_G=None: group g uses expert g
+    (no id array: an iota would be a kernel of its own every step). x must already be
+    act-quant simulated.
     The Pallas weight-streaming kernel when `nm.matmul` asks for it (reads the stored
     bytes once), else gather + exact bf16 dequantisation + einsum in XLA."""
     if _kernel_ok(w, nm) and nm.bf16_operands and x_GMK.shape[1] <= KERNEL_MAX_ROWS:
         M = x_GMK.shape[1]
         Mp = -(-M // 8) * 8
         xp = jnp.pad(x_GMK.astype(jnp.bfloat16), ((0, 0), (0, Mp - M), (0, 0)))
-        return _grouped_matmul_jit(xp, expert_G.astype(jnp.int32), w, impl=nm.matmul)[:, :M]
+        ids = None if expert_G is None else expert_G.astype(jnp.int32)
+        return _grouped_matmul_jit(xp, ids, w, impl=nm.matmul, rows=M)
     E = w.shape[0]
+    if expert_G is None:
+        expert_G = jnp.arange(x_GMK.shape[0], dtype=jnp.int32)
     ok = (expert_G >= 0) & (expert_G < E)
     Wg = jax.tree.map(lambda a: a[jnp.clip(expert_G, 0, E - 1)], w)
     if nm.bf16_operands:

@@ -29,6 +29,41 @@ def engine(cfg, params, nm, chunk=64):
     return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=chunk)
 
 
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_decode_compressor_update_equals_general_form(tiny, ratio):
+    """The T == 1 compressor step (state updated in place) gives the general chunk form's
+    bits: the general form run on T = 2 with the second token masked is the same step."""
+    from dsv4_jax import layers as L
+    from dsv4_jax.decode import compressor_chunk
+    cfg, params = tiny
+    i = list(cfg.compress_ratios).index(ratio)
+    ap = L.block_params(params, f"layers.{i}.attn.")
+    rng = np.random.default_rng()
+    B, r, c = 6, ratio, cfg.head_dim
+    freqs = L.rope_freqs(cfg, ratio)
+    cp = L.block_params(ap, "compressor.")
+    coff = 2 if ratio == 4 else 1
+    f = lambda *a: jnp.asarray(rng.standard_normal(a), jnp.float32)
+    st_a, st_z = f(B, r, coff * c), f(B, r, coff * c)
+    pv_a, pv_z = (f(B, r, c), f(B, r, c)) if ratio == 4 else (None, None)
+    # positions: block ends (off = r - 1), block starts, the middle, and the first block
+    pos = jnp.asarray([r - 1, 2 * r - 1, 3 * r, 5 * r + 1, 0, r + 2], jnp.int32)
+    nvalid = jnp.asarray([1, 0, 1, 1, 1, 1], jnp.int32)
+    x2 = f(B, 2, cfg.hidden_size).astype(jnp.bfloat16)
+    run = lambda x, T: compressor_chunk(cp, x, pos[:, None] + jnp.arange(T)[None], pos, nvalid,
+                                        st_a, st_z, pv_a, pv_z, ratio, c, freqs, cfg, F32, "main")
+    e1, i1, c1, s1 = jax.jit(lambda x: run(x, 1))(x2[:, :1])
+    e2, i2, c2, s2 = jax.jit(lambda x: run(x, 2))(x2)
+    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
+    assert np.asarray(c1)[[0, 3]].tolist() == [[True, False], [False, False]]
+    np.testing.assert_array_equal(np.asarray(i1), np.asarray(i2))
+    done = np.asarray(c1)
+    np.testing.assert_array_equal(np.asarray(e1)[done], np.asarray(e2)[done])
+    for a, b in zip(s1, s2):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def rel_per_pos(a, b):
     return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
 

@@ -2,6 +2,7 @@
 
     y_GMN = grouped_matmul(x_GMK, expert_G, w, impl="pallas" | "interpret" | "xla")
 """
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quant_matmul.kernel import check_inputs, default_splits, grouped_matmul_pallas
@@ -19,7 +20,10 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", **kernel_kw):
     (splits, stages, tn, tkp, reg_a, decode). Edges: with decode "cvt" (the FP8 default) an
     e8m0 scale byte 0 (2^-127) reads as 0 and FP4 scale bytes >= 241 overflow; the "swar"
     decodes ("swar-shfl" is the FP4 default) are exact for every scale byte 0..254 (e4m3
-    NaN codes come out as finite numbers there). Real checkpoints use neither edge."""
+    NaN codes come out as finite numbers there). Real checkpoints use neither edge.
+    expert_G=None: group g uses expert g (the kernel then reads no id array)."""
+    if expert_G is None and impl == "xla":
+        expert_G = jnp.arange(x_GMK.shape[0], dtype=jnp.int32)
     if impl == "xla":
         check_inputs(x_GMK, expert_G, w, for_kernel=False)
         return grouped_matmul_reference(x_GMK, expert_G, w)

@@ -366,11 +366,14 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
     if not reg_a:  # dequantised bf16 rows staged for the wgmma
         bufs["wb_s"] = wb
 
-    def kernel(x_g, ex_g, w_g, sc_g, o_g, bar, sbar):
+    identity = ex_G is None   # group g uses expert g (no id operand to build per call)
+
+    def kernel(*refs, bar, sbar):
+        x_g, ex_g, w_g, sc_g, o_g = refs[:1] + (None,) + refs[1:] if identity else refs
         g = lax.axis_index("g")
         nt = lax.axis_index("n")
         sp = lax.axis_index("s")
-        e = ex_g[g]
+        e = g if identity else ex_g[g]
         valid = (e >= 0) & (e < E)             # empty group: no copies, zero output
         e = jnp.where(valid, e, 0)
         k0 = sp * nk
@@ -525,11 +528,11 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
             sbar=plgpu.Barrier(num_arrivals=1),
         ),
         interpret=interpret,
-    )(x, ex_G, w, sc)
+    )(*((x, w, sc) if identity else (x, ex_G, w, sc)))
 
 
 def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=None,
-                          tkp=None, reg_a=None, decode=None, interpret=None):
+                          tkp=None, reg_a=None, decode=None, rows=None, interpret=None):
     """The kernel path: f32 [G, M, N]. See the module docstring. `splits` (K splits per
     output tile), `stages` (pipeline depth), `tn` (64 or 128 weight rows per CTA) and
     `tkp` (FP4: 64 or 128 packed bytes per step) are tuning knobs; the defaults are the
@@ -539,8 +542,17 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     interpret mode the SMEM path runs whatever `reg_a` says. `decode`: "cvt", "swar" or
     "swar-shfl" (default DECODE[fmt]: FP4 "swar-shfl", FP8 "cvt"), see DECODE and
     FP4_SWAR_PTX; interpret mode runs "cvt" (the interpreter cannot run inline PTX) with
-    the tiling `decode` implies."""
-    check_inputs(x_GMK, expert_G, w)
+    the tiling `decode` implies. `rows`: return only the first `rows` rows of each group
+    (f32 [G, rows, N]), the real ones of a zero-padded x; they are sliced off before the
+    split sum and the transpose, which then become elementwise and fuse into the consumer
+    (with all 8 rows they were a transpose kernel of their own after most calls)."""
+    if expert_G is None:   # identity: group g multiplies with expert g (needs G <= E)
+        if len(w.shape) != 3 or x_GMK.ndim != 3 or x_GMK.shape[0] > w.shape[0]:
+            raise ValueError(f"expert_G=None needs x [G, M, K] with G <= E, got x "
+                             f"{x_GMK.shape} and w {w.shape}")
+        check_inputs(x_GMK, jax.ShapeDtypeStruct((x_GMK.shape[0],), jnp.int32), w)
+    else:
+        check_inputs(x_GMK, expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
     fmt = "fp8" if isinstance(w, Fp8Weight) else "fp4"
@@ -566,13 +578,17 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     decode = "cvt" if interpret else decode   # the interpreter cannot run inline PTX
     st = choose_stages(fmt, tn, M, nk, tkp=tkp, reg_a=reg_a,
                        **({"max_stages": stages} if stages else {}))
-    ex = expert_G.astype(jnp.int32)
+    ex = None if expert_G is None else expert_G.astype(jnp.int32)
     if fmt == "fp8":
         args = (x_GMK, ex, _u8(w.w) if decode != "cvt" else w.w, _u8(w.scale))
     else:
         args = (fp4_x_layout(x_GMK), ex, _u8(w.packed), _u8(w.scale))
     part = _stream_call(fmt, *args, G=G, M=M, N=N, K=K, tn=tn, splits=S, stages=st,
                         interpret=interpret, tkp=tkp, reg_a=reg_a, decode=decode)
+    if rows is not None:
+        if not 1 <= rows <= M:
+            raise ValueError(f"rows must be in [1, M={M}], got {rows}")
+        part = part[..., :rows]
     # The split sum as adds of static slices (not a reduce): XLA fuses elementwise adds into
     # the consumer's fusion, where a reduce would be a kernel of its own after every call.
     y = part[0]
