@@ -68,15 +68,37 @@ def compile_step(cfg, cs, nm, B: int, device, compiler_options=None):
     args = (i32(B, 1), i32(B), i32(B), i32(B), i32(*cs_table_shape(cs)))
     f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
                 compiler_options=compiler_options or STEP_COMPILER_OPTIONS)
-    prev = L.ON_GPU
-    L.ON_GPU = True   # the GPU-only paths (the Sinkhorn kernel) although jax runs on CPU
-    # The Triton lowering (the Sinkhorn kernel) asks the attached GPU for its model.
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    reg.gpu_info_lib = _FixedGpuInfo(gpu_info, device.device_kind)
-    try:
+    with _tracing_for_gpu(device.device_kind):
         return f.lower(params, cache, *args).compile()
-    finally:
-        L.ON_GPU = prev
+
+
+def compile_sharded_step(cfg, cs, nm, B: int, mesh, compiler_options=None):
+    """-> the compiled distributed.sharded_step (tokens [B, 1]) over `mesh`."""
+    from dsv4_jax.distributed import sharded_step
+    S = jax.ShapeDtypeStruct
+    params = jax.eval_shape(lambda: P.init_params_device(cfg, 0))
+    cache = jax.eval_shape(lambda: init_cache(cfg, cs))
+    args = (S((B, 1), jnp.int32), *(S((B,), jnp.int32),) * 3, S(cs_table_shape(cs), jnp.int32))
+    f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).jitted
+    with _tracing_for_gpu(mesh.devices.flat[0].device_kind):
+        return f.lower(params, cache, *args).compile(compiler_options)
+
+
+class _tracing_for_gpu:
+    """Trace the GPU-only paths (the Sinkhorn kernel) although jax runs on the CPU, and let
+    the Triton lowering, which asks the attached GPU for its model, see `device_kind`."""
+
+    def __init__(self, device_kind):
+        self.kind = device_kind
+
+    def __enter__(self):
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+        self.prev, L.ON_GPU = L.ON_GPU, True
+        reg.gpu_info_lib = _FixedGpuInfo(gpu_info, self.kind)
+
+    def __exit__(self, *exc):
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+        L.ON_GPU = self.prev
         reg.gpu_info_lib = gpu_info
 
 
@@ -109,6 +131,9 @@ def main(argv=None):
     ap.add_argument("--kernels", default="on", choices=["off", "on"])
     ap.add_argument("--matmul", default="pallas", choices=["xla", "pallas"])
     ap.add_argument("--spec", default="h100_sxm", help="gpu_specs/<name>.txtpb")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="compile distributed.sharded_step for this many GPUs (an expert mesh)")
+    ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--hlo-out", help="write the optimised HLO here")
     ap.add_argument("--xla-opt", action="append", default=[], metavar="NAME=VALUE",
@@ -123,16 +148,21 @@ def main(argv=None):
     mb = -(-(a.context + 40) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=a.batch, num_blocks=a.batch * mb,
                                 max_blocks=mb, kernels=a.kernels)
-    dev = gpu_devices(a.spec)[0]
+    devs = gpu_devices(a.spec, a.devices)
     t0 = time.perf_counter()
     opts = dict(STEP_COMPILER_OPTIONS)
     for kv in a.xla_opt:
         k, _, v = kv.partition("=")
         opts[k] = {"true": True, "false": False}.get(v.lower(), v)
-    compiled = compile_step(cfg, cs, nm, a.batch, dev, opts)
+    if a.devices > 1:
+        from dsv4_jax.distributed import make_mesh
+        mesh = make_mesh(a.devices, expert=a.expert, devices=devs)
+        compiled = compile_sharded_step(cfg, cs, nm, a.batch, mesh, opts)
+    else:
+        compiled = compile_step(cfg, cs, nm, a.batch, devs[0], opts)
     hlo = compiled.as_text()
     k, src = kernels_by_source(hlo)
-    print(f"{a.spec} (compile only, {time.perf_counter() - t0:.0f} s): {a.preset} layers "
+    print(f"{a.devices} x {a.spec} (compile only, {time.perf_counter() - t0:.0f} s): {a.preset} layers "
           f"{cfg.compress_ratios[:-1]} B={a.batch} kernels={a.kernels} matmul={a.matmul}: "
           f"{k} kernels in the step" + (f" (options {a.xla_opt})" if a.xla_opt else ""))
     for name, v in src.most_common(a.top):
