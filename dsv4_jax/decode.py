@@ -11,7 +11,6 @@ import functools
 import os
 
 import jax
-from jax import lax
 import numpy as np
 import jax.numpy as jnp
 
@@ -60,6 +59,9 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
         cur_a, cur_z = jnp.where(put, a, st_a), jnp.where(put, z, st_z)     # [B, r, coff*c]
         a_blk = jnp.stack([cur_a, jnp.zeros_like(cur_a)], 1)                # [B, 2, r, .]
         z_blk = jnp.stack([cur_z, jnp.zeros_like(cur_z)], 1)
+        done = (ncomp > 0)[:, None, None]
+        new_st_a, new_st_z = jnp.where(done, 0.0, cur_a), jnp.where(done, 0.0, cur_z)
+        last_a, last_z = cur_a, cur_z   # the block that completed, if one did
     else:
         VL = (nb + 1) * r  # one spare block so the trailing partial block always exists
         t = jnp.arange(T)
@@ -90,17 +92,6 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
     first = blockstart[:, None] + k[None, :] * r
     entries = L.finish_entries(p, pooled, first, freqs, cfg, nm, kind)
     eidx = blockstart[:, None] // r + k[None, :]
-    if T == 1:
-        # The new state overwrites the old one in place (donated cache). The barrier orders
-        # that write after the entries (so after the pooling, the old state's only other
-        # reader): without it XLA may copy the state arrays first (it did in 40 of the 41
-        # compressed layers of the whole-model step, not in a 4-layer one).
-        entries, st_a, st_z, pv_a, pv_z = lax.optimization_barrier(
-            (entries, st_a, st_z, pv_a, pv_z))
-        cur_a, cur_z = jnp.where(put, a, st_a), jnp.where(put, z, st_z)
-        done = (ncomp > 0)[:, None, None]
-        new_st_a, new_st_z = jnp.where(done, 0.0, cur_a), jnp.where(done, 0.0, cur_z)
-        last_a, last_z = cur_a, cur_z   # the block that completed, if one did
     new_pv_a = new_pv_z = None
     if r == 4:
         got = (ncomp > 0)[:, None, None]
