@@ -11,8 +11,8 @@ import functools
 import os
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from .cache import BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv
 from .config import Config
@@ -52,9 +52,9 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
     ncomp = (end - blockstart) // r  # complete blocks this step, <= nb
     if T == 1:
         # Decode: the token lands in row `off` of the current block, which completes when
-        # off == r - 1; nothing is gathered, so the state updates in place (the general
-        # form below made XLA copy the state arrays and slice them every step). Same
-        # values as the general form.
+        # off == r - 1. The new state is an elementwise select on the old one, with no
+        # gather: the general form's gathers cost dynamic-slice kernels and state copies
+        # every step. Same values as the general form.
         put = (jnp.arange(r)[None, :, None] == off[:, None, None]) & (nvalid > 0)[:, None, None]
         cur_a, cur_z = jnp.where(put, a, st_a), jnp.where(put, z, st_z)     # [B, r, coff*c]
         a_blk = jnp.stack([cur_a, jnp.zeros_like(cur_a)], 1)                # [B, 2, r, .]
@@ -170,8 +170,9 @@ def _flush_compressed_jit(pool, idx_pool, entry, key, flush, entry_idx, block_ta
 # The window-only layers' dummy compressed pool (its rows are never read: every id is -1).
 # Not all-equal on purpose: XLA turns a splat constant into a broadcast, which is then a
 # kernel of its own every step.
-_DUMMY_POOL = (np.eye(1, 448, dtype=jnp.float8_e4m3fn)[None], np.eye(1, 8, dtype=np.uint8)[None] + 126,
-               np.eye(1, 64, dtype=jnp.bfloat16)[None])
+_DUMMY_POOL = (np.eye(1, 448, dtype=jnp.float8_e4m3fn)[None],   # nope [1, 1, 448]
+               np.eye(1, 8, dtype=np.uint8)[None] + 126,          # scale [1, 1, 8]
+               np.eye(1, 64, dtype=jnp.bfloat16)[None])           # rope [1, 1, 64]
 
 
 def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,

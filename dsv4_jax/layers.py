@@ -76,7 +76,6 @@ def apply_rope(x, pos, freqs, inverse=False):
 # ---------------------------------------------------------------------------------------
 # mHC: manifold-constrained hyper-connections
 # ---------------------------------------------------------------------------------------
-
 # Whether to trace the GPU-only paths: None = whether jax runs on a GPU; True / False force
 # it (benchmarks/aot_anatomy.py compiles for a GPU from a CPU process).
 ON_GPU: bool | None = None
@@ -84,6 +83,7 @@ ON_GPU: bool | None = None
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu" if ON_GPU is None else ON_GPU
+
 
 def hc_weights(X, fn, scale, base, cfg: Config):
     """X [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all f32)."""

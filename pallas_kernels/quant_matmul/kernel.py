@@ -546,13 +546,12 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     (f32 [G, rows, N]), the real ones of a zero-padded x; they are sliced off before the
     split sum and the transpose, which then become elementwise and fuse into the consumer
     (with all 8 rows they were a transpose kernel of their own after most calls)."""
-    if expert_G is None:   # identity: group g multiplies with expert g (needs G <= E)
-        if len(w.shape) != 3 or x_GMK.ndim != 3 or x_GMK.shape[0] > w.shape[0]:
-            raise ValueError(f"expert_G=None needs x [G, M, K] with G <= E, got x "
-                             f"{x_GMK.shape} and w {w.shape}")
-        check_inputs(x_GMK, jax.ShapeDtypeStruct((x_GMK.shape[0],), jnp.int32), w)
-    else:
-        check_inputs(x_GMK, expert_G, w)
+    G = x_GMK.shape[0]
+    check_inputs(x_GMK, jax.ShapeDtypeStruct((G,), jnp.int32) if expert_G is None else expert_G,
+                 w)
+    if expert_G is None and G > w.shape[0]:
+        raise ValueError(f"expert_G=None (group g uses expert g) needs G <= E, got G={G}, "
+                         f"E={w.shape[0]}")
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
     fmt = "fp8" if isinstance(w, Fp8Weight) else "fp4"
