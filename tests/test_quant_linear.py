@@ -163,9 +163,10 @@ def test_model_layers_through_the_kernel():
     x = jnp.asarray(rng.standard_normal((1, 3, cfg.hidden_size)), jnp.bfloat16)
 
     def close(f, tol):
-        # the interpreted kernel runs jax ops inside its callbacks: let it finish before the
-        # XLA side dispatches (both in flight at once can deadlock the CPU client)
-        a = np.asarray(jax.block_until_ready(f(ker)), np.float32)
+        # the interpreted kernel runs jax ops inside its callbacks: as one jitted program,
+        # waited for, so no other op is dispatched while it runs (ops in flight at the same
+        # time can deadlock the CPU client; seen in test_kernel_decode when run op by op)
+        a = np.asarray(jax.block_until_ready(jax.jit(lambda: f(ker))()), np.float32)
         b = np.asarray(f(xla), np.float32)
         assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), np.linalg.norm(a - b) / np.linalg.norm(b)
 
