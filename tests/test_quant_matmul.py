@@ -120,6 +120,9 @@ def test_interpret_identity_groups_and_real_rows(fmt):
         y = interpret(x, None, w, rows=rows, splits=2)
         assert y.shape == (2, rows, N)
         check(y, ref_np(x, ex, w)[:, :rows], ex, E)
+        np.testing.assert_array_equal(
+            grouped_matmul(x, None, w, impl="xla", rows=rows),
+            grouped_matmul(x, ex, w, impl="xla")[:, :rows])
     with pytest.raises(ValueError, match="rows must be"):
         interpret(x, None, w, rows=9)
     with pytest.raises(ValueError, match="G <= E"):

@@ -21,12 +21,14 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", **kernel_kw):
     e8m0 scale byte 0 (2^-127) reads as 0 and FP4 scale bytes >= 241 overflow; the "swar"
     decodes ("swar-shfl" is the FP4 default) are exact for every scale byte 0..254 (e4m3
     NaN codes come out as finite numbers there). Real checkpoints use neither edge.
-    expert_G=None: group g uses expert g (the kernel then reads no id array)."""
-    if expert_G is None and impl == "xla":
-        expert_G = jnp.arange(x_GMK.shape[0], dtype=jnp.int32)
+    expert_G=None: group g uses expert g (the kernel then reads no id array); rows=r: only
+    the first r rows of each group come back, f32 [G, r, N] (every impl)."""
     if impl == "xla":
+        if expert_G is None:
+            expert_G = jnp.arange(x_GMK.shape[0], dtype=jnp.int32)
         check_inputs(x_GMK, expert_G, w, for_kernel=False)
-        return grouped_matmul_reference(x_GMK, expert_G, w)
+        rows = kernel_kw.get("rows")
+        return grouped_matmul_reference(x_GMK, expert_G, w)[:, :rows]
     if impl == "interpret":
         return grouped_matmul_pallas(x_GMK, expert_G, w, interpret=plgpu.InterpretGPUParams(),
                                      **kernel_kw)
