@@ -24,7 +24,7 @@ from dsv4_jax.quant import Numerics
 
 
 def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
-        random_cache=False, matmul="xla", act_quant=True, mesh=None):
+        random_cache=False, matmul="xla", act_quant=True, mesh=None, per_row=False):
     """Pure-JAX step vs the step with cache kernels `kernels` ("on" | "interpret" | "off")
     and quantised matmuls `matmul` ("xla" | "pallas" | "interpret"), sharded over `mesh`
     when given."""
@@ -68,6 +68,8 @@ def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
     err = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(a, axis=-1)
     res = dict(B=B, ctx=ctx, median_rel=float(np.median(err)), max_rel=float(err.max()),
                argmax_agree=float((a.argmax(-1) == b.argmax(-1)).mean()))
+    if per_row:  # (steps, B) rel. L2 of each row: which requests / steps differ
+        res["rows"] = np.array2string(err, precision=4, max_line_width=200)
     if timing:
         res["ms_off"] = 1e3 * float(np.median(out["ref"][1][1:]))
         res["ms_kernels"] = 1e3 * float(np.median(out["test"][1][1:]))
@@ -88,6 +90,11 @@ if __name__ == "__main__":
                     help="cache kernels of the tested side")
     ap.add_argument("--matmul", choices=["xla", "pallas"], default="xla",
                     help="quantised matmuls of the tested side")
+    ap.add_argument("--combo", nargs="+", default=None, metavar="KERNELS:MATMUL",
+                    help="tested sides to run in turn, e.g. off:pallas on:xla on:pallas "
+                         "(overrides --kernels/--matmul; which part makes a difference)")
+    ap.add_argument("--per-row", action="store_true",
+                    help="print the rel. L2 of every (step, request) row")
     ap.add_argument("--devices", type=int, default=0,
                     help="run the tested side sharded over this many devices")
     ap.add_argument("--expert", type=int, default=None, help="mesh expert axis size")
@@ -107,11 +114,13 @@ if __name__ == "__main__":
     if a.devices:
         from dsv4_jax.distributed import make_mesh
         mesh = make_mesh(a.devices, expert=a.expert)
-    for aq, B, ctx in itertools.product(a.act_quant, a.batch, a.context):
-        kern = a.kernels if a.kernels == "off" or not a.interpret else "interpret"
-        mm = "interpret" if a.interpret and a.matmul != "xla" else a.matmul
+    combos = [c.split(":") for c in a.combo] if a.combo else [(a.kernels, a.matmul)]
+    for aq, B, ctx, (k, m) in itertools.product(a.act_quant, a.batch, a.context, combos):
+        kern = k if k == "off" or not a.interpret else "interpret"
+        mm = "interpret" if a.interpret and m != "xla" else m
         r = run(cfg, params, B, ctx, a.steps, kern, chunk=a.chunk, timing=not a.interpret,
-                random_cache=a.random_cache, matmul=mm, act_quant=aq == "on", mesh=mesh)
+                random_cache=a.random_cache, matmul=mm, act_quant=aq == "on", mesh=mesh,
+                per_row=a.per_row)
         print(f"{cfg.name} L={cfg.num_hidden_layers} kernels={kern} matmul={mm} "
               f"devices={a.devices or 1} "
               f"act_quant={aq} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
