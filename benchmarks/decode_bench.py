@@ -25,7 +25,8 @@ import numpy as np
 
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step
+from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
+from dsv4_jax.generate import Greedy
 from dsv4_jax.quant import Numerics
 from benchmarks.common import copy_bandwidth
 
@@ -106,56 +107,74 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
 
 
 def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,
-          matmul: str = "xla", mesh=None, loop: bool = False) -> dict:
-    """ms per decode step three ways:
+          matmul: str = "xla", mesh=None, loop: bool = False,
+          what=("step", "stream")) -> dict:
+    """ms per decode step, for what = "step" (the plain step program) three ways:
     ms        one step at a time, waiting for each (a latency figure: host launch + GPU);
     ms_pipe   `steps` steps enqueued back to back, one wait at the end (host launch overlaps
-              the previous step's GPU work: what a loop that never waits on the step it
-              just launched gets);
-    ms_pipe_fixed  the same with every input at one address (only the logits move)
+              the previous step's GPU work), a fresh pos array per step (inputs move);
+    ms_pipe_fixed  the same with every input at one address (only the logits move);
+    and for "stream":
+    ms_stream what Engine.stream gets: the stream step (device state, donated: no buffer
+              moves; greedy sampling inside), tokens read back one step behind;
     ms_loop   (loop=True) the jitted while-loop decode of `Engine.generate` (greedy), per
-              token."""
+              token. XLA updates a step's CUDA graph whenever a buffer it uses moved."""
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
     mb = -(-(ctx + 3 * steps + 4) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=kernels)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
-    if mesh is None:
-        step = compiled_step(cfg, cs, nm)
-    else:
-        from dsv4_jax.distributed import shard_cache, sharded_step
+    if mesh is not None:
+        from dsv4_jax.distributed import shard_cache, sharded_step, sharded_stream_step
         cache = shard_cache(cache, cfg, cs, mesh)
-        step = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
     poss = [jnp.full(B, ctx + i, jnp.int32) for i in range(2 * steps + 1)]
-    t0 = time.perf_counter()
-    lg, cache = step(params, cache, toks, slots, poss[0], one, table)
-    lg.block_until_ready()
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for i in range(steps):
+    out = {}
+    if "step" in what:
+        step = (compiled_step(cfg, cs, nm) if mesh is None
+                else sharded_step(cfg, cs, nm, mesh, include_mtp=False))
         t0 = time.perf_counter()
-        lg, cache = step(params, cache, toks, slots, poss[1 + i], one, table)
+        lg, cache = step(params, cache, toks, slots, poss[0], one, table)
         lg.block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        lg, cache = step(params, cache, toks, slots, poss[1 + steps + i], one, table)
-    lg.block_until_ready()
-    out = {"ms": 1e3 * float(np.median(ts)), "compile_s": compile_s,
-           "ms_pipe": 1e3 * (time.perf_counter() - t0) / steps}
-    # The same with every input at one address (one pos array for all steps): XLA updates
-    # a step's CUDA graph when a buffer it uses moved; here only the fresh logits move.
-    pos_fixed = poss[0]
-    t0 = time.perf_counter()
-    for i in range(steps):
-        lg, cache = step(params, cache, toks, slots, pos_fixed, one, table)
-    lg.block_until_ready()
-    out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
+        out["compile_s"] = time.perf_counter() - t0
+        ts = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            lg, cache = step(params, cache, toks, slots, poss[1 + i], one, table)
+            lg.block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        out["ms"] = 1e3 * float(np.median(ts))
+        t0 = time.perf_counter()
+        for i in range(steps):
+            lg, cache = step(params, cache, toks, slots, poss[1 + steps + i], one, table)
+        lg.block_until_ready()
+        out["ms_pipe"] = 1e3 * (time.perf_counter() - t0) / steps
+        t0 = time.perf_counter()
+        for i in range(steps):   # one pos array for all steps
+            lg, cache = step(params, cache, toks, slots, poss[0], one, table)
+        lg.block_until_ready()
+        out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
+    if "stream" in what:
+        prog = (compiled_stream_step(cfg, cs, nm, Greedy()) if mesh is None
+                else sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False))
+        st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed))
+        t0 = time.perf_counter()
+        cache, st = prog(params, cache, st)
+        np.asarray(read_tokens(st))
+        out["compile_stream_s"] = time.perf_counter() - t0
+        t0, prev = time.perf_counter(), None
+        for i in range(steps):
+            cache, st = prog(params, cache, st)
+            nxt = read_tokens(st)
+            if prev is not None:
+                np.asarray(prev)   # the previous step's tokens, while this one runs
+            prev = nxt
+        np.asarray(prev)
+        out["ms_stream"] = 1e3 * (time.perf_counter() - t0) / steps
     if loop and mesh is None:
-        from dsv4_jax.generate import Greedy, _decode_loop
+        from dsv4_jax.generate import _decode_loop
         run = _decode_loop(cfg, cs, nm, Greedy(), steps + 1, ())
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
         args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed))
@@ -204,36 +223,34 @@ def main(args):
     for mm, B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
         fl = floor_bytes(cfg, B, ctx, mesh)
         r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh,
-                  loop=args.loop)
+                  loop=args.loop, what=args.what)
         floor_ms = 1e3 * fl["total"] / bw
-        rows.append((f"model({n}L) matmul={mm}", B, ctx, r["ms"], floor_ms, fl["total"]))
-        rows.append((f"  pipelined", B, ctx, r["ms_pipe"], floor_ms, fl["total"]))
-        rows.append((f"  pipelined, inputs at fixed addresses", B, ctx, r["ms_pipe_fixed"],
-                     floor_ms, fl["total"]))
-        if "ms_loop" in r:
-            rows.append((f"  generate loop", B, ctx, r["ms_loop"], floor_ms, fl["total"]))
-        print(f"matmul={mm} B={B} ctx={ctx}: {r['ms']:.2f} ms/step, {B / r['ms'] * 1e3:.1f} tokens/s, "
-              f"floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} GB) -> "
-              f"{100 * floor_ms / r['ms']:.1f}% of the bandwidth floor "
-              f"(compile {r['compile_s']:.0f} s); pipelined {r['ms_pipe']:.2f} ms/step "
-              f"({100 * floor_ms / r['ms_pipe']:.1f}%), inputs at fixed addresses "
-              f"{r['ms_pipe_fixed']:.2f} ms/step"
-              + (f"; generate loop {r['ms_loop']:.2f} ms/token "
-                 f"({100 * floor_ms / r['ms_loop']:.1f}%)" if "ms_loop" in r else ""),
-              flush=True)
+        parts = []
+        for key, label in (("ms", f"model({n}L) matmul={mm}, one step at a time"),
+                           ("ms_pipe", "  pipelined"),
+                           ("ms_pipe_fixed", "  pipelined, inputs at fixed addresses"),
+                           ("ms_stream", "  stream step (Engine.stream)"),
+                           ("ms_loop", "  generate loop")):
+            if key in r:
+                rows.append((label, B, ctx, r[key], floor_ms, fl["total"]))
+                parts.append(f"{label.strip()} {r[key]:.2f} ms ({100 * floor_ms / r[key]:.1f}% of the bandwidth floor, "
+                             f"{B / r[key] * 1e3:.1f} tokens/s)")
+        comp = ", ".join(f"{k} {r[k]:.0f} s" for k in ("compile_s", "compile_stream_s") if k in r)
+        print(f"matmul={mm} B={B} ctx={ctx}: floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} "
+              f"GB); " + "; ".join(parts) + f" (compile: {comp})", flush=True)
         if args.per_kind:
             # one layer of a kind = time([SWA, kind]) - time([SWA]) (embedding + head cancel)
             kinds = {"swa": 0, "csa": 4, "hca": 128}
             one_cfg = _layers_cfg(base, [0])
             t_one = bench(one_cfg, P.init_params_device(one_cfg, args.seed), B, ctx,
-                          args.kernels, args.steps, matmul=mm)["ms"]
+                          args.kernels, args.steps, matmul=mm, what=("step",))["ms"]
             for kind, ratio in kinds.items():
                 if kind not in fl["per_kind"]:
                     continue
                 kc = _layers_cfg(base, [0, ratio])
                 kp = P.init_params_device(kc, args.seed)
                 t = bench(kc, kp, B, ctx, args.kernels, args.steps,
-                          matmul=mm)["ms"] - t_one
+                          matmul=mm, what=("step",))["ms"] - t_one
                 fb = fl["per_kind"][kind][0]
                 rows.append((kind, B, ctx, t, 1e3 * fb / bw, fb))
                 print(f"  {kind} layer: {t:.2f} ms, floor {1e3 * fb / bw:.3f} ms "
@@ -255,6 +272,9 @@ def register(sub):
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--per-kind", action="store_true", help="also time one layer of each kind")
+    d.add_argument("--what", nargs="+", choices=["step", "stream"], default=["step", "stream"],
+                   help="time the plain step program (sync / pipelined) and/or the stream "
+                        "step of Engine.stream (each is its own compilation)")
     d.add_argument("--loop", action="store_true",
                    help="also time the jitted while-loop decode of Engine.generate")
     d.add_argument("--matmul", choices=["xla", "pallas"], nargs="+", default=["xla"],

@@ -328,3 +328,55 @@ def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
     """jit(step) with the cache donated; one compilation per (B, T) shape."""
     return jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
                    compiler_options=STEP_COMPILER_OPTIONS)
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming step on a device-resident state: nothing moves between steps
+# ---------------------------------------------------------------------------------------
+# XLA updates a step's CUDA graph whenever a buffer the graph uses sits at a new address,
+# at a host cost that grows with the graph, not with the buffers that moved. A stream that
+# feeds fresh token / position arrays and gets fresh logits back pays it every step.
+# Measured on one H100, 10 Flash layers (675 kernels), B=1, pipelined: fresh inputs 3.60
+# ms/step, inputs at fixed addresses 3.39, nothing moving (logits donated too) 3.07
+# (benchmarks/results/session8_h100/). The stream step below keeps every buffer in place:
+# the state it reads (tokens, positions, ...) is donated and written back by the step.
+
+def init_stream_state(tokens_R, pos_R, nvalid_R, block_table, key, i0: int = 1):
+    """The device state of a stream: tok [R, 1] int32 (what each slot is fed next), pos /
+    nvalid [R] int32 (position of that token; 1 = the slot runs, 0 = it idles), table
+    [R, MAXB] int32 (block table), key (sampling key), i int32 (index of the token the next
+    step samples: it samples with fold_in(key, i))."""
+    return {"tok": jnp.asarray(tokens_R, jnp.int32).reshape(-1, 1),
+            "pos": jnp.asarray(pos_R, jnp.int32), "nvalid": jnp.asarray(nvalid_R, jnp.int32),
+            "table": jnp.asarray(block_table, jnp.int32), "key": key,
+            "i": jnp.asarray(i0, jnp.int32)}
+
+
+def stream_step_fn(step_fn, sampler):
+    """step_fn(params, cache, tokens, slots, pos, nvalid, table) -> (logits, cache) ->
+    run(params, cache, st) -> (cache, st'): one decode step of every running slot of st,
+    the next tokens sampled in the same program and written into st'.tok; st'.pos advances
+    by nvalid. Jit it with the cache and st donated: every output then aliases an input."""
+    def run(params, cache, st):
+        R = st["tok"].shape[0]
+        logits, cache = step_fn(params, cache, st["tok"], jnp.arange(R, dtype=jnp.int32),
+                                st["pos"], st["nvalid"], st["table"])
+        nxt = sampler.get_next_tokens(logits, jax.random.fold_in(st["key"], st["i"]))
+        run_ = st["nvalid"] > 0
+        return cache, dict(st, tok=jnp.where(run_[:, None], nxt[:, None], st["tok"]),
+                           pos=st["pos"] + st["nvalid"], i=st["i"] + 1)
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, sampler):
+    """jit(stream_step_fn(step)) with the cache and the stream state donated."""
+    def step_(params, cache, tokens, slots, pos, nvalid, table):
+        return step(params, cache, tokens, slots, pos, nvalid, table, cfg, cs, nm)
+    return jax.jit(stream_step_fn(step_, sampler), donate_argnums=(1, 2),
+                   compiler_options=STEP_COMPILER_OPTIONS)
+
+
+# The host reads a step's tokens through this copy (one small kernel, its own program):
+# reading st.tok itself is impossible once st is donated to the next step.
+read_tokens = jax.jit(lambda st: st["tok"][:, 0])

@@ -390,10 +390,10 @@ def check_data_parallel_batch(slots, cs: CacheSpec, groups: int) -> None:
 class ShardedStep:
     """The jitted sharded step plus a host-side check of the batch layout (only when the
     slots are a host array: no device synchronisation). Attribute access (lower,
-    _cache_size, ...) goes to the jitted function."""
+    _cache_size, ...) goes to the jitted function; `fn` is the unjitted step."""
 
-    def __init__(self, jitted, cs: CacheSpec, groups: int):
-        self.jitted, self.cs, self.groups = jitted, cs, groups
+    def __init__(self, jitted, cs: CacheSpec, groups: int, fn):
+        self.jitted, self.cs, self.groups, self.fn = jitted, cs, groups, fn
 
     def __call__(self, params, cache, tokens, slots, pos, nvalid, block_table):
         if isinstance(slots, np.ndarray):
@@ -458,4 +458,19 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
                                         csh, rep, rep, rep, rep, rep),
                      out_shardings=(rep, csh), donate_argnums=(1,),
                      compiler_options=D.STEP_COMPILER_OPTIONS)
-    return ShardedStep(jitted, cs, G)
+    return ShardedStep(jitted, cs, G, stp)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, sampler,
+                        include_mtp: bool = True):
+    """decode.compiled_stream_step over the mesh: (params, cache, st) -> (cache, st') with
+    the cache kept in its sharding, the stream state replicated, both donated (every
+    buffer stays in place from step to step)."""
+    stp = sharded_step(cfg, cs, nm, mesh, include_mtp).fn
+    rep = NamedSharding(mesh, P())
+    csh = cache_shardings(cfg, cs, mesh)
+    return jax.jit(D.stream_step_fn(stp, sampler),
+                   in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp), csh, rep),
+                   out_shardings=(csh, rep), donate_argnums=(1, 2),
+                   compiler_options=D.STEP_COMPILER_OPTIONS)

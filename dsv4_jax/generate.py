@@ -18,7 +18,8 @@ import numpy as np
 
 from .cache import BlockManager, CacheSpec, CapacityExceeded, PoolExhausted, init_cache
 from .config import Config
-from .decode import STEP_COMPILER_OPTIONS, compiled_step, step as step_fn
+from .decode import (STEP_COMPILER_OPTIONS, compiled_step, compiled_stream_step,
+                     init_stream_state, read_tokens, step as step_fn)
 from .quant import Numerics
 
 
@@ -151,8 +152,8 @@ class Engine:
             self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
             # a checkpoint loaded without its MTP block steps without it (the step never
             # runs MTP; its shardings must match the tree it is given)
-            mtp = any(k.startswith("mtp.") for k in params)
-            self._step = dist.sharded_step(cfg, self.cs, numerics, mesh, include_mtp=mtp)
+            self._mtp = any(k.startswith("mtp.") for k in params)
+            self._step = dist.sharded_step(cfg, self.cs, numerics, mesh, include_mtp=self._mtp)
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
 
@@ -188,23 +189,19 @@ class Engine:
             self.bm.advance(slot, len(part))
         return logits
 
-    def decode(self, tokens_by_slot: dict[int, int], slots=None):
+    def decode(self, tokens_by_slot: dict[int, int]):
         """One decode step -> logits [R, V] (rows of other slots are garbage). Feeds
-        `tokens_by_slot` (host ints by slot) or, with `slots` given, a device [R, 1] token
-        array to those slots (what the pipelined stream passes on from the previous step).
-        Allocates the blocks the step fills first (all or nothing); does not wait for the
-        GPU."""
+        `tokens_by_slot` (host ints by slot). Allocates the blocks the step fills first
+        (all or nothing); does not wait for the GPU."""
         R = self.cs.max_requests
-        slots = list(tokens_by_slot) if slots is None else slots
+        slots = list(tokens_by_slot)
         self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in slots})
         nvalid = np.zeros(R, np.int32)
         nvalid[slots] = 1
-        toks = tokens_by_slot
-        if isinstance(toks, dict):
-            toks = np.zeros((R, 1), np.int32)
-            for s, t in tokens_by_slot.items():
-                toks[s, 0] = t
-            self._check_tokens(toks)
+        toks = np.zeros((R, 1), np.int32)
+        for s, t in tokens_by_slot.items():
+            toks[s, 0] = t
+        self._check_tokens(toks)
         logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
         for s in slots:
             self.bm.advance(s, 1)
@@ -228,15 +225,48 @@ class Engine:
             self.bm.release(int(s))
 
     # ---- streaming -------------------------------------------------------------------
-    def _launch(self, slots_run: list[int], toks, pick, key):
-        """Enqueue one decode step for `slots_run` fed with `toks` (host ints by slot, or
-        the device [R, 1] tokens of the previous step) -> device next tokens [R, 1]."""
-        nxt = pick(self.decode(toks, slots=slots_run), key)
+    def _stream_program(self, sampler):
+        """The stream step (decode.stream_step_fn) for this engine and sampler."""
+        if self.mesh is None:
+            return compiled_stream_step(self.cfg, self.cs, self.nm, sampler)
+        from . import distributed as dist
+        return dist.sharded_stream_step(self.cfg, self.cs, self.nm, self.mesh, sampler,
+                                        include_mtp=self._mtp)
+
+    def _launch(self, prog, st, run_slots: list[int], first=None, key=None):
+        """Enqueue one stream step for `run_slots` -> (new state, device tokens [R]).
+        st None: a fresh state fed with `first` (host tokens by slot). Otherwise only the
+        host-side changes go in: which slots run, the block table when a block was added
+        (fresh arrays: their step pays a CUDA-graph update; other steps move nothing).
+        Allocates the blocks the step fills first (all or nothing: PoolExhausted)."""
+        R = self.cs.max_requests
+        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in run_slots})
+        nvalid = np.zeros(R, np.int32)
+        nvalid[run_slots] = 1
+        if st is None:
+            toks = np.zeros(R, np.int32)
+            for s, t in first.items():
+                toks[s] = t
+            st = init_stream_state(toks, self.bm.length.astype(np.int32), nvalid,
+                                   self.bm.table, key)
+            self._st_host = (nvalid, self.bm.table.copy())
+        else:
+            nv0, tb0 = self._st_host
+            if not np.array_equal(nv0, nvalid):
+                st = dict(st, nvalid=jnp.asarray(nvalid))
+            if not np.array_equal(tb0, self.bm.table):
+                st = dict(st, table=jnp.asarray(self.bm.table))
+            self._st_host = (nvalid, self.bm.table.copy())
+        self.cache, st = prog(self.params, self.cache, st)
+        self.last_stream_state = st   # for inspection (e.g. in a notebook) after a stream
+        nxt = read_tokens(st)
+        for s in run_slots:
+            self.bm.advance(s, 1)
         if "interpret" in (self.nm.matmul, self.cs.kernels):
             # the Mosaic-GPU interpreter runs jax ops inside its callbacks; a second step
             # dispatched while one is in flight can deadlock the CPU client
             jax.block_until_ready(nxt)
-        return nxt
+        return st, nxt
 
     def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = ()
@@ -244,15 +274,17 @@ class Engine:
         """Yields, per decode step, [(request_index, token)] for requests still running.
         Stop tokens (EOS + stop_ids) end a request and are yielded.
 
-        Pipelined: step n+1 is enqueued (fed with step n's tokens on the device) before
-        step n's tokens are read back, so the host's launch work overlaps the GPU's. A
-        request that stops at step n therefore runs one extra step, whose token is
-        dropped; the yielded tokens are the same as without pipelining."""
+        Each step samples in the same program and keeps its state on the device (tokens,
+        positions: decode.stream_step_fn), so no buffer moves between steps. Pipelined:
+        step n+1 is enqueued before step n's tokens are read back, so the host's launch
+        work overlaps the GPU's. A request that stops at step n therefore runs one extra
+        step, whose token is dropped; the yielded tokens are the same as without
+        pipelining."""
         stops = {self.cfg.eos_token_id, *stop_ids}
         slots = self._admit_all(prompts, max_new_tokens)
         key = jax.random.key(seed)
         sample = jax.jit(sampler.get_next_tokens)
-        pick = jax.jit(lambda lg, k: sampler.get_next_tokens(lg, k)[:, None])
+        prog = self._stream_program(sampler)
         try:
             t0 = time.perf_counter()
             last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
@@ -261,17 +293,17 @@ class Engine:
             self.timing.first_token_s = self.timing.prefill_s
             yield [(i, int(first[i])) for i in range(len(prompts))]
             alive = [i for i in range(len(prompts)) if int(first[i]) not in stops]
-            feed = {slots[i]: int(first[i]) for i in alive}  # host tokens, or device [R, 1]
+            feed = {slots[i]: int(first[i]) for i in alive}
+            st = None   # the device state, once the first step is launched
             n_out, inflight = 1, []  # inflight: (requests, device tokens) not yet read
             t1 = time.perf_counter()
             while True:
                 launched = False
                 if alive and n_out + len(inflight) < max_new_tokens:
                     try:
-                        nxt = self._launch([slots[i] for i in alive], feed, pick,
-                                           jax.random.fold_in(key, n_out + len(inflight)))
+                        st, nxt = self._launch(prog, st, [slots[i] for i in alive], feed, key)
                         inflight.append((list(alive), nxt))
-                        feed, launched = nxt, True
+                        launched = True
                     except PoolExhausted:
                         if not inflight:  # nothing speculative to settle: a real shortage
                             raise
@@ -280,7 +312,7 @@ class Engine:
                 if launched and len(inflight) == 1:
                     continue  # keep one step in flight ahead of the one being read
                 ids, nxt = inflight.pop(0)
-                toks = np.asarray(nxt)[:, 0]  # waits for that step only
+                toks = np.asarray(nxt)  # waits for that step only
                 n_out += 1
                 out = [(i, int(toks[slots[i]])) for i in ids if i in alive]
                 if n_out == 2:  # the first decode step carries compilation: not timed

@@ -9,7 +9,7 @@ import pytest
 from dsv4_jax import config, model, params as P
 from dsv4_jax.cache import (BlockManager, CacheSpec, CapacityExceeded, PoolExhausted,
                             blocks_needed, cache_bytes, init_cache)
-from dsv4_jax.decode import compiled_step
+from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
 from dsv4_jax.generate import Engine, Greedy, MinP, TopK, TopP
 from dsv4_jax.quant import Numerics
 
@@ -212,6 +212,66 @@ def test_stream_settles_inflight_step_before_pool_exhausted(tiny):
     with pytest.raises(PoolExhausted):  # without the stop the shortage is real
         list(tight.stream([prompt], max_new_tokens=4))
     assert not tight.bm.active.any() and len(tight.bm.free) == cs.num_blocks
+
+
+def test_stream_step_keeps_every_buffer_in_place(tiny):
+    """The stream step writes its state (tokens, positions, ...) and the cache over the
+    donated inputs: no buffer moves from step to step (a moved buffer makes XLA update the
+    step's CUDA graph on the GPU). Its tokens are the greedy tokens of the plain step."""
+    cfg, params = tiny
+    cs = CacheSpec.for_numerics(F32, max_requests=2, num_blocks=12, max_blocks=4)
+    prog = compiled_stream_step(cfg, cs, F32, Greedy())
+    step = compiled_step(cfg, cs, F32)
+    bm = BlockManager(cfg, cs)
+    s = bm.admit(1)
+    bm.ensure(s, 4)
+    cache, ref_cache = init_cache(cfg, cs), init_cache(cfg, cs)
+    tok = int(np.random.default_rng().integers(0, cfg.vocab_size))
+    st = init_stream_state([0, tok] if s else [tok, 0], [0, 0],
+                           [0, 1] if s else [1, 0], bm.table, jax.random.key(0))
+    ptrs = lambda t: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(t)]
+    for t in range(3):
+        p_st, p_cache, old = ptrs(st), ptrs(cache), st
+        cache, st = prog(params, cache, st)
+        assert ptrs(st) == p_st and ptrs(cache) == p_cache
+        assert all(x.is_deleted() for x in jax.tree.leaves(old))
+        lg, ref_cache = step(params, ref_cache, jnp.asarray([[tok]], jnp.int32),
+                             jnp.asarray([s]), jnp.asarray([t]), jnp.asarray([1]),
+                             jnp.asarray(bm.table))
+        tok = int(np.asarray(lg).argmax(-1)[0])
+        assert int(read_tokens(st)[s]) == tok
+    assert int(st["pos"][s]) == 3 and int(st["pos"][1 - s]) == 0 and int(st["i"]) == 4
+
+
+def test_sampled_stream_across_a_block_equals_the_jitted_loop(tiny):
+    """A sampled stream whose steps add a block (new block table) and end a request
+    (new running set) mid-stream: the two host-side changes of the stream state. Same
+    tokens as the jitted while loop with the same seed."""
+    cfg, params = tiny
+    rng = np.random.default_rng()
+    n = next(n for n in range(64, 1024) if blocks_needed(cfg, n + 1) > blocks_needed(cfg, n))
+    eng = engine(cfg, params, F32)
+    prompts = [rng.integers(0, cfg.vocab_size, n - 2).tolist(),
+               rng.integers(0, cfg.vocab_size, 5).tolist()]
+    sampler, seed = TopK(k=8), int(rng.integers(1 << 20))
+    N = 16  # the first request's new block gets compressed entries, which are attended
+    a = eng.generate(prompts, max_new_tokens=N, sampler=sampler, seed=seed)
+    stop = a[1][min(2, len(a[1]) - 1)]
+    for stops in ([], [stop]):
+        ref = a if not stops else eng.generate(prompts, max_new_tokens=N, sampler=sampler,
+                                                seed=seed, stop_ids=stops)
+        got = [[] for _ in prompts]
+        for step_ in eng.stream(prompts, max_new_tokens=N, sampler=sampler, seed=seed,
+                                stop_ids=stops):
+            for i, t in step_:
+                got[i].append(t)
+        assert got == ref, stops
+        # a request that stopped is no longer stepped: its position stayed where it ended
+        st = eng.last_stream_state
+        for i, p in enumerate(prompts):
+            ran = len(ref[i]) if len(ref[i]) == N else len(ref[i]) + 1  # + the extra step
+            assert int(st["pos"][i]) == len(p) + ran - 1, (stops, i)
+    assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
 
 
 def test_samplers():
