@@ -345,11 +345,11 @@ def init_stream_state(tokens_R, pos_R, nvalid_R, block_table, key, i0: int = 1):
     """The device state of a stream: tok [R, 1] int32 (what each slot is fed next), pos /
     nvalid [R] int32 (position of that token; 1 = the slot runs, 0 = it idles), table
     [R, MAXB] int32 (block table), key (sampling key), i int32 (index of the token the next
-    step samples: it samples with fold_in(key, i))."""
-    return {"tok": jnp.asarray(tokens_R, jnp.int32).reshape(-1, 1),
-            "pos": jnp.asarray(pos_R, jnp.int32), "nvalid": jnp.asarray(nvalid_R, jnp.int32),
-            "table": jnp.asarray(block_table, jnp.int32), "key": key,
-            "i": jnp.asarray(i0, jnp.int32)}
+    step samples: it samples with fold_in(key, i)). The state holds its own copies: it is
+    donated to the step."""
+    own = lambda x: jnp.array(x, jnp.int32, copy=True)   # the state is donated: own copies
+    return {"tok": own(tokens_R).reshape(-1, 1), "pos": own(pos_R), "nvalid": own(nvalid_R),
+            "table": own(block_table), "key": jax.random.clone(key), "i": own(i0)}
 
 
 def stream_step_fn(step_fn, sampler):

@@ -1,0 +1,116 @@
+"""Where the stream step's time goes, against the plain step (one device, GPU):
+
+    PYTHONPATH=. python3 benchmarks/stream_diag.py --layers 10 --batch 1
+
+Same cache and weights; per step, median host enqueue (how long the call takes to return:
+a CUDA-graph update shows here) and ms/step of 20 steps for:
+  stream_read   the stream step, each step's tokens read back one step behind (Engine.stream)
+  stream_noread the stream step, 20 enqueued back to back, one wait
+  old_stream    the plain step + a sampling program, tokens read back one step behind
+                (Engine.stream before the stream step)
+  step_fixed    the plain step, inputs at fixed addresses, one wait
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.decode_bench import random_cache
+from dsv4_jax import config as C, params as P
+from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec
+from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
+from dsv4_jax.generate import Greedy
+from dsv4_jax.quant import Numerics
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--kernels", default="on")
+    ap.add_argument("--matmul", default="pallas")
+    a = ap.parse_args(argv)
+    cache_dir = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
+    if cache_dir != "off":
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    cfg = C.get_preset(a.preset)
+    n = a.layers
+    cfg = cfg.replace(num_hidden_layers=n, compress_ratios=cfg.compress_ratios[:n] + (0,),
+                      num_hash_layers=min(cfg.num_hash_layers, n))
+    nm = Numerics(True, "bfloat16", matmul=a.matmul)
+    B, ctx, S = a.batch, a.context, a.steps
+    mb = -(-(ctx + 6 * S + 8) // BLOCK_TOKENS)
+    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
+                                kernels=a.kernels)
+    params = jax.block_until_ready(P.init_params_device(cfg, 0))
+    cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
+    table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
+    toks = jnp.ones((B, 1), jnp.int32)
+    slots, one, pos = (jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32),
+                       jnp.full(B, ctx, jnp.int32))
+    step, prog = compiled_step(cfg, cs, nm), compiled_stream_step(cfg, cs, nm, Greedy())
+    pick = jax.jit(lambda lg, k: Greedy().get_next_tokens(lg, k)[:, None])
+    key = jax.random.key(0)
+    t0 = time.perf_counter()
+    lg, cache = step(params, cache, toks, slots, pos, one, table)
+    np.asarray(pick(lg, key))
+    st = init_stream_state(toks[:, 0], pos, one, table, key)
+    cache, st = prog(params, cache, st)
+    np.asarray(read_tokens(st))
+    print(f"{jax.devices()[0].device_kind}: {n} layers B={B} ctx={ctx}; compiled both in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    res = {}
+
+    def run(name, one_step, read):
+        nonlocal cache, st
+        enq, prev = [], None
+        t0 = time.perf_counter()
+        for i in range(S):
+            t1 = time.perf_counter()
+            out = one_step(i)
+            enq.append(time.perf_counter() - t1)
+            if read:
+                if prev is not None:
+                    np.asarray(prev)
+                prev = out
+            else:
+                prev = out
+        np.asarray(prev) if read else jax.block_until_ready(prev)
+        ms = 1e3 * (time.perf_counter() - t0) / S
+        res[name] = ms
+        print(f"{name:14s} {ms:.3f} ms/step, host enqueue of the step {1e3 * np.median(enq[2:]):.3f} ms",
+              flush=True)
+
+    def stream_step(i):
+        nonlocal cache, st
+        cache, st = prog(params, cache, st)
+        return read_tokens(st)
+
+    def old_step(i):
+        nonlocal cache
+        lg, cache = step(params, cache, toks, slots, pos, one, table)
+        return pick(lg, key)
+
+    def fixed_step(i):
+        nonlocal cache
+        lg, cache = step(params, cache, toks, slots, pos, one, table)
+        return lg
+
+    for rep in range(2):
+        run("stream_read", stream_step, True)
+        run("stream_noread", stream_step, False)
+        run("old_stream", old_step, True)
+        run("step_fixed", fixed_step, False)
+
+
+if __name__ == "__main__":
+    main()
