@@ -159,7 +159,9 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     if "stream" in what:
         prog = (compiled_stream_step(cfg, cs, nm, Greedy()) if mesh is None
                 else sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False))
-        st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed))
+        st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed),
+                               sharding=None if mesh is None else
+                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         t0 = time.perf_counter()
         cache, st = prog(params, cache, st)
         np.asarray(read_tokens(st))

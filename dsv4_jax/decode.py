@@ -341,15 +341,31 @@ def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
 # (benchmarks/results/session8_h100/). The stream step below keeps every buffer in place:
 # the state it reads (tokens, positions, ...) is donated and written back by the step.
 
-def init_stream_state(tokens_R, pos_R, nvalid_R, block_table, key, i0: int = 1):
+def init_stream_state(tokens_R, pos_R, nvalid_R, block_table, key, i0: int = 1,
+                      sharding=None):
     """The device state of a stream: tok [R, 1] int32 (what each slot is fed next), pos /
     nvalid [R] int32 (position of that token; 1 = the slot runs, 0 = it idles), table
     [R, MAXB] int32 (block table), key (sampling key), i int32 (index of the token the next
     step samples: it samples with fold_in(key, i)). The state holds its own copies: it is
-    donated to the step."""
-    own = lambda x: jnp.array(x, jnp.int32, copy=True)   # the state is donated: own copies
-    return {"tok": own(tokens_R).reshape(-1, 1), "pos": own(pos_R), "nvalid": own(nvalid_R),
-            "table": own(block_table), "key": jax.random.clone(key), "i": own(i0)}
+    donated to the step. sharding: where the (sharded) step keeps it, e.g. replicated on
+    the mesh."""
+    st = {"tok": np.asarray(tokens_R, np.int32).reshape(-1, 1),
+          "pos": np.asarray(pos_R, np.int32), "nvalid": np.asarray(nvalid_R, np.int32),
+          "table": np.asarray(block_table, np.int32), "i": np.asarray(i0, np.int32)}
+    st = {k: put_state(v, sharding) for k, v in st.items()}   # fresh device buffers
+    st["key"] = jax.random.wrap_key_data(put_state(np.asarray(jax.random.key_data(key)),
+                                                   sharding), impl=jax.random.key_impl(key))
+    return st
+
+
+def put_state(x_np, sharding=None):
+    """A host array -> a new device array for the stream state: on the default device, or
+    placed by `sharding` (every process passes the same value). On a mesh the state must
+    enter placed as the step returns it (replicated), or the second step recompiles."""
+    x_np = np.array(x_np, copy=True)
+    if sharding is None:
+        return jnp.asarray(x_np)
+    return jax.make_array_from_callback(x_np.shape, sharding, lambda i: x_np[i])
 
 
 def stream_step_fn(step_fn, sampler):

@@ -19,7 +19,7 @@ import numpy as np
 from .cache import BlockManager, CacheSpec, CapacityExceeded, PoolExhausted, init_cache
 from .config import Config
 from .decode import (STEP_COMPILER_OPTIONS, compiled_step, compiled_stream_step,
-                     init_stream_state, read_tokens, step as step_fn)
+                     init_stream_state, put_state, read_tokens, step as step_fn)
 from .quant import Numerics
 
 
@@ -154,6 +154,9 @@ class Engine:
             # runs MTP; its shardings must match the tree it is given)
             self._mtp = any(k.startswith("mtp.") for k in params)
             self._step = dist.sharded_step(cfg, self.cs, numerics, mesh, include_mtp=self._mtp)
+        # where the stream state lives: the default device, or replicated on the mesh
+        self._state_sharding = (None if mesh is None else
+                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
 
@@ -248,14 +251,14 @@ class Engine:
             for s, t in first.items():
                 toks[s] = t
             st = init_stream_state(toks, self.bm.length.astype(np.int32), nvalid,
-                                   self.bm.table, key)
+                                   self.bm.table, key, sharding=self._state_sharding)
             self._st_host = (nvalid, self.bm.table.copy())
         else:
             nv0, tb0 = self._st_host
             if not np.array_equal(nv0, nvalid):
-                st = dict(st, nvalid=jnp.asarray(nvalid))
+                st = dict(st, nvalid=put_state(nvalid, self._state_sharding))
             if not np.array_equal(tb0, self.bm.table):
-                st = dict(st, table=jnp.asarray(self.bm.table))
+                st = dict(st, table=put_state(self.bm.table, self._state_sharding))
             self._st_host = (nvalid, self.bm.table.copy())
         self.cache, st = prog(self.params, self.cache, st)
         self.last_stream_state = st   # for inspection (e.g. in a notebook) after a stream
