@@ -39,11 +39,12 @@ from benchmarks.step_anatomy import kernels_by_source
 
 
 def chain(x, n: int):
-    """n dependent row reductions on x [R, C] f32: one reduction kernel each on the GPU
-    (the elementwise update of step i fuses into the reduction of step i + 1)."""
+    """n dependent row reductions on x [R, C] f32, one kernel each on the GPU: an
+    optimization barrier after each step keeps XLA from fusing them (without it, the GPU
+    compile fused the whole chain into one kernel)."""
     for i in range(n):
         r = jnp.max(x, axis=1, keepdims=True) if i % 2 else jnp.sum(x, axis=1, keepdims=True)
-        x = x * 0.999 + r * 1e-4
+        x = jax.lax.optimization_barrier(x * 0.999 + r * 1e-4)
     return x
 
 
