@@ -25,8 +25,7 @@ import numpy as np
 
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
-from dsv4_jax.generate import Greedy
+from dsv4_jax.decode import compiled_step
 from dsv4_jax.quant import Numerics
 from benchmarks.common import copy_bandwidth
 
@@ -126,7 +125,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     if mesh is not None:
-        from dsv4_jax.distributed import shard_cache, sharded_step, sharded_stream_step
+        from dsv4_jax.distributed import shard_cache, sharded_step
         cache = shard_cache(cache, cfg, cs, mesh)
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
@@ -157,8 +156,14 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         lg.block_until_ready()
         out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
     if "stream" in what:
-        prog = (compiled_stream_step(cfg, cs, nm, Greedy()) if mesh is None
-                else sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False))
+        # imported here: --what step also runs against older trees (bisecting on the GPU)
+        from dsv4_jax.decode import compiled_stream_step, init_stream_state, read_tokens
+        from dsv4_jax.generate import Greedy
+        if mesh is None:
+            prog = compiled_stream_step(cfg, cs, nm, Greedy())
+        else:
+            from dsv4_jax.distributed import sharded_stream_step
+            prog = sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False)
         st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed),
                                sharding=None if mesh is None else
                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -196,7 +201,10 @@ def _layers_cfg(cfg, ratios):
 
 
 def main(args):
-    from dsv4_jax.distributed import init_processes_from_env
+    try:
+        from dsv4_jax.distributed import init_processes_from_env
+    except ImportError:   # an older tree (bisecting): single process only
+        init_processes_from_env = lambda: False  # noqa: E731
     multi = init_processes_from_env()  # one process per GPU (benchmarks/launch_local.sh)
     base = C.get_preset(args.preset)
     n = args.layers or base.num_hidden_layers
