@@ -4,18 +4,23 @@
 # 10 Flash layers (compile ~1 min instead of ~4), B=1, every kernel on, --what step: a
 # tree is "broken" if its pipelined step is not clearly faster than its sync step.
 # Trees: the working tree, plus each directory under bisect/ holding an older
-# dsv4_jax/ + pallas_kernels/ (untracked, made before the run, not committed):
+# dsv4_jax/ + pallas_kernels/ (git-ignored: pass carry=["bisect"] to the device tool):
 #   for c in 8e8ea91 296a005 86bc293; do mkdir -p bisect/$c && \
 #     git archive $c dsv4_jax pallas_kernels | tar -x -C bisect/$c; done
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
 ARGS="decode --preset flash --layers ${LAYERS:-10} --context 4096 --steps 10 --devices 2 --expert 2 --matmul pallas --kernels on --batch 1 --what step"
+ROOT=$(pwd)
 for d in . bisect/*/; do
   [ -d "$d/dsv4_jax" ] || continue
   name=$(basename "$(cd "$d" && pwd)")
   echo "== tree $d"
-  PYTHONPATH=$d:. T ${LIMIT:-170} python3 -m benchmarks.decode_bench $ARGS | grep "matmul=" \
-    | tee "$OUT/bisect_$name.log"
+  # run from the tree: python puts the working directory first on sys.path, so its
+  # dsv4_jax / pallas_kernels win; benchmarks/ comes from the repository root
+  (cd "$d" && PYTHONPATH=$ROOT T ${LIMIT:-170} python3 -c \
+    "import dsv4_jax; print('dsv4_jax from', dsv4_jax.__file__)" ) | tee "$OUT/bisect_$name.log"
+  (cd "$d" && PYTHONPATH=$ROOT T ${LIMIT:-170} python3 -m benchmarks.decode_bench $ARGS \
+    | grep "matmul=") | tee -a "$OUT/bisect_$name.log"
 done
 true
