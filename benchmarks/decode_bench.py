@@ -175,6 +175,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         for i in range(steps):
             cache, st = prog(params, cache, st)
             nxt = read_tokens(st)
+            nxt.copy_to_host_async()   # as Engine.stream
             if prev is not None:
                 np.asarray(prev)   # the previous step's tokens, while this one runs
             prev = nxt

@@ -93,7 +93,9 @@ def main(argv=None):
     def stream_step(i):
         nonlocal cache, st
         cache, st = prog(params, cache, st)
-        return read_tokens(st)
+        nxt = read_tokens(st)
+        nxt.copy_to_host_async()   # as Engine.stream
+        return nxt
 
     def old_step(i):
         nonlocal cache

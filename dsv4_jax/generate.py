@@ -263,6 +263,7 @@ class Engine:
         self.cache, st = prog(self.params, self.cache, st)
         self.last_stream_state = st   # for inspection (e.g. in a notebook) after a stream
         nxt = read_tokens(st)
+        nxt.copy_to_host_async()   # the transfer starts when the step ends, not when read
         for s in run_slots:
             self.bm.advance(s, 1)
         if "interpret" in (self.nm.matmul, self.cs.kernels):
