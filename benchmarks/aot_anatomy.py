@@ -93,7 +93,7 @@ class _tracing_for_gpu:
 
     def __enter__(self):
         from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-        self.prev, L.ON_GPU = L.ON_GPU, True
+        self.prev, L.ON_GPU = getattr(L, "ON_GPU", False), True   # (older trees lack it)
         reg.gpu_info_lib = _FixedGpuInfo(gpu_info, self.kind)
 
     def __exit__(self, *exc):
