@@ -157,6 +157,7 @@ class Engine:
         # where the stream state lives: the default device, or replicated on the mesh
         self._state_sharding = (None if mesh is None else
                                 jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.last_stream_state = None  # the device state after the last stream step
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
 
@@ -261,7 +262,7 @@ class Engine:
                 st = dict(st, table=put_state(self.bm.table, self._state_sharding))
             self._st_host = (nvalid, self.bm.table.copy())
         self.cache, st = prog(self.params, self.cache, st)
-        self.last_stream_state = st   # for inspection (e.g. in a notebook) after a stream
+        self.last_stream_state = st   # for inspection (e.g. in a notebook)
         nxt = read_tokens(st)
         nxt.copy_to_host_async()   # the transfer starts when the step ends, not when read
         for s in run_slots:
