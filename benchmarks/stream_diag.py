@@ -68,7 +68,6 @@ def main(argv=None):
     np.asarray(read_tokens(st))
     print(f"{jax.devices()[0].device_kind}: {n} layers B={B} ctx={ctx}; compiled both in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    res = {}
 
     def run(name, one_step, read):
         nonlocal cache, st
@@ -86,7 +85,6 @@ def main(argv=None):
                 prev = out
         np.asarray(prev) if read else jax.block_until_ready(prev)
         ms = 1e3 * (time.perf_counter() - t0) / S
-        res[name] = ms
         print(f"{name:14s} {ms:.3f} ms/step, host enqueue of the step {1e3 * np.median(enq[2:]):.3f} ms",
               flush=True)
 

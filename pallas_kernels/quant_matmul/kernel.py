@@ -546,14 +546,13 @@ def grouped_matmul_pallas(x_GMK, expert_G, w, *, splits=None, stages=None, tn=No
     (f32 [G, rows, N]), the real ones of a zero-padded x; they are sliced off before the
     split sum and the transpose, which then become elementwise and fuse into the consumer
     (with all 8 rows they were a transpose kernel of their own after most calls)."""
-    G = x_GMK.shape[0]
-    check_inputs(x_GMK, jax.ShapeDtypeStruct((G,), jnp.int32) if expert_G is None else expert_G,
-                 w)
-    if expert_G is None and G > w.shape[0]:
-        raise ValueError(f"expert_G=None (group g uses expert g) needs G <= E, got G={G}, "
-                         f"E={w.shape[0]}")
+    check_inputs(x_GMK, jax.ShapeDtypeStruct(x_GMK.shape[:1], jnp.int32)
+                 if expert_G is None else expert_G, w)
     G, M, K = x_GMK.shape
     E, N, _ = w.shape
+    if expert_G is None and G > E:
+        raise ValueError(f"expert_G=None (group g uses expert g) needs G <= E, got G={G}, "
+                         f"E={E}")
     fmt = "fp8" if isinstance(w, Fp8Weight) else "fp4"
     if fmt == "fp4" and K % 512:
         raise ValueError(f"the FP4 kernel needs K % 512 == 0 (scale rows in 16-byte "
