@@ -23,7 +23,7 @@ import numpy as np
 
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec
-from dsv4_jax.decode import step
+from dsv4_jax.decode import STEP_COMPILER_OPTIONS as D_OPTS, step
 from dsv4_jax.quant import Numerics
 
 KERNEL_OPS = ("fusion", "custom-call", "dot", "scatter", "gather", "copy", "sort")
@@ -205,8 +205,11 @@ def main():
     ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     ap.add_argument("--model", type=int, default=None, help="mesh model-axis size")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
+    ap.add_argument("--place-args", action="store_true",
+                    help="sharded: put the step's small inputs on the mesh (replicated) once, "
+                         "instead of letting every call copy them there")
     ap.add_argument("--donate-logits", action="store_true",
-                    help="single device: the step writes its logits over the previous "
+                    help="the step writes its logits over the previous "
                          "step's (donated), so the output keeps one address (does a fresh "
                          "output buffer make XLA update the CUDA graph every step?)")
     a = ap.parse_args()
@@ -236,16 +239,27 @@ def main():
         mesh = make_mesh(a.devices, expert=a.expert, model=a.model)
         shardings = param_shardings(cfg, mesh, include_mtp=False)
         f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).jitted
+        if a.donate_logits:
+            from dsv4_jax.distributed import cache_shardings
+            stp = sharded_step(cfg, cs, nm, mesh, include_mtp=False).fn
+            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            csh = cache_shardings(cfg, cs, mesh)
+
+            def step_into_sh(params, cache, lg_prev, *args):
+                lg, cache = stp(params, cache, *args)
+                return lg + 0.0 * lg_prev, cache   # aliases lg_prev (donated)
+            f = jax.jit(step_into_sh, in_shardings=(shardings, csh, rep) + (rep,) * 5,
+                        out_shardings=(rep, csh), donate_argnums=(1, 2),
+                        compiler_options=D_OPTS)
     else:
-        from dsv4_jax.decode import STEP_COMPILER_OPTIONS
         f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
-                    compiler_options=STEP_COMPILER_OPTIONS)
+                    compiler_options=D_OPTS)
         if a.donate_logits:
             def step_into(params, cache, lg_prev, *args):
                 lg, cache = step(params, cache, *args, cfg=cfg, cs=cs, nm=nm)
                 return lg + 0.0 * lg_prev, cache   # aliases lg_prev (donated)
             f = jax.jit(step_into, donate_argnums=(1, 2),
-                        compiler_options=STEP_COMPILER_OPTIONS)
+                        compiler_options=D_OPTS)
     t0 = time.perf_counter()
     params = jax.block_until_ready(P.init_params_device(cfg, 0, shardings=shardings))
     print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -256,8 +270,13 @@ def main():
     i32 = lambda v, *s: jnp.full(s, v, jnp.int32)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
-    donate = a.donate_logits and not a.devices
+    if mesh is not None and a.place_args:   # else every call copies them onto the mesh
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        args = tuple(jax.device_put(x, rep) for x in args)
+    donate = a.donate_logits
     lg = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    if mesh is not None:
+        lg = jax.device_put(lg, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     t0 = time.perf_counter()
     compiled = (f.lower(params, cache, lg, *args) if donate
                 else f.lower(params, cache, *args)).compile()
@@ -287,6 +306,10 @@ def main():
     print(f"step {ms:.3f} ms (host enqueue {1e3 * float(np.median(td[2:])):.3f} ms) -> "
           f"{1e3 * ms / n:.1f} us per kernel on average; pipelined {pipe:.3f} ms"
           + (" (logits written over the donated previous ones)" if donate else ""))
+    ms_ = jax.local_devices()[0].memory_stats() or {}
+    if ms_:   # a step that must wait for memory freed by the previous one cannot pipeline
+        print("device 0 memory: in use {:.1f} GB, peak {:.1f} GB, limit {:.1f} GB".format(
+            *(ms_.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"))))
     if a.profile:
         state = {"cache": cache, "lg": lg}
 

@@ -1,6 +1,6 @@
-"""Where the stream step's time goes, against the plain step (one device, GPU):
+"""Where the stream step's time goes, against the plain step (GPU; --devices N: sharded):
 
-    PYTHONPATH=. python3 benchmarks/stream_diag.py --layers 10 --batch 1
+    PYTHONPATH=. python3 benchmarks/stream_diag.py --layers 10 --batch 1 [--devices 2 --expert 2]
 
 Same cache and weights; per step, median host enqueue (how long the call takes to return:
 a CUDA-graph update shows here) and ms/step of 20 steps for:
@@ -37,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kernels", default="on")
     ap.add_argument("--matmul", default="pallas")
+    ap.add_argument("--devices", type=int, default=0, help="run sharded over N devices")
+    ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     a = ap.parse_args(argv)
     cache_dir = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
     if cache_dir != "off":
@@ -51,19 +53,33 @@ def main(argv=None):
     mb = -(-(ctx + 6 * S + 8) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=a.kernels)
-    params = jax.block_until_ready(P.init_params_device(cfg, 0))
+    mesh = rep = None
+    if a.devices:   # sharded as `dsv4 bench decode --devices`: inputs placed on the mesh once
+        from dsv4_jax.distributed import (make_mesh, param_shardings, shard_cache,
+                                          sharded_step, sharded_stream_step)
+        mesh = make_mesh(a.devices, expert=a.expert)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = jax.block_until_ready(P.init_params_device(
+        cfg, 0, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else None))
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     toks = jnp.ones((B, 1), jnp.int32)
     slots, one, pos = (jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32),
                        jnp.full(B, ctx, jnp.int32))
-    step, prog = compiled_step(cfg, cs, nm), compiled_stream_step(cfg, cs, nm, Greedy())
+    if mesh is None:
+        step, prog = compiled_step(cfg, cs, nm), compiled_stream_step(cfg, cs, nm, Greedy())
+    else:
+        cache = shard_cache(cache, cfg, cs, mesh)
+        toks, slots, one, pos, table = (jax.device_put(x, rep)
+                                        for x in (toks, slots, one, pos, table))
+        step = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
+        prog = sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False)
     pick = jax.jit(lambda lg, k: Greedy().get_next_tokens(lg, k)[:, None])
     key = jax.random.key(0)
     t0 = time.perf_counter()
     lg, cache = step(params, cache, toks, slots, pos, one, table)
     np.asarray(pick(lg, key))
-    st = init_stream_state(toks[:, 0], pos, one, table, key)
+    st = init_stream_state(toks[:, 0], pos, one, table, key, sharding=rep)
     cache, st = prog(params, cache, st)
     np.asarray(read_tokens(st))
     print(f"{jax.devices()[0].device_kind}: {n} layers B={B} ctx={ctx}; compiled both in "
