@@ -59,10 +59,18 @@ def abstract(tree, sharding):
                         tree)
 
 
-def compile_step(cfg, cs, nm, B: int, device, compiler_options=None):
+def abstract_params(cfg, merge_x_proj: bool = False):
+    """The step's parameter tree as ShapeDtypeStructs; merge_x_proj: in decode form
+    (params.merge_x_proj: each CSA block's five x-projections as one weight)."""
+    if merge_x_proj:
+        return jax.eval_shape(lambda: P.merge_x_proj(P.init_params_device(cfg, 0), cfg))
+    return jax.eval_shape(lambda: P.init_params_device(cfg, 0))
+
+
+def compile_step(cfg, cs, nm, B: int, device, compiler_options=None, merge_x_proj=False):
     """-> the compiled decode step (tokens [B, 1]) for `device`, from abstract inputs."""
     sh = jax.sharding.SingleDeviceSharding(device)
-    params = abstract(jax.eval_shape(lambda: P.init_params_device(cfg, 0)), sh)
+    params = abstract(abstract_params(cfg, merge_x_proj), sh)
     cache = abstract(jax.eval_shape(lambda: init_cache(cfg, cs)), sh)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=sh)
     args = (i32(B, 1), i32(B), i32(B), i32(B), i32(*cs_table_shape(cs)))
@@ -72,14 +80,15 @@ def compile_step(cfg, cs, nm, B: int, device, compiler_options=None):
         return f.lower(params, cache, *args).compile()
 
 
-def compile_sharded_step(cfg, cs, nm, B: int, mesh, compiler_options=None):
+def compile_sharded_step(cfg, cs, nm, B: int, mesh, compiler_options=None, merge_x_proj=False):
     """-> the compiled distributed.sharded_step (tokens [B, 1]) over `mesh`."""
     from dsv4_jax.distributed import sharded_step
     S = jax.ShapeDtypeStruct
-    params = jax.eval_shape(lambda: P.init_params_device(cfg, 0))
+    params = abstract_params(cfg, merge_x_proj)
     cache = jax.eval_shape(lambda: init_cache(cfg, cs))
     args = (S((B, 1), jnp.int32), *(S((B,), jnp.int32),) * 3, S(cs_table_shape(cs), jnp.int32))
-    f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).jitted
+    step = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
+    f = step.form(merge_x_proj) if hasattr(step, "form") else step.jitted  # (older trees)
     with _tracing_for_gpu(mesh.devices.flat[0].device_kind):
         return f.lower(params, cache, *args).compile(compiler_options)
 
@@ -118,6 +127,16 @@ class _FixedGpuInfo:
         return self._m.get_gpu_info_from_version(version)
 
 
+def tuple_kernels(hlo_text: str) -> int:
+    """Kernel instructions of ENTRY with a tuple result (multi-output fusions): the parser
+    behind kernels_by_source (step_anatomy.op_sources) reads one-word result types only,
+    so these are missing from its count and its list."""
+    import re
+    entry = hlo_text[hlo_text.index("ENTRY"):]
+    pat = re.compile(r"%?[\w.-]+ = \(.*?\) (fusion|custom-call|dot|scatter|gather|copy|sort)\(")
+    return sum(bool(pat.search(line)) for line in entry.splitlines())
+
+
 def cs_table_shape(cs):
     return cs.max_requests, cs.max_blocks
 
@@ -134,6 +153,9 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=1,
                     help="compile distributed.sharded_step for this many GPUs (an expert mesh)")
     ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
+    ap.add_argument("--merge-x-proj", action="store_true",
+                    help="the parameters in decode form (params.merge_x_proj): each CSA "
+                         "block's five x-projection weights stored as one")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--hlo-out", help="write the optimised HLO here")
     ap.add_argument("--xla-opt", action="append", default=[], metavar="NAME=VALUE",
@@ -157,14 +179,17 @@ def main(argv=None):
     if a.devices > 1:
         from dsv4_jax.distributed import make_mesh
         mesh = make_mesh(a.devices, expert=a.expert, devices=devs)
-        compiled = compile_sharded_step(cfg, cs, nm, a.batch, mesh, opts)
+        compiled = compile_sharded_step(cfg, cs, nm, a.batch, mesh, opts, a.merge_x_proj)
     else:
-        compiled = compile_step(cfg, cs, nm, a.batch, devs[0], opts)
+        compiled = compile_step(cfg, cs, nm, a.batch, devs[0], opts, a.merge_x_proj)
     hlo = compiled.as_text()
     k, src = kernels_by_source(hlo)
+    kt = tuple_kernels(hlo)
     print(f"{a.devices} x {a.spec} (compile only, {time.perf_counter() - t0:.0f} s): {a.preset} layers "
           f"{cfg.compress_ratios[:-1]} B={a.batch} kernels={a.kernels} matmul={a.matmul}: "
-          f"{k} kernels in the step" + (f" (options {a.xla_opt})" if a.xla_opt else ""))
+          f"{k} kernels in the step" + (f" (options {a.xla_opt})" if a.xla_opt else "")
+          + (" (x-projections merged)" if a.merge_x_proj else "")
+          + f"; {k + kt} with the {kt} multi-output fusions not in the list below")
     for name, v in src.most_common(a.top):
         print(f"  {v:4d}  {name}")
     if a.hlo_out:

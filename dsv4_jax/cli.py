@@ -58,12 +58,13 @@ def _load_model(args):
     if args.checkpoint:
         from .loading import load
         cfg, params = load(args.checkpoint, mesh=args.mesh)
-        return cfg, params, args.checkpoint
+        # the decode form, merged in place: each CSA block's five weights freed as it goes
+        return cfg, P.merge_x_proj(params, cfg, consume=True), args.checkpoint
     cfg = C.get_preset(args.preset)
     if args.preset != "tiny":
         raise SystemExit(f"the embedded default only builds the 'tiny' preset in memory; "
                          f"for {args.preset!r} write a checkpoint with `dsv4 make-checkpoint`")
-    return cfg, P.init_params(cfg, args.seed), None
+    return cfg, P.merge_x_proj(P.init_params(cfg, args.seed), cfg, consume=True), None
 
 
 def _device_name() -> str:

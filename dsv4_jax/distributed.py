@@ -64,6 +64,7 @@ RULES: dict[str, str | tuple[str, ...]] = {
 # every device; the single shared K=V head (head_dim, kv_*) cannot be split over heads.
 REPLICATED = frozenset({
     "embed", "embed_hc", "embed_in", "q_lora", "head_dim", "group_hd", "cmp_hd", "experts_r",
+    "x_proj",  # the CSA blocks' merged x-projections (params.merge_x_proj)
     "window", "entries", "cmp_rows", "cmp_state", "kv_nope", "kv_scale", "kv_rope", "kv_dim",
     "idx_dim"})
 
@@ -169,10 +170,12 @@ def param_pspecs(spec: PR.ParamSpec, mesh, rules=None):
                         PR.storage_structs(spec))
 
 
-def param_shardings(cfg: Config, mesh: Mesh, rules=None, include_mtp: bool = True) -> dict:
-    """NamedSharding tree shaped like params.abstract_params(cfg, include_mtp)."""
+def param_shardings(cfg: Config, mesh: Mesh, rules=None, include_mtp: bool = True,
+                    x_proj_merged: bool = False) -> dict:
+    """NamedSharding tree shaped like params.abstract_params(cfg, include_mtp,
+    x_proj_merged)."""
     return {k: jax.tree.map(lambda p: NamedSharding(mesh, p), param_pspecs(v, mesh, rules))
-            for k, v in PR.describe(cfg, include_mtp).items()}
+            for k, v in PR.describe(cfg, include_mtp, x_proj_merged).items()}
 
 
 # trailing (storage) dims of the entry formats: never split
@@ -216,9 +219,10 @@ def _put(x, sharding):
 
 
 def shard_params(params: dict, cfg: Config, mesh: Mesh, rules=None) -> dict:
-    """Place a parameter tree (host or device arrays; with or without the MTP keys) on the
-    mesh by the rules."""
-    sh = param_shardings(cfg, mesh, rules, include_mtp=True)
+    """Place a parameter tree (host or device arrays; with or without the MTP keys; as
+    described or in decode form, params.merge_x_proj) on the mesh by the rules."""
+    sh = param_shardings(cfg, mesh, rules, include_mtp=True,
+                         x_proj_merged=PR.x_proj_is_merged(params))
     unknown = sorted(set(params) - set(sh))
     if unknown:
         raise KeyError(f"shard_params: parameters not in the description: {unknown[:5]}")
@@ -291,18 +295,49 @@ def _constrain_batch(x, mesh: Mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(b))) if b else x
 
 
+class PerParamForm:
+    """A sharded program, jitted once per form of the parameter tree it is called with: as
+    params.describe has it, or in decode form (params.merge_x_proj), whose in_shardings
+    differ in those keys. `make(x_proj_merged: bool) -> jitted`. A call, `lower` and
+    `_cache_size` go to the program(s) of the tree given; `program(params)` is that jitted
+    function."""
+
+    def __init__(self, make):
+        self._make, self._progs = make, {}
+
+    def form(self, x_proj_merged: bool):
+        if x_proj_merged not in self._progs:
+            self._progs[x_proj_merged] = self._make(x_proj_merged)
+        return self._progs[x_proj_merged]
+
+    def program(self, params):
+        return self.form(PR.x_proj_is_merged(params))
+
+    def __call__(self, params, *args):
+        return self.program(params)(params, *args)
+
+    def lower(self, params, *args):
+        return self.program(params).lower(params, *args)
+
+    def _cache_size(self) -> int:
+        return sum(p._cache_size() for p in self._progs.values())
+
+
 @functools.lru_cache(maxsize=None)
 def sharded_forward(cfg: Config, nm: Numerics, mesh: Mesh, include_mtp: bool = True):
     """jit(model.forward) over the mesh: (params placed by shard_params, tokens [B, T]) ->
-    logits [B, T, V] f32 (replicated). One compilation per token shape."""
+    logits [B, T, V] f32 (replicated). One compilation per token shape (and parameter
+    form, PerParamForm)."""
     rep = NamedSharding(mesh, P())
 
     def fwd(params, tokens):
         with expert_parallel(cfg, mesh):
             return M.forward(params, _constrain_batch(tokens, mesh), cfg, nm)
 
-    return jax.jit(fwd, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp), rep),
-                   out_shardings=rep)
+    return PerParamForm(lambda merged: jax.jit(
+        fwd, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp,
+                                           x_proj_merged=merged), rep),
+        out_shardings=rep))
 
 
 def data_groups(cs: CacheSpec, mesh: Mesh) -> int:
@@ -387,20 +422,28 @@ def check_data_parallel_batch(slots, cs: CacheSpec, groups: int) -> None:
                          f"got slots {slots.tolist()}")
 
 
-class ShardedStep:
-    """The jitted sharded step plus a host-side check of the batch layout (only when the
-    slots are a host array: no device synchronisation). Attribute access (lower,
-    _cache_size, ...) goes to the jitted function; `fn` is the unjitted step."""
+class ShardedStep(PerParamForm):
+    """The jitted sharded step (one per parameter form, PerParamForm) plus a host-side
+    check of the batch layout (only when the slots are a host array: no device
+    synchronisation). `jitted` is the step for params.describe's form; other attribute
+    access goes to it; `fn` is the unjitted step."""
 
-    def __init__(self, jitted, cs: CacheSpec, groups: int, fn):
-        self.jitted, self.cs, self.groups, self.fn = jitted, cs, groups, fn
+    def __init__(self, make, cs: CacheSpec, groups: int, fn):
+        super().__init__(make)
+        self.cs, self.groups, self.fn = cs, groups, fn
+
+    @property
+    def jitted(self):
+        return self.form(False)
 
     def __call__(self, params, cache, tokens, slots, pos, nvalid, block_table):
         if isinstance(slots, np.ndarray):
             check_data_parallel_batch(slots, self.cs, self.groups)
-        return self.jitted(params, cache, tokens, slots, pos, nvalid, block_table)
+        return self.program(params)(params, cache, tokens, slots, pos, nvalid, block_table)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("_make", "_progs"):
+            raise AttributeError(name)
         return getattr(self.jitted, name)
 
 
@@ -454,11 +497,13 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
             return D.step(params, cache, _constrain_batch(tokens, mesh), slots, pos, nvalid,
                           block_table, cfg, cs, nm)
 
-    jitted = jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp),
-                                        csh, rep, rep, rep, rep, rep),
-                     out_shardings=(rep, csh), donate_argnums=(1,),
-                     compiler_options=D.STEP_COMPILER_OPTIONS)
-    return ShardedStep(jitted, cs, G, stp)
+    def make(merged):
+        return jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp,
+                                                          x_proj_merged=merged),
+                                          csh, rep, rep, rep, rep, rep),
+                       out_shardings=(rep, csh), donate_argnums=(1,),
+                       compiler_options=D.STEP_COMPILER_OPTIONS)
+    return ShardedStep(make, cs, G, stp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,7 +515,9 @@ def sharded_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, sa
     stp = sharded_step(cfg, cs, nm, mesh, include_mtp).fn
     rep = NamedSharding(mesh, P())
     csh = cache_shardings(cfg, cs, mesh)
-    return jax.jit(D.stream_step_fn(stp, sampler),
-                   in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp), csh, rep),
-                   out_shardings=(csh, rep), donate_argnums=(1, 2),
-                   compiler_options=D.STEP_COMPILER_OPTIONS)
+    return PerParamForm(lambda merged: jax.jit(
+        D.stream_step_fn(stp, sampler),
+        in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp, x_proj_merged=merged),
+                      csh, rep),
+        out_shardings=(csh, rep), donate_argnums=(1, 2),
+        compiler_options=D.STEP_COMPILER_OPTIONS))

@@ -130,10 +130,17 @@ class Engine:
 
     def __init__(self, cfg: Config, params, *, numerics: Numerics = Numerics(),
                  cache_spec: CacheSpec | None = None, prefill_chunk: int = 128,
-                 progress: bool = True, mesh=None):
+                 progress: bool = True, mesh=None, merge_x_proj: bool = True):
         """mesh: a jax Mesh (dsv4_jax.distributed.make_mesh) to run sharded: parameters and
         cache are placed by the sharding rules and every step runs expert / tensor / data
-        parallel; generation then streams step by step (the fused loop is single-device)."""
+        parallel; generation then streams step by step (the fused loop is single-device).
+        merge_x_proj: step with the CSA blocks' five x-projections stored as one weight
+        (params.merge_x_proj; same results, no per-step weight concat). The engine merges
+        into a new tree, so `params` keeps its five weights alive while the caller holds
+        it; pass a tree merged with consume=True (as the CLI does) to hold them once."""
+        if merge_x_proj:
+            from .params import merge_x_proj as merge
+            params = merge(params, cfg)   # a no-op on a merged tree
         self.cfg, self.params, self.nm = cfg, params, numerics
         self.progress = progress
         self.cs = cache_spec or CacheSpec.for_numerics(numerics)

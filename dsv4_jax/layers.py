@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from .quant import (KERNEL_MAX_ROWS, Fp8Weight, Numerics, dequant, f32_dot_bf16, fp8_block_sim,
-                    fp4_block_sim, grouped_linear, linear)
+from .params import X_PROJ, X_PROJ_PARTS
+from .quant import (KERNEL_MAX_ROWS, Fp8Weight, Numerics, WeightRows, dequant, f32_dot_bf16,
+                    fp8_block_sim, fp4_block_sim, grouped_linear, linear)
 from . import kvformat
 
 F32 = jnp.float32
@@ -365,8 +366,31 @@ def attention_probs(q, keys, mask, sink):
 
 
 def block_params(p: dict, prefix: str) -> dict:
+    """The entries of p under `prefix`, the prefix stripped. An attention block stored in
+    decode form (params.merge_x_proj: "x_proj_merged" among its keys) also shows the five
+    weights it holds under their own names, as row views (`x_proj_views`), so that
+    block_params(ap, "compressor.") etc. look the same in either form."""
+    if X_PROJ in p:
+        p = {**p, **x_proj_views(p)}
     n = len(prefix)
     return {k[n:]: v for k, v in p.items() if k.startswith(prefix)}
+
+
+def x_proj_views(ap: dict) -> dict:
+    """The five weights of an attention block's x_proj_merged [rows, D] (names and row
+    order: params.X_PROJ_PARTS) as WeightRows views. The row split is read off the block
+    itself, no config needed: each compressor's wkv and wgate have as many rows as its
+    `ape` has columns; weights_proj has the rows left. Every matmul with a view multiplies
+    x by the whole merged weight and slices (quant.f32_dot_bf16): the compressor, indexer
+    compressor and indexer calls are then one and the same dot, which XLA computes once."""
+    w = ap[X_PROJ]
+    c, ci = ap["compressor.ape"].shape[-1], ap["indexer.compressor.ape"].shape[-1]
+    sizes = (c, c, ci, ci, w.shape[0] - 2 * c - 2 * ci)
+    if sizes[-1] <= 0:
+        raise ValueError(f"{X_PROJ} has {w.shape[0]} rows, fewer than the compressors' "
+                         f"{2 * c + 2 * ci}")
+    ends = np.cumsum(sizes)
+    return {k: WeightRows(w, int(e - n), int(e)) for k, n, e in zip(X_PROJ_PARTS, sizes, ends)}
 
 
 # ---------------------------------------------------------------------------------------

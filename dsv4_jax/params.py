@@ -36,7 +36,36 @@ class ParamSpec:
         return self.fmt in ("fp8", "fp4", "nvfp4")
 
 
-def _block_specs(cfg: Config, p: str, layer: int) -> dict[str, ParamSpec]:
+# ---------------------------------------------------------------------------------------
+# The decode form of a CSA block: its five x-projections stored as one weight
+# ---------------------------------------------------------------------------------------
+X_PROJ = "x_proj_merged"
+# The weights `attn.x_proj_merged` holds, in row order (names relative to "attn."). All five
+# are bf16 [rows, hidden] and multiply the same normed input x.
+X_PROJ_PARTS = ("compressor.wkv.weight", "compressor.wgate.weight",
+                "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight",
+                "indexer.weights_proj.weight")
+
+
+def x_proj_sizes(cfg: Config) -> tuple[int, ...]:
+    """Rows of each X_PROJ_PARTS weight: 2*head_dim, 2*head_dim, 2*index_head_dim,
+    2*index_head_dim, index_n_heads (Flash: 1024, 1024, 256, 256, 64 = 2624 rows, i.e.
+    rows [0, 1024) compressor wkv, [1024, 2048) compressor wgate, [2048, 2304) indexer
+    compressor wkv, [2304, 2560) indexer compressor wgate, [2560, 2624) indexer
+    weights_proj)."""
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    return (2 * hd, 2 * hd, 2 * ihd, 2 * ihd, cfg.index_n_heads)
+
+
+def x_proj_spec(cfg: Config) -> ParamSpec:
+    """`attn.x_proj_merged` [sum(x_proj_sizes), hidden] bf16. Logical axis "x_proj" is
+    replicated (distributed.REPLICATED), as 4 of the 5 parts are; the fifth, weights_proj,
+    had its rows on "model" ("idx_heads"): its 64 rows are now whole on every device."""
+    return ParamSpec((sum(x_proj_sizes(cfg)), cfg.hidden_size), "bf16", ("x_proj", "embed"))
+
+
+def _block_specs(cfg: Config, p: str, layer: int,
+                 x_proj_merged: bool = False) -> dict[str, ParamSpec]:
     d, H, hd, ql = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
     G, ol, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
     lin, exp_fmt = cfg.linear_dtype, cfg.expert_dtype
@@ -75,6 +104,10 @@ def _block_specs(cfg: Config, p: str, layer: int) -> dict[str, ParamSpec]:
         s[c + "wgate.weight"] = ParamSpec((2 * ihd, d), "bf16", (None, "embed"))
         s[c + "ape"] = ParamSpec((r, 2 * ihd), "f32", (None, None), "ape")
         s[c + "norm.weight"] = ParamSpec((ihd,), "bf16", (None,), "norm")
+        if x_proj_merged:
+            for k in X_PROJ_PARTS:
+                del s[a + k]
+            s[a + X_PROJ] = x_proj_spec(cfg)
     f = p + "ffn."
     s[f + "gate.weight"] = ParamSpec((E, d), "bf16", ("experts_r", "embed"))
     if cfg.is_hash_layer(layer):
@@ -92,12 +125,15 @@ def _block_specs(cfg: Config, p: str, layer: int) -> dict[str, ParamSpec]:
     return s
 
 
-def describe(cfg: Config, include_mtp: bool = True) -> dict[str, ParamSpec]:
+def describe(cfg: Config, include_mtp: bool = True,
+             x_proj_merged: bool = False) -> dict[str, ParamSpec]:
+    """Every parameter by name. x_proj_merged: the decode form of `merge_x_proj`, each CSA
+    block's five x-projections as one `attn.x_proj_merged`."""
     d, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     s: dict[str, ParamSpec] = {}
     s["embed.weight"] = ParamSpec((V, d), "bf16", ("vocab", "embed"), "embed")
     for i in range(cfg.num_hidden_layers):
-        s.update(_block_specs(cfg, f"layers.{i}.", i))
+        s.update(_block_specs(cfg, f"layers.{i}.", i, x_proj_merged))
     s["norm.weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
     s["hc_head_fn"] = ParamSpec((hc, hc * d), "f32", (None, "embed_hc"), "hc_fn")
     s["hc_head_base"] = ParamSpec((hc,), "f32", (None,), "normal")
@@ -106,7 +142,7 @@ def describe(cfg: Config, include_mtp: bool = True) -> dict[str, ParamSpec]:
     if include_mtp:
         for j in range(cfg.num_nextn_predict_layers):
             p = f"mtp.{j}."
-            s.update(_block_specs(cfg, p, cfg.num_hidden_layers + j))
+            s.update(_block_specs(cfg, p, cfg.num_hidden_layers + j, x_proj_merged))
             s[p + "e_proj"] = ParamSpec((d, d), cfg.linear_dtype, ("embed", "embed_in"))
             s[p + "h_proj"] = ParamSpec((d, d), cfg.linear_dtype, ("embed", "embed_in"))
             for n in ("enorm", "hnorm", "norm"):
@@ -136,9 +172,9 @@ def storage_structs(spec: ParamSpec):
     return S(spec.shape, dt)
 
 
-def abstract_params(cfg: Config, include_mtp: bool = True) -> dict:
+def abstract_params(cfg: Config, include_mtp: bool = True, x_proj_merged: bool = False) -> dict:
     """Parameter tree of ShapeDtypeStructs; no memory is allocated."""
-    return {k: storage_structs(v) for k, v in describe(cfg, include_mtp).items()}
+    return {k: storage_structs(v) for k, v in describe(cfg, include_mtp, x_proj_merged).items()}
 
 
 def count_params(cfg: Config, include_mtp: bool = True) -> int:
@@ -285,4 +321,94 @@ def init_params_device(cfg: Config, seed: int = 0, include_mtp: bool = False,
             leaves, tree = jax.tree.flatten(shardings[k])
             fn = _device_leaf_fn(spec, cfg, tuple(leaves), tree)
         out[k] = fn(key)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Decode form: the CSA blocks' x-projections pre-concatenated
+# ---------------------------------------------------------------------------------------
+def x_proj_is_merged(params: dict) -> bool:
+    """Whether a parameter tree is in merge_x_proj's form (any block with x_proj_merged)."""
+    return any(k.endswith("attn." + X_PROJ) for k in params)
+
+
+@functools.lru_cache(maxsize=None)
+def _concat_rows_fn(sharding):
+    return jax.jit(lambda *ws: jnp.concatenate(ws, axis=0), out_shardings=sharding)
+
+
+def _concat_rows(ws, spec: ParamSpec, rules):
+    if all(isinstance(w, np.ndarray) for w in ws):  # host tree: stays on the host
+        return np.concatenate(ws, axis=0)
+    if any(isinstance(w, jax.core.Tracer) for w in ws):  # inside a trace (eval_shape, jit)
+        return jnp.concatenate(ws, axis=0)
+    sh = getattr(ws[0], "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding):  # on a mesh: placed by the rules
+        from . import distributed
+        sh = jax.sharding.NamedSharding(sh.mesh, distributed.param_pspecs(spec, sh.mesh, rules))
+    return _concat_rows_fn(sh)(*ws)
+
+
+def _check_x_proj_part(name: str, w, rows: int, cfg: Config):
+    if Q.is_quantized(w) or tuple(w.shape) != (rows, cfg.hidden_size) or w.dtype != jnp.bfloat16:
+        raise ValueError(f"merge_x_proj: {name} is {type(w).__name__} "
+                         f"{getattr(w, 'shape', '?')} {getattr(w, 'dtype', '')}, expected "
+                         f"bf16 [{rows}, {cfg.hidden_size}]")
+
+
+def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None) -> dict:
+    """The decode form of a parameter tree: in every CSA block (ratio 4, MTP included) the
+    five bf16 weights that multiply the attention input x (X_PROJ_PARTS: compressor wkv,
+    wgate; indexer compressor wkv, wgate; indexer weights_proj) are replaced by ONE weight
+    `<block>attn.x_proj_merged` [sum(x_proj_sizes(cfg)), hidden], their rows concatenated
+    in that order (row ranges: x_proj_sizes). Every other parameter is the same array.
+
+    Why: the layer code reads the five as row views of the merged weight
+    (layers.block_params), so a step multiplies x by it in one dot. Stored apart, XLA's dot
+    merger makes the same one dot but concatenates the five weights every step (21.5 MB
+    per Flash CSA layer, BENCHMARKS.md "The weight concat of the CSA layers").
+
+    Logits are bit-identical to the unmerged tree's on CPU (tests/test_x_proj_merge.py);
+    on a GPU the unmerged step already ran the five as this one dot (the same GEMM shape in
+    the compiled H100 step), over the per-step copy. Blocks
+    already merged are left alone (merging twice is a no-op); a block holding the merged
+    weight and some of the five, or only some of the five, raises ValueError. Blocks
+    missing from the tree (e.g. loaded without MTP) are skipped.
+
+    Placement: host (numpy) weights give a host weight; device weights a weight on the
+    same device; weights on a mesh a weight placed by the sharding rules (logical axes
+    ("x_proj", "embed"): replicated under distributed.RULES; `rules` overrides).
+    consume=False returns a new dict and leaves `params` untouched (its arrays stay alive
+    while the caller holds it). consume=True merges `params` in place, block by block,
+    dropping its references to each block's five weights as soon as their merged copy
+    exists: when nothing else holds them they are freed then, so the extra memory is
+    one block's weight at most. Returns the merged tree."""
+    out = params if consume else dict(params)
+    spec = x_proj_spec(cfg)
+    sizes = x_proj_sizes(cfg)
+    prefixes = [f"layers.{i}.attn." for i in range(cfg.num_hidden_layers)
+                if cfg.layer_ratio(i) == 4]
+    prefixes += [f"mtp.{j}.attn." for j in range(cfg.num_nextn_predict_layers)
+                 if cfg.layer_ratio(cfg.num_hidden_layers + j) == 4]
+    for a in prefixes:
+        names = [a + k for k in X_PROJ_PARTS]
+        have = [n for n in names if n in out]
+        if a + X_PROJ in out:
+            if have:
+                raise ValueError(f"merge_x_proj: {a + X_PROJ} is there together with the "
+                                 f"weights it replaces: {have}")
+            continue  # merged already
+        if not have:
+            if any(k.startswith(a) for k in out):
+                raise ValueError(f"merge_x_proj: CSA block {a!r} has neither {X_PROJ} nor "
+                                 f"the weights it is made of {list(X_PROJ_PARTS)}")
+            continue  # block not in this tree
+        if len(have) != len(names):
+            raise ValueError(f"merge_x_proj: CSA block {a!r} lacks "
+                             f"{sorted(set(names) - set(have))}")
+        for n, rows in zip(names, sizes):
+            _check_x_proj_part(n, out[n], rows, cfg)
+        ws = [out.pop(n) for n in names]
+        out[a + X_PROJ] = _concat_rows(ws, spec, rules)
+        del ws  # the five are freed here unless someone else holds them
     return out

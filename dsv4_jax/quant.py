@@ -6,6 +6,7 @@ Weight formats, logical shape [..., out, in] (leading axes e.g. stacked experts)
   Fp4Weight    packed e2m1 int8 [.., out, in/2] (element 2k in the low nibble) + ue8m0 per 32
   NvFp4Weight  packed e2m1 uint8 [.., out, in/2] + e4m3 scale per 16 + fp32 global scale
   plain array  bf16 / f32
+  WeightRows   rows [start, stop) of a plain weight (a view: params.merge_x_proj)
 """
 from __future__ import annotations
 
@@ -141,6 +142,29 @@ class NvFp4Weight:
 QUANT_TYPES = (Fp8Weight, Fp4Weight, NvFp4Weight)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w"],
+                   meta_fields=["start", "stop"])
+@dataclasses.dataclass
+class WeightRows:
+    """Rows [start, stop) of a stored plain weight w [out, in], as a weight [stop - start,
+    in] of its own: how the layer code sees one of the weights stored concatenated in
+    `attn.x_proj_merged` (params.merge_x_proj). `f32_dot_bf16` multiplies x by ALL of w
+    and slices the output columns, so the views of one weight read with the same x in one
+    program are the same dot, which XLA's CSE computes once (w is read once per step, and
+    no concatenation is ever made)."""
+    w: jax.Array
+    start: int
+    stop: int
+
+    @property
+    def shape(self):
+        return (self.stop - self.start, self.w.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, QUANT_TYPES)
 
@@ -215,7 +239,11 @@ def f32_dot_bf16(x, w_OI):
     """f32 x @ W.T for a bf16 weight [out, in], f32-exact, reading W once as stored (no f32
     copy in HBM): x is split exactly into three bf16 parts (hi + mid + lo carry all 24
     mantissa bits), multiplied as three rows against W with f32 accumulation, and summed.
-    Other weight dtypes: a plain f32 matmul."""
+    Other weight dtypes: a plain f32 matmul. A `WeightRows` view: the product with the whole
+    stored weight, columns sliced (the same bits as the view's rows multiplied alone in the
+    tests on CPU; on GPU XLA's dot merger already ran such dots as one)."""
+    if isinstance(w_OI, WeightRows):
+        return f32_dot_bf16(x, w_OI.w)[..., w_OI.start:w_OI.stop]
     if w_OI.dtype != jnp.bfloat16:
         return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w_OI.astype(jnp.float32),
                           precision="highest")

@@ -251,7 +251,8 @@ def test_every_logical_axis_has_a_rule_or_is_replicated_on_purpose():
     from dsv4_jax.cache import CacheSpec
     import jax
     cfg = config.flash()
-    names = {a for s in P.describe(cfg).values() for a in s.axes if a}
+    names = {a for m in (False, True) for s in P.describe(cfg, x_proj_merged=m).values()
+             for a in s.axes if a}
     for cs in (CacheSpec(), CacheSpec(kv_format="raw", index_format="raw")):
         tree = DI.cache_logical_axes(cfg, cs)
         names |= {a for t in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))

@@ -1,0 +1,258 @@
+"""The decode form of the parameter tree (params.merge_x_proj): each CSA block's five
+x-projections stored as one `attn.x_proj_merged` weight give the same logits, bit for bit,
+as the tree they came from; the step multiplies x by it in one dot; it shards.
+
+Tiny preset, random parameters drawn fresh for every run."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import config, layers as L, model, params as P
+from dsv4_jax.cache import CacheSpec, init_cache
+from dsv4_jax.decode import compiled_step
+from dsv4_jax.generate import Engine
+from dsv4_jax.quant import Numerics, WeightRows, f32_dot_bf16
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F32 = Numerics(act_quant=False, dtype="float32")
+SIM = Numerics(act_quant=True, dtype="bfloat16")
+T_TOTAL, P_LEN = 140, 100  # a prefill chunk, then decode steps that complete CSA blocks
+
+
+def _seed():
+    return int(np.random.default_rng().integers(1 << 30))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = config.tiny()
+    params = P.init_params(cfg, _seed())
+    return cfg, params, P.merge_x_proj(params, cfg)
+
+
+def _csa_layers(cfg):
+    return [i for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i) == 4]
+
+
+def test_merged_tree_layout(tiny):
+    cfg, params, merged = tiny
+    csa = _csa_layers(cfg)
+    assert csa, "the tiny preset has CSA layers"
+    rows = sum(P.x_proj_sizes(cfg))
+    assert rows == 2 * 2 * cfg.head_dim + 2 * 2 * cfg.index_head_dim + cfg.index_n_heads
+    for pre in [f"layers.{i}.attn." for i in csa]:
+        for k in P.X_PROJ_PARTS:
+            assert pre + k not in merged
+            assert pre + k in params  # the input tree is left as it was
+        w = merged[pre + P.X_PROJ]
+        assert w.shape == (rows, cfg.hidden_size) and w.dtype == jnp.bfloat16
+        # rows in X_PROJ_PARTS order, bit for bit
+        want = np.concatenate([np.asarray(params[pre + k]) for k in P.X_PROJ_PARTS])
+        np.testing.assert_array_equal(np.asarray(w), want)
+    # every other parameter is the very same array; nothing else added or removed
+    gone = {f"layers.{i}.attn.{k}" for i in csa for k in P.X_PROJ_PARTS}
+    added = {f"layers.{i}.attn.{P.X_PROJ}" for i in csa}
+    mtp = cfg.num_hidden_layers
+    if cfg.layer_ratio(mtp) == 4:
+        gone |= {f"mtp.0.attn.{k}" for k in P.X_PROJ_PARTS}
+        added |= {f"mtp.0.attn.{P.X_PROJ}"}
+    assert set(merged) == (set(params) - gone) | added
+    assert all(merged[k] is params[k] for k in set(params) - gone)
+    # the description of the decode form matches the tree
+    ab = P.abstract_params(cfg, x_proj_merged=True)
+    assert set(ab) == set(merged)
+    for k, s in ab.items():
+        got = jax.tree.map(lambda a: (a.shape, a.dtype), merged[k])
+        assert got == jax.tree.map(lambda a: (a.shape, a.dtype), s), k
+    assert P.x_proj_is_merged(merged) and not P.x_proj_is_merged(params)
+
+
+def test_merge_twice_is_a_no_op_and_partial_trees_raise(tiny):
+    cfg, params, merged = tiny
+    again = P.merge_x_proj(merged, cfg)
+    assert set(again) == set(merged) and all(again[k] is merged[k] for k in merged)
+    i = _csa_layers(cfg)[0]
+    part = dict(params)
+    del part[f"layers.{i}.attn.indexer.weights_proj.weight"]
+    with pytest.raises(ValueError, match="lacks"):
+        P.merge_x_proj(part, cfg)
+    both = dict(merged)
+    both[f"layers.{i}.attn.compressor.wkv.weight"] = params[f"layers.{i}.attn.compressor.wkv.weight"]
+    with pytest.raises(ValueError, match="together with"):
+        P.merge_x_proj(both, cfg)
+    bad = dict(params)
+    bad[f"layers.{i}.attn.compressor.wgate.weight"] = bad[
+        f"layers.{i}.attn.compressor.wgate.weight"].astype(jnp.float32)
+    with pytest.raises(ValueError, match="expected bf16"):
+        P.merge_x_proj(bad, cfg)
+    # consume=True merges the given dict in place (its references to the five dropped)
+    own = dict(params)
+    out = P.merge_x_proj(own, cfg, consume=True)
+    assert out is own and set(own) == set(merged)
+    # a host (numpy) tree stays on the host
+    host = {k: np.asarray(v) for k, v in params.items() if k.startswith(f"layers.{i}.")}
+    hm = P.merge_x_proj(host, cfg)
+    assert isinstance(hm[f"layers.{i}.attn.{P.X_PROJ}"], np.ndarray)
+
+
+def test_views_multiply_like_the_weights_they_replace(tiny):
+    """block_params shows the merged block's five weights under their names; each view
+    times x gives the original weight's bits."""
+    cfg, params, merged = tiny
+    i = _csa_layers(cfg)[0]
+    ap0 = L.block_params(params, f"layers.{i}.attn.")
+    ap1 = L.block_params(L.block_params(merged, f"layers.{i}.attn."), "")  # views shown
+    x = jnp.asarray(np.random.default_rng().standard_normal((2, 5, cfg.hidden_size)),
+                    jnp.bfloat16).astype(jnp.float32)
+    for k in P.X_PROJ_PARTS:
+        v = ap1[k]
+        assert isinstance(v, WeightRows) and v.shape == ap0[k].shape, k
+        want = jax.jit(f32_dot_bf16)(x, ap0[k])
+        got = jax.jit(f32_dot_bf16)(x, v)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=k)
+    for sub in ("compressor.", "indexer.", "indexer.compressor."):
+        assert set(L.block_params(ap1, sub)) == set(L.block_params(ap0, sub)), sub
+
+
+@pytest.mark.parametrize("nm", [F32, SIM], ids=["f32-nosim", "bf16-sim"])
+def test_logits_bit_identical(tiny, nm):
+    """Whole-sequence prefill (model.forward) and the cached step (a 64-token prefill
+    chunk, then single-token decode steps: teacher forcing) give the same bits with the
+    merged tree as with the tree it came from."""
+    cfg, params, merged = tiny
+    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, T_TOTAL)).astype(np.int32)
+    fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
+    np.testing.assert_array_equal(np.asarray(fwd(merged, tokens)),
+                                  np.asarray(fwd(params, tokens)))
+    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=6, max_blocks=3)
+    run = lambda p, merge: Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=64,
+                                  merge_x_proj=merge).teacher_forced_logits(tokens, P_LEN)
+    eng = Engine(cfg, params, numerics=nm, cache_spec=cs)
+    assert P.x_proj_is_merged(eng.params)  # the engine steps with the decode form
+    want = run(params, False)
+    np.testing.assert_array_equal(run(params, True), want)
+    np.testing.assert_array_equal(run(merged, False), want)  # a tree merged beforehand
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def test_kernel_decode_path_bit_identical(tiny):
+    """The decode path through the Pallas cache kernels (Mosaic GPU interpreter on CPU),
+    where the compressor and indexer projections are read too: one CSA layer's attention
+    output and cache writes are the same bits with the merged block."""
+    import dataclasses
+    from dsv4_jax import decode as D
+    cfg, params, merged = tiny
+    nm = SIM
+    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2)
+    eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64)
+    rng = np.random.default_rng()
+    lens = [int(rng.integers(130, 200)), int(rng.integers(5, 128))]
+    for n in lens:
+        eng.prefill(eng.bm.admit(n), rng.integers(0, cfg.vocab_size, n))
+    eng.bm.ensure_many({0: lens[0] + 1, 1: lens[1] + 1})
+    x = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), jnp.bfloat16)
+    pos = jnp.asarray(lens, jnp.int32)
+    args = (pos[:, None], jnp.ones((2, 1), bool), jnp.arange(2), pos, jnp.ones(2, jnp.int32),
+            jnp.asarray(eng.bm.table))
+    i = _csa_layers(cfg)[0]
+    csk = dataclasses.replace(cs, kernels="interpret")
+
+    def attend(tree):
+        ap = L.block_params(tree, f"layers.{i}.attn.")
+        f = jax.jit(lambda lc, x, *a: D.attention_cached(ap, lc, x, *a, cfg, csk, nm, 4))
+        return jax.block_until_ready(f(eng.cache[f"L{i}"], x, *args))
+
+    (a, ca), (b, cb) = attend(params), attend(merged)
+    np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+    for va, vb in zip(jax.tree.leaves(ca), jax.tree.leaves(cb)):
+        np.testing.assert_array_equal(_bits(vb), _bits(va))
+
+
+def _count_dots(hlo: str) -> int:
+    return sum(" dot(" in line for line in hlo.splitlines())
+
+
+def test_decode_step_multiplies_x_once_per_csa_block(tiny):
+    """The three readers of a merged block (compressor, indexer compressor, indexer
+    weights) are one dot after XLA's CSE: the decode step has 4 dots fewer per CSA block
+    than with the five weights apart (5 -> 1; 3 if the views' dots were not merged)."""
+    cfg, params, merged = tiny
+    cs = CacheSpec.for_numerics(SIM, max_requests=2, num_blocks=6, max_blocks=3)
+    step = compiled_step(cfg, cs, SIM)
+    cache = init_cache(cfg, cs)
+    args = (jnp.zeros((2, 1), jnp.int32), jnp.arange(2, dtype=jnp.int32),
+            jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32),
+            jnp.zeros((2, 3), jnp.int32))
+    n = {name: _count_dots(step.lower(p, cache, *args).compile().as_text())
+         for name, p in (("apart", params), ("merged", merged))}
+    assert n["apart"] - n["merged"] == 4 * len(_csa_layers(cfg)), n
+
+
+_MESH_SCRIPT = r'''
+import json, sys
+import jax
+import numpy as np
+from dsv4_jax import config, params as P, distributed as DI
+from dsv4_jax.cache import CacheSpec
+from dsv4_jax.generate import Engine
+from dsv4_jax.quant import Numerics
+seed = int(sys.argv[1])
+cfg = config.tiny()
+params = P.init_params(cfg, seed)
+nm = Numerics(False, "float32")   # f32: one device matches the mesh to 1e-5 (test_sharding)
+cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=6, max_blocks=3)
+mesh = DI.make_mesh(2, model=2)   # tensor parallel: indexer weights_proj rows are split
+tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
+i = [l for l in range(cfg.num_hidden_layers) if cfg.layer_ratio(l) == 4][0]
+sp = DI.shard_params(params, cfg, mesh)
+mp = P.merge_x_proj(sp, cfg)                  # merged on the mesh
+key = f"layers.{i}.attn.{P.X_PROJ}"
+want_sh = DI.param_shardings(cfg, mesh, x_proj_merged=True)[key]
+res = {"merged_sharding_ok": mp[key].sharding.is_equivalent_to(want_sh, 2),
+       "merged_replicated": mp[key].sharding.is_fully_replicated,
+       "weights_proj_split": not sp[f"layers.{i}.attn.indexer.weights_proj.weight"]
+                                 .sharding.is_fully_replicated}
+run = lambda p, merge: Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=64, mesh=mesh,
+                              merge_x_proj=merge).teacher_forced_logits(tokens, 70)
+apart = run(sp, False)
+merged = run(mp, False)     # the tree merged on the mesh
+single = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64,
+                merge_x_proj=False).teacher_forced_logits(tokens, 70)
+res["merged_vs_apart_max_abs"] = float(np.abs(merged - apart).max())
+res["merged_vs_single_max_abs"] = float(np.abs(merged - single).max())
+res["scale"] = float(np.abs(single).max())
+# the Engine's own merge of an unsharded tree, placed by shard_params
+eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64, mesh=mesh)
+res["engine_merged"] = P.x_proj_is_merged(eng.params)
+res["engine_vs_merged_max_abs"] = float(np.abs(eng.teacher_forced_logits(tokens, 70) - merged).max())
+print(json.dumps(res))
+'''
+
+
+def test_merged_tree_shards_and_gives_the_same_logits():
+    """On a 2-device CPU mesh (tensor parallel, f32): the merged weight is replicated (as
+    the sharding table says), and the sharded step (prefill chunk + decode steps) gives the
+    same bits as the unmerged tree on the mesh, and the single-device logits to 1e-5."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(_seed())], env=env,
+                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(res)
+    assert res["merged_sharding_ok"] and res["merged_replicated"] and res["weights_proj_split"]
+    assert res["engine_merged"]
+    assert res["merged_vs_apart_max_abs"] == 0.0
+    assert res["engine_vs_merged_max_abs"] == 0.0
+    # tensor parallelism itself changes the summation order (all-reduces) elsewhere
+    assert res["merged_vs_single_max_abs"] < 1e-5 * res["scale"]
