@@ -127,16 +127,6 @@ class _FixedGpuInfo:
         return self._m.get_gpu_info_from_version(version)
 
 
-def tuple_kernels(hlo_text: str) -> int:
-    """Kernel instructions of ENTRY with a tuple result (multi-output fusions): the parser
-    behind kernels_by_source (step_anatomy.op_sources) reads one-word result types only,
-    so these are missing from its count and its list."""
-    import re
-    entry = hlo_text[hlo_text.index("ENTRY"):]
-    pat = re.compile(r"%?[\w.-]+ = \(.*?\) (fusion|custom-call|dot|scatter|gather|copy|sort)\(")
-    return sum(bool(pat.search(line)) for line in entry.splitlines())
-
-
 def cs_table_shape(cs):
     return cs.max_requests, cs.max_blocks
 
@@ -184,12 +174,10 @@ def main(argv=None):
         compiled = compile_step(cfg, cs, nm, a.batch, devs[0], opts, a.merge_x_proj)
     hlo = compiled.as_text()
     k, src = kernels_by_source(hlo)
-    kt = tuple_kernels(hlo)
     print(f"{a.devices} x {a.spec} (compile only, {time.perf_counter() - t0:.0f} s): {a.preset} layers "
           f"{cfg.compress_ratios[:-1]} B={a.batch} kernels={a.kernels} matmul={a.matmul}: "
           f"{k} kernels in the step" + (f" (options {a.xla_opt})" if a.xla_opt else "")
-          + (" (x-projections merged)" if a.merge_x_proj else "")
-          + f"; {k + kt} with the {kt} multi-output fusions not in the list below")
+          + (" (x-projections merged)" if a.merge_x_proj else ""))
     for name, v in src.most_common(a.top):
         print(f"  {v:4d}  {name}")
     if a.hlo_out:

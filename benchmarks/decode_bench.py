@@ -225,6 +225,8 @@ def main(args):
     t0 = time.perf_counter()
     params = P.init_params_device(
         cfg, args.seed, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else None)
+    if not args.unmerged and hasattr(P, "merge_x_proj"):   # decode form, as Engine / CLI
+        params = P.merge_x_proj(params, cfg, consume=True)
     jax.block_until_ready(params)
     print(f"synthetic weights drawn on device in {time.perf_counter() - t0:.0f} s "
           f"({P.nbytes(cfg, include_mtp=False) / 1e9:.1f} GB)", flush=True)
@@ -253,13 +255,15 @@ def main(args):
             # one layer of a kind = time([SWA, kind]) - time([SWA]) (embedding + head cancel)
             kinds = {"swa": 0, "csa": 4, "hca": 128}
             one_cfg = _layers_cfg(base, [0])
-            t_one = bench(one_cfg, P.init_params_device(one_cfg, args.seed), B, ctx,
+            form = (lambda p, c: p) if args.unmerged or not hasattr(P, "merge_x_proj") else \
+                (lambda p, c: P.merge_x_proj(p, c, consume=True))
+            t_one = bench(one_cfg, form(P.init_params_device(one_cfg, args.seed), one_cfg), B, ctx,
                           args.kernels, args.steps, matmul=mm, what=("step",))["ms"]
             for kind, ratio in kinds.items():
                 if kind not in fl["per_kind"]:
                     continue
                 kc = _layers_cfg(base, [0, ratio])
-                kp = P.init_params_device(kc, args.seed)
+                kp = form(P.init_params_device(kc, args.seed), kc)
                 t = bench(kc, kp, B, ctx, args.kernels, args.steps,
                           matmul=mm, what=("step",))["ms"] - t_one
                 fb = fl["per_kind"][kind][0]
@@ -283,6 +287,9 @@ def register(sub):
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--per-kind", action="store_true", help="also time one layer of each kind")
+    d.add_argument("--unmerged", action="store_true",
+                   help="keep each CSA block's five x-projection weights apart (the checkpoint "
+                        "form) instead of the decode form params.merge_x_proj")
     d.add_argument("--what", nargs="+", choices=["step", "stream"], default=["step", "stream"],
                    help="time the plain step program (sync / pipelined) and/or the stream "
                         "step of Engine.stream (each is its own compilation)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # 2 x H200: does the sharded step re-record its CUDA graph every step? (the whole-Flash x2
 # profile of 2026-11-23: host enqueue 29.9 ms of which command_buffer::update 8.3 ms/step).
-# XLA forces an update of any command buffer holding a collective command; A/B on a few
-# Flash layers: default / concurrent regions off / collectives kept out of the graphs.
+# A/B on a few Flash layers, one XLA setting per process, each profiled (host events) and
+# PART=2/4 with XLA's command-buffer log (which graphs re-record, how many allocations moved).
 # PART=1..3 ran on 2026-11-23 (BENCHMARKS.md, benchmarks/results/session9_x2/); PART=4 is
 # next. Runs the tree in $TREE (default: the working tree) from its own directory.
 set -u

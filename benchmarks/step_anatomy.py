@@ -36,7 +36,8 @@ def op_sources(hlo_text: str) -> dict[str, tuple[str, str]]:
     entry = hlo_text[hlo_text.index("ENTRY"):]
     out = {}
     for line in entry.splitlines():
-        m = re.search(r"%?([\w.-]+) = \S+ ([\w-]+)\(", line)
+        # result type: one word, or a tuple (a multi-output fusion: a kernel too)
+        m = re.search(r"%?([\w.-]+) = (?:\(.*?\)|\S+) ([\w-]+)\(", line)
         if not m:
             continue
         name = re.search(r'op_name="([^"]+)"', line)
@@ -205,6 +206,9 @@ def main():
     ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     ap.add_argument("--model", type=int, default=None, help="mesh model-axis size")
     ap.add_argument("--sinkhorn", action="store_true", help="also compare Sinkhorn forms")
+    ap.add_argument("--merge-x-proj", action="store_true",
+                    help="the parameters in decode form (params.merge_x_proj), as the Engine "
+                         "and the CLI run them")
     ap.add_argument("--place-args", action="store_true",
                     help="sharded: put the step's small inputs on the mesh (replicated) once, "
                          "instead of letting every call copy them there")
@@ -237,8 +241,10 @@ def main():
     if a.devices:  # sharded as `dsv4 bench decode --devices`: profile device 0's stream
         from dsv4_jax.distributed import make_mesh, param_shardings, shard_cache, sharded_step
         mesh = make_mesh(a.devices, expert=a.expert, model=a.model)
-        shardings = param_shardings(cfg, mesh, include_mtp=False)
-        f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).jitted
+        shardings = param_shardings(cfg, mesh, include_mtp=False,
+                                    **({"x_proj_merged": True} if a.merge_x_proj else {}))
+        f = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
+        f = f.form(a.merge_x_proj) if hasattr(f, "form") else f.jitted   # (older trees)
         if a.donate_logits:
             from dsv4_jax.distributed import cache_shardings
             stp = sharded_step(cfg, cs, nm, mesh, include_mtp=False).fn
@@ -261,7 +267,11 @@ def main():
             f = jax.jit(step_into, donate_argnums=(1, 2),
                         compiler_options=D_OPTS)
     t0 = time.perf_counter()
-    params = jax.block_until_ready(P.init_params_device(cfg, 0, shardings=shardings))
+    params = P.init_params_device(cfg, 0, shardings=param_shardings(
+        cfg, mesh, include_mtp=False) if mesh is not None else None)
+    if a.merge_x_proj:   # (on a mesh the merged weights are placed by the sharding rules)
+        params = P.merge_x_proj(params, cfg, consume=True)
+    params = jax.block_until_ready(params)
     print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
     from benchmarks.decode_bench import random_cache
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
