@@ -28,6 +28,9 @@ from dsv4_jax.generate import Greedy
 from dsv4_jax.quant import Numerics
 
 
+MODES = ("stream_read", "stream_noread", "old_stream", "step_fixed")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="flash")
@@ -37,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kernels", default="on")
     ap.add_argument("--matmul", default="pallas")
+    ap.add_argument("--only", nargs="+", choices=MODES, default=list(MODES),
+                    help="run only these modes (e.g. one per process, to attribute XLA's logs)")
     ap.add_argument("--devices", type=int, default=0, help="run sharded over N devices")
     ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     a = ap.parse_args(argv)
@@ -77,12 +82,14 @@ def main(argv=None):
     pick = jax.jit(lambda lg, k: Greedy().get_next_tokens(lg, k)[:, None])
     key = jax.random.key(0)
     t0 = time.perf_counter()
-    lg, cache = step(params, cache, toks, slots, pos, one, table)
-    np.asarray(pick(lg, key))
+    if {"old_stream", "step_fixed"} & set(a.only):   # compile only the programs used
+        lg, cache = step(params, cache, toks, slots, pos, one, table)
+        np.asarray(pick(lg, key))
     st = init_stream_state(toks[:, 0], pos, one, table, key, sharding=rep)
-    cache, st = prog(params, cache, st)
-    np.asarray(read_tokens(st))
-    print(f"{jax.devices()[0].device_kind}: {n} layers B={B} ctx={ctx}; compiled both in "
+    if {"stream_read", "stream_noread"} & set(a.only):
+        cache, st = prog(params, cache, st)
+        np.asarray(read_tokens(st))
+    print(f"{jax.devices()[0].device_kind}: {n} layers B={B} ctx={ctx}; compiled in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
 
     def run(name, one_step, read):
@@ -121,11 +128,12 @@ def main(argv=None):
         lg, cache = step(params, cache, toks, slots, pos, one, table)
         return lg
 
+    runs = {"stream_read": (stream_step, True), "stream_noread": (stream_step, False),
+            "old_stream": (old_step, True), "step_fixed": (fixed_step, False)}
     for rep in range(2):
-        run("stream_read", stream_step, True)
-        run("stream_noread", stream_step, False)
-        run("old_stream", old_step, True)
-        run("step_fixed", fixed_step, False)
+        for name in MODES:
+            if name in a.only:
+                run(name, *runs[name])
 
 
 if __name__ == "__main__":
