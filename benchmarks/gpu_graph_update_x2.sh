@@ -42,7 +42,7 @@ case "${PART:-1}" in
   A="$A --place-args --donate-logits" run donated TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
   grep -o "Update command buffer.*" $OUT/graph_update_donated.log | sed 's/; is_first.*//' \
     | sort | uniq -c | sort -rn | head -12
-  for mode in stream_noread stream_read; do   # one process each: the log is that mode's
+  for mode in stream_noread stream_read stream_read_pinned; do   # one process each: the log is that mode's
     echo "== stream_diag, mesh, $mode"
     (cd ${TREE:-.} && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 \
        DSV4_COMPILE_CACHE=off PYTHONPATH=$R && T ${LIMIT:-200} python3 -m benchmarks.stream_diag \

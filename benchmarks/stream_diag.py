@@ -9,6 +9,8 @@ a CUDA-graph update shows here) and ms/step of 20 steps for:
   old_stream    the plain step + a sampling program, tokens read back one step behind
                 (Engine.stream before the stream step)
   step_fixed    the plain step, inputs at fixed addresses, one wait
+  stream_read_pinned  stream_read with the tokens copied into pinned host memory by the
+                copy program (no device allocation between steps)
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from dsv4_jax.generate import Greedy
 from dsv4_jax.quant import Numerics
 
 
-MODES = ("stream_read", "stream_noread", "old_stream", "step_fixed")
+MODES = ("stream_read", "stream_noread", "old_stream", "step_fixed", "stream_read_pinned")
 
 
 def main(argv=None):
@@ -86,7 +88,7 @@ def main(argv=None):
         lg, cache = step(params, cache, toks, slots, pos, one, table)
         np.asarray(pick(lg, key))
     st = init_stream_state(toks[:, 0], pos, one, table, key, sharding=rep)
-    if {"stream_read", "stream_noread"} & set(a.only):
+    if {"stream_read", "stream_noread", "stream_read_pinned"} & set(a.only):
         cache, st = prog(params, cache, st)
         np.asarray(read_tokens(st))
     print(f"{jax.devices()[0].device_kind}: {n} layers B={B} ctx={ctx}; compiled in "
@@ -118,6 +120,17 @@ def main(argv=None):
         nxt.copy_to_host_async()   # as Engine.stream
         return nxt
 
+    # The tokens copied out by a program whose output lives in pinned host memory: no
+    # per-step device allocation between the steps (a moving one can move XLA's buffers
+    # and make it re-record the step's CUDA graphs).
+    read_pinned = jax.jit(lambda s: s["tok"][:, 0],
+                          out_shardings=st["tok"].sharding.with_memory_kind("pinned_host"))
+
+    def stream_step_pinned(i):
+        nonlocal cache, st
+        cache, st = prog(params, cache, st)
+        return read_pinned(st)
+
     def old_step(i):
         nonlocal cache
         lg, cache = step(params, cache, toks, slots, pos, one, table)
@@ -129,7 +142,8 @@ def main(argv=None):
         return lg
 
     runs = {"stream_read": (stream_step, True), "stream_noread": (stream_step, False),
-            "old_stream": (old_step, True), "step_fixed": (fixed_step, False)}
+            "old_stream": (old_step, True), "step_fixed": (fixed_step, False),
+            "stream_read_pinned": (stream_step_pinned, True)}
     for rep in range(2):
         for name in MODES:
             if name in a.only:
