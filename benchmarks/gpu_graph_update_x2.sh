@@ -52,6 +52,8 @@ case "${PART:-1}" in
     grep -o "Update command buffer.*" $OUT/stream_diag_x2_$mode.log | sed 's/; is_first.*//' \
       | sort | uniq -c | sort -rn | head -8
   done
+  T 100 python3 benchmarks/graph_launch.py --n 64 256 --kinds xla mosaic \
+    | tee $OUT/graph_launch_kinds_x2.log
   gzip -f $OUT/*.log ;;
 esac
 true

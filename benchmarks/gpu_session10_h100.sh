@@ -3,7 +3,8 @@
 #  PART=1: the decode form of the weights (params.merge_x_proj, now the Engine's and the
 #          CLI's default): 4 Flash layers + head, B=1, kernels and time with the five CSA
 #          x-projections apart (--unmerged / no --merge-x-proj) and merged; then
-#          stream_diag on 10 layers (the copy_to_host_async read-back, not measured yet).
+#          stream_diag on 10 layers (the copy_to_host_async read-back, not measured yet;
+#          the read-back into pinned host memory); graph_launch with Mosaic-GPU kernels.
 #  PART=2: the 128K attention cases that did not run (as gpu_session9_h100.sh PART=2).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -19,7 +20,10 @@ case "${PART:-1}" in
   T 200 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 --context 4096 \
     --matmul pallas --kernels on --batch 1 8 --what step stream | grep "matmul=" \
     | tee $OUT/bench4_merged.log
-  T 200 python3 benchmarks/stream_diag.py --layers 10 --batch 1 | tee $OUT/stream_diag10.log ;;
+  T 200 python3 benchmarks/stream_diag.py --layers 10 --batch 1 | tee $OUT/stream_diag10.log
+  # host cost per launch / per graph update: XLA fusions vs Mosaic-GPU custom calls
+  T 120 python3 benchmarks/graph_launch.py --n 64 256 --kinds xla mosaic \
+    | tee $OUT/graph_launch_kinds.log ;;
 2)
   T 560 python3 benchmarks/attention_decode.py --out $OUT --skip 9 --budget 480 \
     --trusted direct-lane,staged,ws-lane --default direct-lane | tail -30 \

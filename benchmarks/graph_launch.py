@@ -10,7 +10,8 @@ in one jitted program, timed as
   sync      : launch + wait, median
   pipelined : N_CALLS calls back to back, one wait, per call
 
-for two ways of handing back the output:
+for two ways of handing back the output (and, --kinds mosaic, for a chain of Pallas
+Mosaic-GPU kernels, custom calls like the project's cache and matmul kernels):
   fresh   : the output is a new buffer every call (what the decode step does with its
             logits): its address alternates, which may make XLA update the CUDA graph;
   donated : the previous output is donated and reused (same address every call).
@@ -48,13 +49,42 @@ def chain(x, n: int):
     return x
 
 
-def measure(n: int, mode: str, calls: int, shape=(64, 256)):
+def _mosaic_scale(x):
+    """x * 0.999 + 1e-4 as one Pallas Mosaic-GPU kernel (the whole [R, C] block in SMEM);
+    the CPU runs it in the Mosaic-GPU interpreter."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_g, o_g, x_s, bar):
+        plgpu.copy_gmem_to_smem(x_g, x_s, bar)
+        plgpu.barrier_wait(bar)
+        x_s[...] = x_s[...] * 0.999 + 1e-4
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, o_g)
+        plgpu.wait_smem_to_gmem(0)
+    interp = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        scratch_types=[plgpu.SMEM(x.shape, x.dtype),
+                                       plgpu.Barrier(num_arrivals=1)],
+                        interpret=interp)(x)
+
+
+def chain_mosaic(x, n: int):
+    """n dependent Mosaic-GPU kernels (a custom call each, as the project's cache and
+    matmul kernels are): does a Mosaic kernel cost the host more per launch / per graph
+    update than an XLA fusion?"""
+    for _ in range(n):
+        x = _mosaic_scale(x)
+    return x
+
+
+def measure(n: int, mode: str, calls: int, shape=(64, 256), kind: str = "xla"):
     x = jax.random.normal(jax.random.key(n), shape, jnp.float32)
+    body = chain if kind == "xla" else chain_mosaic
     if mode == "fresh":
-        f = jax.jit(lambda x: chain(x, n))
+        f = jax.jit(lambda x: body(x, n))
         args = lambda prev: (x,)
     else:   # the previous output goes back in, donated: XLA writes the new one over it
-        f = jax.jit(lambda x, out: chain(x, n) + 0.0 * out, donate_argnums=(1,))
+        f = jax.jit(lambda x, out: body(x, n) + 0.0 * out, donate_argnums=(1,))
         args = lambda prev: (x, prev)
     prev = jnp.zeros(shape, jnp.float32) + 1.0
     t0 = time.perf_counter()
@@ -76,7 +106,7 @@ def measure(n: int, mode: str, calls: int, shape=(64, 256)):
     pipe = (time.perf_counter() - t0) / calls
     med = lambda v: float(np.median(v[2:]))
     us = lambda s: round(1e6 * s, 1)
-    return dict(n=n, mode=mode, kernels=kernels, compile_s=round(compile_s, 1),
+    return dict(n=n, kind=kind, mode=mode, kernels=kernels, compile_s=round(compile_s, 1),
                 enqueue_us=us(med(enq)), sync_us=us(med(sync)), pipelined_us=us(pipe),
                 enqueue_us_per_kernel=round(1e6 * med(enq) / max(kernels, 1), 2),
                 pipelined_us_per_kernel=round(1e6 * pipe / max(kernels, 1), 2))
@@ -88,14 +118,17 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["fresh", "donated"],
                     choices=["fresh", "donated"])
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--kinds", nargs="+", default=["xla"], choices=["xla", "mosaic"],
+                    help="chain of XLA reduction kernels and/or of Pallas Mosaic-GPU kernels")
     a = ap.parse_args(argv)
     dev = jax.devices()[0]
     head = dict(device=dev.device_kind, platform=dev.platform,
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
     print(json.dumps(head), flush=True)
-    for n in a.n:
-        for mode in a.modes:
-            print(json.dumps(measure(n, mode, a.calls)), flush=True)
+    for kind in a.kinds:
+        for n in a.n:
+            for mode in a.modes:
+                print(json.dumps(measure(n, mode, a.calls, kind=kind)), flush=True)
 
 
 if __name__ == "__main__":

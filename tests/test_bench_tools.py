@@ -19,6 +19,22 @@ def test_graph_launch_chain_runs_and_donates(capsys):
         assert r["n"] == 3 and r["kernels"] >= 1 and r["sync_us"] > 0
 
 
+def test_graph_launch_mosaic_chain_computes_its_chain(capsys):
+    """The Mosaic-GPU chain (interpreted here) applies its n kernels, and main reports it."""
+    import jax.numpy as jnp
+    import numpy as np
+    x = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 30))),
+                          (64, 256), jnp.float32)
+    got = np.asarray(jax.block_until_ready(jax.jit(lambda x: graph_launch.chain_mosaic(x, 3))(x)))
+    want = np.asarray(x)
+    for _ in range(3):
+        want = want * np.float32(0.999) + np.float32(1e-4)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    graph_launch.main(["--n", "1", "--calls", "3", "--kinds", "mosaic", "--modes", "donated"])
+    rows = [json.loads(s) for s in capsys.readouterr().out.strip().splitlines()][1:]
+    assert [(r["kind"], r["mode"], r["n"]) for r in rows] == [("mosaic", "donated", 1)]
+
+
 def test_graph_launch_donated_mode_aliases_its_output():
     import jax.numpy as jnp
     f = jax.jit(lambda x, out: graph_launch.chain(x, 2) + 0.0 * out, donate_argnums=(1,))

@@ -9,8 +9,9 @@ import pytest
 
 from dsv4_jax import config, decode as D, layers as L, params as P
 from dsv4_jax.cache import CacheSpec
-from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
+
+from cached_decode_setup import two_prefilled_requests
 
 
 def _bits(a):
@@ -22,17 +23,7 @@ def test_kernel_decode_layers_match_pure_jax(monkeypatch):
     cfg = config.tiny()
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
     nm = Numerics(True, "bfloat16")
-    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2)
-    eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64)
-    rng = np.random.default_rng()
-    lens = [int(rng.integers(130, 200)), int(rng.integers(5, 128))]
-    for n in lens:
-        eng.prefill(eng.bm.admit(n), rng.integers(0, cfg.vocab_size, n))
-    eng.bm.ensure_many({0: lens[0] + 1, 1: lens[1] + 1})
-    x = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), jnp.bfloat16)
-    pos = jnp.asarray(lens, jnp.int32)
-    args = (pos[:, None], jnp.ones((2, 1), bool), jnp.arange(2), pos, jnp.ones(2, jnp.int32),
-            jnp.asarray(eng.bm.table))
+    eng, cs, x, args = two_prefilled_requests(cfg, params, nm)
     def attend(i, kernels):
         """One layer's attention_cached as one jitted program, waited for. (Run op by op,
         the interpreted kernels' callbacks, which run jax ops themselves, could deadlock

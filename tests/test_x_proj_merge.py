@@ -19,6 +19,8 @@ from dsv4_jax.decode import compiled_step
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics, WeightRows, f32_dot_bf16
 
+from cached_decode_setup import two_prefilled_requests
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = Numerics(act_quant=False, dtype="float32")
 SIM = Numerics(act_quant=True, dtype="bfloat16")
@@ -153,17 +155,7 @@ def test_kernel_decode_path_bit_identical(tiny):
     from dsv4_jax import decode as D
     cfg, params, merged = tiny
     nm = SIM
-    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2)
-    eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64)
-    rng = np.random.default_rng()
-    lens = [int(rng.integers(130, 200)), int(rng.integers(5, 128))]
-    for n in lens:
-        eng.prefill(eng.bm.admit(n), rng.integers(0, cfg.vocab_size, n))
-    eng.bm.ensure_many({0: lens[0] + 1, 1: lens[1] + 1})
-    x = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), jnp.bfloat16)
-    pos = jnp.asarray(lens, jnp.int32)
-    args = (pos[:, None], jnp.ones((2, 1), bool), jnp.arange(2), pos, jnp.ones(2, jnp.int32),
-            jnp.asarray(eng.bm.table))
+    eng, cs, x, args = two_prefilled_requests(cfg, params, nm)
     i = _csa_layers(cfg)[0]
     csk = dataclasses.replace(cs, kernels="interpret")
 
