@@ -237,24 +237,24 @@ def main():
     mb = -(-(ctx + 40) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=a.kernels)
-    mesh = shardings = None
+    mesh = rep = None
     if a.devices:  # sharded as `dsv4 bench decode --devices`: profile device 0's stream
-        from dsv4_jax.distributed import make_mesh, param_shardings, shard_cache, sharded_step
+        from dsv4_jax.distributed import (cache_shardings, make_mesh, param_shardings,
+                                          shard_cache, sharded_step)
         mesh = make_mesh(a.devices, expert=a.expert, model=a.model)
-        shardings = param_shardings(cfg, mesh, include_mtp=False,
-                                    **({"x_proj_merged": True} if a.merge_x_proj else {}))
-        f = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
-        f = f.form(a.merge_x_proj) if hasattr(f, "form") else f.jitted   # (older trees)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        ss = sharded_step(cfg, cs, nm, mesh, include_mtp=False)
+        f = ss.form(a.merge_x_proj) if hasattr(ss, "form") else ss.jitted   # (older trees)
         if a.donate_logits:
-            from dsv4_jax.distributed import cache_shardings
-            stp = sharded_step(cfg, cs, nm, mesh, include_mtp=False).fn
-            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            stp = ss.fn
+            psh = param_shardings(cfg, mesh, include_mtp=False,
+                                  **({"x_proj_merged": True} if a.merge_x_proj else {}))
             csh = cache_shardings(cfg, cs, mesh)
 
             def step_into_sh(params, cache, lg_prev, *args):
                 lg, cache = stp(params, cache, *args)
                 return lg + 0.0 * lg_prev, cache   # aliases lg_prev (donated)
-            f = jax.jit(step_into_sh, in_shardings=(shardings, csh, rep) + (rep,) * 5,
+            f = jax.jit(step_into_sh, in_shardings=(psh, csh, rep) + (rep,) * 5,
                         out_shardings=(rep, csh), donate_argnums=(1, 2),
                         compiler_options=D_OPTS)
     else:
@@ -267,9 +267,11 @@ def main():
             f = jax.jit(step_into, donate_argnums=(1, 2),
                         compiler_options=D_OPTS)
     t0 = time.perf_counter()
+    # drawn in the checkpoint form, then merged (on a mesh the merged weights are placed by
+    # the sharding rules), as the CLI does
     params = P.init_params_device(cfg, 0, shardings=param_shardings(
         cfg, mesh, include_mtp=False) if mesh is not None else None)
-    if a.merge_x_proj:   # (on a mesh the merged weights are placed by the sharding rules)
+    if a.merge_x_proj:
         params = P.merge_x_proj(params, cfg, consume=True)
     params = jax.block_until_ready(params)
     print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -281,12 +283,11 @@ def main():
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
     if mesh is not None and a.place_args:   # else every call copies them onto the mesh
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         args = tuple(jax.device_put(x, rep) for x in args)
     donate = a.donate_logits
     lg = jnp.zeros((B, cfg.vocab_size), jnp.float32)
     if mesh is not None:
-        lg = jax.device_put(lg, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        lg = jax.device_put(lg, rep)
     t0 = time.perf_counter()
     compiled = (f.lower(params, cache, lg, *args) if donate
                 else f.lower(params, cache, *args)).compile()
