@@ -5,8 +5,12 @@
 # tree is "broken" if its pipelined step is not clearly faster than its sync step.
 # Trees: the working tree, plus each directory under bisect/ holding an older
 # dsv4_jax/ + pallas_kernels/ (git-ignored: pass carry=["bisect"] to the device tool):
-#   for c in 8e8ea91 296a005 86bc293; do mkdir -p bisect/$c && \
+#   for c in 3e91207; do mkdir -p bisect/$c && \
 #     git archive $c dsv4_jax pallas_kernels | tar -x -C bisect/$c; done
+# (3e91207 is the tree of the 14.83 ms run: that run started before 296a005 landed.)
+# Ran 2026-11-23 with the working tree and 3e91207 (benchmarks/results/session9_x2/): both
+# pipeline at 10 layers (4.07 vs 3.60 ms), so the slowdown needs more layers; the profile
+# then showed the per-step CUDA-graph re-recording (BENCHMARKS.md, third session).
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }

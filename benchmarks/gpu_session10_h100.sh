@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# H100, prepared in session 7 (2026-11-23, no device time left) for the next one:
+# H100, prepared in session 7 (2026-11-23, no device time left) for the next one; replaces
+# gpu_session9_h100.sh, which never ran:
 #  PART=1: the decode form of the weights (params.merge_x_proj, now the Engine's and the
 #          CLI's default): 4 Flash layers + head, B=1, kernels and time with the five CSA
 #          x-projections apart (--unmerged / no --merge-x-proj) and merged; then
 #          stream_diag on 10 layers (the copy_to_host_async read-back, not measured yet;
 #          the read-back into pinned host memory); graph_launch with Mosaic-GPU kernels.
-#  PART=2: the 128K attention cases that did not run (as gpu_session9_h100.sh PART=2).
+#  PART=2: the 128K attention cases that did not run (attention_decode.py resumes after the
+#          9 cases done; every variant was smoke-tested before, so none is re-checked).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
