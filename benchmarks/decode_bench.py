@@ -115,7 +115,8 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     ms_pipe_fixed  the same with every input at one address (only the logits move);
     and for "stream":
     ms_stream what Engine.stream gets: the stream step (device state, donated: no buffer
-              moves; greedy sampling inside), tokens read back one step behind;
+              moves; greedy sampling inside), tokens read back one step behind through
+              pinned host memory (no device allocation between steps);
     ms_loop   (loop=True) the jitted while-loop decode of `Engine.generate` (greedy), per
               token. XLA updates a step's CUDA graph whenever a buffer it uses moved."""
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
@@ -174,8 +175,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         t0, prev = time.perf_counter(), None
         for i in range(steps):
             cache, st = prog(params, cache, st)
-            nxt = read_tokens(st)
-            nxt.copy_to_host_async()   # as Engine.stream
+            nxt = read_tokens(st)   # as Engine.stream: into pinned host memory
             if prev is not None:
                 np.asarray(prev)   # the previous step's tokens, while this one runs
             prev = nxt

@@ -4,13 +4,14 @@
 
 Same cache and weights; per step, median host enqueue (how long the call takes to return:
 a CUDA-graph update shows here) and ms/step of 20 steps for:
-  stream_read   the stream step, each step's tokens read back one step behind (Engine.stream)
-  stream_noread the stream step, 20 enqueued back to back, one wait
+  stream_read   the stream step, each step's tokens copied into a fresh device array and
+                read back one step behind (Engine.stream until 2026-11-23)
+  stream_noread the same, 20 enqueued back to back, one wait
   old_stream    the plain step + a sampling program, tokens read back one step behind
                 (Engine.stream before the stream step)
   step_fixed    the plain step, inputs at fixed addresses, one wait
   stream_read_pinned  stream_read with the tokens copied into pinned host memory by the
-                copy program (no device allocation between steps)
+                copy program (no device allocation between steps): Engine.stream now
 """
 from __future__ import annotations
 
@@ -113,23 +114,19 @@ def main(argv=None):
         print(f"{name:14s} {ms:.3f} ms/step, host enqueue of the step {1e3 * np.median(enq[2:]):.3f} ms",
               flush=True)
 
+    read_device = jax.jit(lambda s: s["tok"][:, 0])   # a fresh device array per step
+
     def stream_step(i):
         nonlocal cache, st
         cache, st = prog(params, cache, st)
-        nxt = read_tokens(st)
-        nxt.copy_to_host_async()   # as Engine.stream
+        nxt = read_device(st)
+        nxt.copy_to_host_async()   # as Engine.stream was
         return nxt
 
-    # The tokens copied out by a program whose output lives in pinned host memory: no
-    # per-step device allocation between the steps (a moving one can move XLA's buffers
-    # and make it re-record the step's CUDA graphs).
-    read_pinned = jax.jit(lambda s: s["tok"][:, 0],
-                          out_shardings=st["tok"].sharding.with_memory_kind("pinned_host"))
-
-    def stream_step_pinned(i):
+    def stream_step_pinned(i):   # as Engine.stream: decode.read_tokens, pinned host memory
         nonlocal cache, st
         cache, st = prog(params, cache, st)
-        return read_pinned(st)
+        return read_tokens(st)
 
     def old_step(i):
         nonlocal cache

@@ -270,8 +270,7 @@ class Engine:
             self._st_host = (nvalid, self.bm.table.copy())
         self.cache, st = prog(self.params, self.cache, st)
         self.last_stream_state = st   # for inspection (e.g. in a notebook)
-        nxt = read_tokens(st)
-        nxt.copy_to_host_async()   # the transfer starts when the step ends, not when read
+        nxt = read_tokens(st)   # into pinned host memory, when the step ends
         for s in run_slots:
             self.bm.advance(s, 1)
         if "interpret" in (self.nm.matmul, self.cs.kernels):

@@ -348,9 +348,11 @@ rng = np.random.default_rng(int(sys.argv[1]))
 prompts = [rng.integers(0, cfg.vocab_size, 35).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
 a = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32).generate(
     prompts, max_new_tokens=5, jit_loop=False)
-b = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32,
-           mesh=make_mesh(2, expert=2)).generate(prompts, max_new_tokens=5)
-print(json.dumps({"single": a, "mesh": b}))
+e = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32, mesh=make_mesh(2, expert=2))
+b = e.generate(prompts, max_new_tokens=5)
+from dsv4_jax.decode import read_tokens
+host = read_tokens(e.last_stream_state).sharding
+print(json.dumps({"single": a, "mesh": b, "read": [host.memory_kind, len(host.device_set)]}))
 '''
 
 
@@ -363,6 +365,7 @@ def test_engine_on_a_mesh_generates_the_same_tokens(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["single"] == res["mesh"]
+    assert res["read"] == ["pinned_host", 2]   # tokens read back without a device buffer
 
 
 def test_bench_decode_runs_on_a_mesh():
