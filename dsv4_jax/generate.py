@@ -260,6 +260,10 @@ class Engine:
                 toks[s] = t
             st = init_stream_state(toks, self.bm.length.astype(np.int32), nvalid,
                                    self.bm.table, key, sharding=self._state_sharding)
+            # load the token reader before the step's first run: XLA drops every loaded
+            # program's CUDA graphs when a new one loads, and the step would re-record its
+            # graphs at its second run
+            read_tokens(st)
             self._st_host = (nvalid, self.bm.table.copy())
         else:
             nv0, tb0 = self._st_host
