@@ -363,12 +363,13 @@ def init_stream_state(tokens_R, pos_R, nvalid_R, block_table, key, i0: int = 1,
 
 
 def put_state(x_np, sharding=None):
-    """A host array -> a new device array for the stream state: on the default device, or
-    placed by `sharding` (every process passes the same value). On a mesh the state must
-    enter placed as the step returns it (replicated), or the second step recompiles."""
+    """A host array -> a new device array for the stream state, placed by `sharding`
+    (every process passes the same value; None: the default device). The state must enter
+    placed (committed) as the step returns it, or the second step compiles (and loads) the
+    step again: on one device the step's outputs are committed once its weights are."""
     x_np = np.array(x_np, copy=True)
-    if sharding is None:
-        return jnp.asarray(x_np)
+    if sharding is None:   # (jnp.asarray: a buffer of its own, which donation can reuse)
+        return jax.device_put(jnp.asarray(x_np), jax.devices()[0])
     return jax.make_array_from_callback(x_np.shape, sharding, lambda i: x_np[i])
 
 
