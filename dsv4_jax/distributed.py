@@ -65,6 +65,9 @@ RULES: dict[str, str | tuple[str, ...]] = {
 REPLICATED = frozenset({
     "embed", "embed_hc", "embed_in", "q_lora", "head_dim", "group_hd", "cmp_hd", "experts_r",
     "x_proj",  # the CSA blocks' merged x-projections (params.merge_x_proj)
+    # params.ROW_MERGES: wq_a + wkv rows (both whole already), and the shared expert's
+    # w1 + w3 rows (whole: split over "model" the rows would not pair w1 with w3)
+    "qkv_a", "mlp13",
     "window", "entries", "cmp_rows", "cmp_state", "kv_nope", "kv_scale", "kv_rope", "kv_dim",
     "idx_dim"})
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from .params import X_PROJ, X_PROJ_PARTS
+from .params import ROW_MERGES, X_PROJ, X_PROJ_PARTS
 from .quant import (KERNEL_MAX_ROWS, Fp8Weight, Numerics, WeightRows, dequant, f32_dot_bf16,
                     fp8_block_sim, fp4_block_sim, grouped_linear, linear)
 from . import kvformat
@@ -372,6 +372,8 @@ def block_params(p: dict, prefix: str) -> dict:
     block_params(ap, "compressor.") etc. look the same in either form."""
     if X_PROJ in p:
         p = {**p, **x_proj_views(p)}
+    if any(k.endswith(tuple(ROW_MERGES)) for k in p):
+        p = {**p, **row_merge_views(p)}
     n = len(prefix)
     return {k[n:]: v for k, v in p.items() if k.startswith(prefix)}
 
@@ -391,6 +393,27 @@ def x_proj_views(ap: dict) -> dict:
                          f"{2 * c + 2 * ci}")
     ends = np.cumsum(sizes)
     return {k: WeightRows(w, int(e - n), int(e)) for k, n, e in zip(X_PROJ_PARTS, sizes, ends)}
+
+
+def row_merge_views(p: dict) -> dict:
+    """The ROW_MERGES weights among p's keys (a whole tree, or one block's keys relative to
+    "layers.N.") as WeightRows views under the names of their parts. Splits: wqkv_a = wq_a
+    rows, then wkv's (as many as kv_norm has); shared_experts.w13 = w1 rows, then w3's (half
+    each). A matmul with a view multiplies by the whole stored weight and slices
+    (quant.linear): the two views' calls are one and the same kernel, which XLA computes
+    once."""
+    out = {}
+    for k, w in p.items():
+        for m, (a, b) in ROW_MERGES.items():
+            if not (k == m or k.endswith("." + m)):
+                continue
+            base = k[:len(k) - len(m)]   # "" or "layers.N."
+            rows = w.shape[-2]
+            nb = (p[base + "attn.kv_norm.weight"].shape[0] if m == "attn.wqkv_a"
+                  else rows // 2)
+            out[base + a] = WeightRows(w, 0, rows - nb)
+            out[base + b] = WeightRows(w, rows - nb, rows)
+    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -64,6 +64,31 @@ def x_proj_spec(cfg: Config) -> ParamSpec:
     return ParamSpec((sum(x_proj_sizes(cfg)), cfg.hidden_size), "bf16", ("x_proj", "embed"))
 
 
+# The decode form also stores pairs of linears that multiply the same input as one weight,
+# their rows concatenated (one weight-streaming kernel per pair instead of two): names
+# relative to the block ("layers.N." / "mtp.J."), merged name -> its parts in row order.
+ROW_MERGES = {"attn.wqkv_a": ("attn.wq_a", "attn.wkv"),
+              "ffn.shared_experts.w13": ("ffn.shared_experts.w1", "ffn.shared_experts.w3")}
+ROW_MERGE_AXIS = {"attn.wqkv_a": "qkv_a", "ffn.shared_experts.w13": "mlp13"}
+
+
+def row_merge_ok(parts: list[ParamSpec]) -> bool:
+    """Whether weights of these specs can be stored as one: same format and columns; FP8's
+    128 x 128 scale blocks must not straddle two parts (rows multiples of 128); NVFP4 has
+    one global scale per weight, so its weights stay apart."""
+    f, cols = parts[0].fmt, parts[0].shape[1:]
+    if any(q.fmt != f or q.shape[1:] != cols for q in parts) or len(cols) != 1:
+        return False
+    if f == "fp8":
+        return all(q.shape[0] % 128 == 0 for q in parts)
+    return f in ("bf16", "f32")
+
+
+def _row_merged_spec(merged: str, parts: list[ParamSpec]) -> ParamSpec:
+    return ParamSpec((sum(q.shape[0] for q in parts), *parts[0].shape[1:]), parts[0].fmt,
+                     (ROW_MERGE_AXIS[merged], *parts[0].axes[1:]), parts[0].init)
+
+
 def _block_specs(cfg: Config, p: str, layer: int,
                  x_proj_merged: bool = False) -> dict[str, ParamSpec]:
     d, H, hd, ql = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
@@ -122,13 +147,21 @@ def _block_specs(cfg: Config, p: str, layer: int,
         s[f + "shared_experts.w1"] = ParamSpec((I, d), lin, ("mlp", "embed"))
         s[f + "shared_experts.w3"] = ParamSpec((I, d), lin, ("mlp", "embed"))
         s[f + "shared_experts.w2"] = ParamSpec((d, I), lin, ("embed", "mlp"))
+    if x_proj_merged:
+        for m, names in ROW_MERGES.items():
+            parts = [s.get(p + n) for n in names]
+            if all(parts) and row_merge_ok(parts):
+                for n in names:
+                    del s[p + n]
+                s[p + m] = _row_merged_spec(m, parts)
     return s
 
 
 def describe(cfg: Config, include_mtp: bool = True,
              x_proj_merged: bool = False) -> dict[str, ParamSpec]:
     """Every parameter by name. x_proj_merged: the decode form of `merge_x_proj`, each CSA
-    block's five x-projections as one `attn.x_proj_merged`."""
+    block's five x-projections as one `attn.x_proj_merged`, and every block's ROW_MERGES
+    pairs (where row_merge_ok) as one weight each."""
     d, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     s: dict[str, ParamSpec] = {}
     s["embed.weight"] = ParamSpec((V, d), "bf16", ("vocab", "embed"), "embed")
@@ -325,28 +358,40 @@ def init_params_device(cfg: Config, seed: int = 0, include_mtp: bool = False,
 
 
 # ---------------------------------------------------------------------------------------
-# Decode form: the CSA blocks' x-projections pre-concatenated
+# Decode form: the CSA blocks' x-projections and the ROW_MERGES pairs pre-concatenated
 # ---------------------------------------------------------------------------------------
 def x_proj_is_merged(params: dict) -> bool:
-    """Whether a parameter tree is in merge_x_proj's form (any block with x_proj_merged)."""
-    return any(k.endswith("attn." + X_PROJ) for k in params)
+    """Whether a parameter tree is in merge_x_proj's decode form (any block with
+    x_proj_merged or one of ROW_MERGES)."""
+    ends = ("attn." + X_PROJ, *ROW_MERGES)
+    return any(k.endswith(ends) for k in params)
+
+
+def _cat(*leaves):  # rows: axis -2 of every stored array (FP8 scales too: [.., out/128, in/128])
+    return jnp.concatenate(leaves, axis=-2) if leaves[0].ndim > 1 else jnp.concatenate(leaves)
 
 
 @functools.lru_cache(maxsize=None)
-def _concat_rows_fn(sharding):
-    return jax.jit(lambda *ws: jnp.concatenate(ws, axis=0), out_shardings=sharding)
+def _concat_rows_fn(sh_leaves: tuple, sh_tree):
+    sh = None if sh_tree is None else jax.tree.unflatten(sh_tree, sh_leaves)
+    return jax.jit(lambda *ws: jax.tree.map(_cat, *ws), out_shardings=sh)
 
 
 def _concat_rows(ws, spec: ParamSpec, rules):
-    if all(isinstance(w, np.ndarray) for w in ws):  # host tree: stays on the host
-        return np.concatenate(ws, axis=0)
-    if any(isinstance(w, jax.core.Tracer) for w in ws):  # inside a trace (eval_shape, jit)
-        return jnp.concatenate(ws, axis=0)
-    sh = getattr(ws[0], "sharding", None)
+    """Weights (plain arrays or one quant type, host or device) -> one weight, their rows
+    concatenated: placed as the first one is (on a mesh: by the rules for `spec`)."""
+    leaves = jax.tree.leaves(ws)
+    if all(isinstance(w, np.ndarray) for w in leaves):  # host tree: stays on the host
+        return jax.tree.map(lambda *a: np.concatenate(a, axis=-2 if a[0].ndim > 1 else 0), *ws)
+    if any(isinstance(w, jax.core.Tracer) for w in leaves):  # inside a trace (eval_shape, jit)
+        return jax.tree.map(_cat, *ws)
+    sh = getattr(leaves[0], "sharding", None)
     if isinstance(sh, jax.sharding.NamedSharding):  # on a mesh: placed by the rules
         from . import distributed
-        sh = jax.sharding.NamedSharding(sh.mesh, distributed.param_pspecs(spec, sh.mesh, rules))
-    return _concat_rows_fn(sh)(*ws)
+        sh = jax.tree.map(lambda p: jax.sharding.NamedSharding(sh.mesh, p),
+                          distributed.param_pspecs(spec, sh.mesh, rules))
+    sh_leaves, sh_tree = jax.tree.flatten(sh)
+    return _concat_rows_fn(tuple(sh_leaves), sh_tree)(*ws)
 
 
 def _check_x_proj_part(name: str, w, rows: int, cfg: Config):
@@ -362,6 +407,14 @@ def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None
     wgate; indexer compressor wkv, wgate; indexer weights_proj) are replaced by ONE weight
     `<block>attn.x_proj_merged` [sum(x_proj_sizes(cfg)), hidden], their rows concatenated
     in that order (row ranges: x_proj_sizes). Every other parameter is the same array.
+
+    Every block (MTP included) also gets its ROW_MERGES pairs stored as one weight each,
+    rows concatenated in order (every stored array: FP8 values and their block scales):
+    `attn.wqkv_a` = wq_a + wkv, `ffn.shared_experts.w13` = shared w1 + w3, where
+    row_merge_ok (FP8 with rows in whole 128-row scale blocks, or plain; NVFP4 stays
+    apart). The layer code reads them as row views too, so each pair is one
+    weight-streaming kernel per step instead of two (4 Flash layers compiled for an H100:
+    284 -> 272 kernels, 50 -> 42 matmul kernels).
 
     Why: the layer code reads the five as row views of the merged weight
     (layers.block_params), so a step multiplies x by it in one dot. Stored apart, XLA's dot
@@ -411,4 +464,43 @@ def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None
         ws = [out.pop(n) for n in names]
         out[a + X_PROJ] = _concat_rows(ws, spec, rules)
         del ws  # the five are freed here unless someone else holds them
+    blocks = [(f"layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
+    blocks += [(f"mtp.{j}.", cfg.num_hidden_layers + j)
+               for j in range(cfg.num_nextn_predict_layers)]
+    for b, layer in blocks:
+        specs = _block_specs(cfg, b, layer)
+        for m, parts in ROW_MERGES.items():
+            names = [b + n for n in parts]
+            if not row_merge_ok([specs[n] for n in names]):
+                continue  # e.g. NVFP4 linears: stored apart in the decode form too
+            have = [n for n in names if n in out]
+            if b + m in out:
+                if have:
+                    raise ValueError(f"merge_x_proj: {b + m} is there together with the "
+                                     f"weights it replaces: {have}")
+                continue  # merged already
+            if not have:
+                if any(k.startswith(b) for k in out):
+                    raise ValueError(f"merge_x_proj: block {b!r} has neither {m} nor the "
+                                     f"weights it is made of {list(parts)}")
+                continue  # block not in this tree
+            if len(have) != len(names):
+                raise ValueError(f"merge_x_proj: block {b!r} lacks "
+                                 f"{sorted(set(names) - set(have))}")
+            for n in names:
+                _check_row_part(n, out[n], specs[n])
+            ws = [out.pop(n) for n in names]
+            out[b + m] = _concat_rows(ws, _row_merged_spec(m, [specs[n] for n in names]),
+                                      rules)
+            del ws
     return out
+
+
+def _check_row_part(name: str, w, spec: ParamSpec):
+    st = storage_structs(spec)
+    want = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), st)
+    got = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), w)
+    same_type = type(w) is type(st) if Q.is_quantized(st) else not Q.is_quantized(w)
+    if not same_type or got != want:
+        raise ValueError(f"merge_x_proj: {name} is {type(w).__name__} {got}, expected "
+                         f"{spec.fmt} {spec.shape}")

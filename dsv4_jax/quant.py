@@ -158,7 +158,7 @@ class WeightRows:
 
     @property
     def shape(self):
-        return (self.stop - self.start, self.w.shape[-1])
+        return (*self.w.shape[:-2], self.stop - self.start, self.w.shape[-1])
 
     @property
     def dtype(self):
@@ -264,6 +264,8 @@ def linear(x, w, nm: Numerics, *, out_dtype=None):
     are bf16 (exact, see `dequant_bf16`) unless running f32 without simulation; with
     `nm.matmul` = "pallas" the weight-streaming kernel reads FP8/FP4 weights as stored."""
     out_dtype = out_dtype or nm.jdtype
+    if isinstance(w, WeightRows) and is_quantized(w.w):  # a view: the whole weight, sliced
+        return linear(x, w.w, nm, out_dtype=out_dtype)[..., w.start:w.stop]
     if not is_quantized(w):  # plain bf16 / f32 weights: f32-exact
         return f32_dot_bf16(x, w).astype(out_dtype)
     if nm.act_quant:

@@ -64,6 +64,19 @@ def test_merged_tree_layout(tiny):
     if cfg.layer_ratio(mtp) == 4:
         gone |= {f"mtp.0.attn.{k}" for k in P.X_PROJ_PARTS}
         added |= {f"mtp.0.attn.{P.X_PROJ}"}
+    # every block's ROW_MERGES pairs (FP8 in the tiny preset): one weight, rows in order,
+    # every stored array (FP8 values and their 128 x 128 block scales) bit for bit
+    blocks = [f"layers.{i}." for i in range(cfg.num_hidden_layers)] + ["mtp.0."]
+    for b in blocks:
+        for m, parts in P.ROW_MERGES.items():
+            gone |= {b + n for n in parts}
+            added.add(b + m)
+            got = jax.tree.leaves(merged[b + m])
+            want = [np.concatenate([np.asarray(jax.tree.leaves(params[b + n])[j])
+                                    for n in parts], axis=-2) for j in range(len(got))]
+            assert len(got) == 2  # FP8: values, scales
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=b + m)
     assert set(merged) == (set(params) - gone) | added
     assert all(merged[k] is params[k] for k in set(params) - gone)
     # the description of the decode form matches the tree
@@ -98,9 +111,20 @@ def test_merge_twice_is_a_no_op_and_partial_trees_raise(tiny):
     out = P.merge_x_proj(own, cfg, consume=True)
     assert out is own and set(own) == set(merged)
     # a host (numpy) tree stays on the host
-    host = {k: np.asarray(v) for k, v in params.items() if k.startswith(f"layers.{i}.")}
+    host = {k: jax.tree.map(np.asarray, v) for k, v in params.items()
+            if k.startswith(f"layers.{i}.")}
     hm = P.merge_x_proj(host, cfg)
     assert isinstance(hm[f"layers.{i}.attn.{P.X_PROJ}"], np.ndarray)
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(hm[f"layers.{i}.attn.wqkv_a"]))
+    # the row merges check their parts too
+    part = dict(params)
+    del part[f"layers.{i}.ffn.shared_experts.w3"]
+    with pytest.raises(ValueError, match="lacks"):
+        P.merge_x_proj(part, cfg)
+    bad = dict(params)
+    bad[f"layers.{i}.attn.wkv"] = params[f"layers.{i}.attn.wq_a"]   # wrong rows
+    with pytest.raises(ValueError, match="attn.wkv is Fp8Weight"):
+        P.merge_x_proj(bad, cfg)
 
 
 def test_views_multiply_like_the_weights_they_replace(tiny):
@@ -177,7 +201,8 @@ def _count_dots(hlo: str) -> int:
 def test_decode_step_multiplies_x_once_per_csa_block(tiny):
     """The three readers of a merged block (compressor, indexer compressor, indexer
     weights) are one dot after XLA's CSE: the decode step has 4 dots fewer per CSA block
-    than with the five weights apart (5 -> 1; 3 if the views' dots were not merged)."""
+    than with the five weights apart (5 -> 1; 3 if the views' dots were not merged), and
+    one fewer per ROW_MERGES pair in every layer (wq_a + wkv, shared w1 + w3)."""
     cfg, params, merged = tiny
     cs = CacheSpec.for_numerics(SIM, max_requests=2, num_blocks=6, max_blocks=3)
     step = compiled_step(cfg, cs, SIM)
@@ -187,7 +212,8 @@ def test_decode_step_multiplies_x_once_per_csa_block(tiny):
             jnp.zeros((2, 3), jnp.int32))
     n = {name: _count_dots(step.lower(p, cache, *args).compile().as_text())
          for name, p in (("apart", params), ("merged", merged))}
-    assert n["apart"] - n["merged"] == 4 * len(_csa_layers(cfg)), n
+    assert n["apart"] - n["merged"] == (4 * len(_csa_layers(cfg))
+                                        + len(P.ROW_MERGES) * cfg.num_hidden_layers), n
 
 
 _MESH_SCRIPT = r'''
@@ -248,3 +274,24 @@ def test_merged_tree_shards_and_gives_the_same_logits():
     assert res["engine_vs_merged_max_abs"] == 0.0
     # tensor parallelism itself changes the summation order (all-reduces) elsewhere
     assert res["merged_vs_single_max_abs"] < 1e-5 * res["scale"]
+
+
+def test_row_views_through_the_matmul_kernel(tiny):
+    """The weight-streaming kernel (Mosaic GPU interpreter on CPU) with a view of a merged
+    FP8 weight: the merged weight's product, sliced, gives each part's product, bit for
+    bit. (That the two views' kernel calls are one after XLA's CSE shows in the GPU
+    program compiled without a GPU: `aot_anatomy.py --layers 4 --merge-x-proj`, 42 matmul
+    kernels instead of 50.)"""
+    from dsv4_jax.quant import linear
+    cfg, params, merged = tiny
+    nm = Numerics(True, "bfloat16", matmul="interpret")
+    x = jnp.asarray(np.random.default_rng().standard_normal((1, 3, cfg.hidden_size)),
+                    jnp.bfloat16)
+    for m, parts in P.ROW_MERGES.items():
+        views = L.row_merge_views({m: merged["layers.0." + m],
+                                   "attn.kv_norm.weight": params["layers.0.attn.kv_norm.weight"]})
+        for n in parts:
+            want = jax.jit(lambda x, w: linear(x, w, nm))(x, params["layers.0." + n])
+            got = jax.jit(lambda x, w: linear(x, w, nm))(x, views[n])
+            np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                          np.asarray(want, np.float32), err_msg=n)
