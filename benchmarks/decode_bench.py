@@ -98,8 +98,8 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
             out.append(jnp.full(a.shape, 120, jnp.uint8))
         elif a.dtype == jnp.uint8:
             out.append(jax.random.randint(kk, a.shape, 0, 256, jnp.int32).astype(jnp.uint8))
-        elif "pv_z" in name:
-            out.append(a)
+        elif name.endswith("['cst']"):   # the compressor state; its -inf parts stay -inf
+            out.append(jnp.where(jnp.isinf(a), a, jax.random.normal(kk, a.shape) * 0.1))
         else:
             out.append((jax.random.normal(kk, a.shape) * 0.1).astype(a.dtype))
     return jax.tree_util.tree_unflatten(tree, out)

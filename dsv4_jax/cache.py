@@ -109,25 +109,76 @@ def decode_idx(cs: CacheSpec, f):
 # ---------------------------------------------------------------------------------------
 # Cache pytree
 # ---------------------------------------------------------------------------------------
+# Compressor tail state: one f32 array per compressed layer, `cst` [R, r, width] (r = the
+# layer's ratio: one row per token of a compression block), holding the named parts below
+# side by side along the last axis, in this order (c = head_dim, ci = index_head_dim):
+#   CSA (r = 4):   st_a 2c | st_z 2c | pv_a c | pv_z c | ist_a 2ci | ist_z 2ci | ipv_a ci | ipv_z ci
+#   HCA (r = 128): st_a c | st_z c
+# st_* are the a / z rows of the current incomplete block, pv_* the [:c] half of the
+# previous complete block (CSA pools it with the current one); the i-prefixed parts are
+# the indexer compressor's. One array instead of 8 (CSA) or 2 (HCA): each donated cache
+# array costs host time every step on the GPU (~3-6 us apiece). The step reads the named
+# parts as slices of the array (split_cmp_state) and writes them back as one concat (XLA
+# then copies the array once per step before the write: 4 Flash layers compiled for an
+# H100, 268 -> 266 kernels, 2 of them such copies).
+def cmp_state_parts(cfg: Config, ratio: int) -> tuple[tuple[str, int], ...]:
+    """((name, width), ...) of a ratio-`ratio` layer's compressor state, in storage order."""
+    c, ci = cfg.head_dim, cfg.index_head_dim
+    if ratio == 4:
+        return (("st_a", 2 * c), ("st_z", 2 * c), ("pv_a", c), ("pv_z", c),
+                ("ist_a", 2 * ci), ("ist_z", 2 * ci), ("ipv_a", ci), ("ipv_z", ci))
+    if ratio > 0:
+        return (("st_a", c), ("st_z", c))
+    raise ValueError(f"a layer of compression ratio {ratio} has no compressor state")
+
+
+# initial value of each part: the previous-block scores start at -inf, so a first block
+# pools only itself; everything else starts at 0
+_CMP_STATE_INIT = {"pv_z": -np.inf, "ipv_z": -np.inf}
+
+
+def split_cmp_state(cst, cfg: Config, ratio: int) -> dict:
+    """cst [..., r, width] -> {name: [..., r, part width]} (slices, in storage order)."""
+    parts = cmp_state_parts(cfg, ratio)
+    width = sum(w for _, w in parts)
+    if cst.ndim < 2 or cst.shape[-2:] != (ratio, width):
+        raise ValueError(f"compressor state of a ratio-{ratio} layer must be [..., {ratio}, "
+                         f"{width}] ({' | '.join(n for n, _ in parts)}), got {cst.shape}")
+    out, o = {}, 0
+    for name, w in parts:
+        out[name] = cst[..., o:o + w]
+        o += w
+    return out
+
+
+def join_cmp_state(parts: dict, cfg: Config, ratio: int):
+    """{name: [..., r, part width]} (every part of cmp_state_parts) -> cst [..., r, width]."""
+    names = [n for n, _ in cmp_state_parts(cfg, ratio)]
+    if sorted(parts) != sorted(names):
+        raise ValueError(f"compressor state of a ratio-{ratio} layer has parts {names}, "
+                         f"got {sorted(parts)}")
+    return jnp.concatenate([parts[n] for n in names], -1)
+
+
+def compressor_state(cache: dict, cfg: Config, layer: int) -> dict:
+    """The named parts of layer `layer`'s compressor state in a cache tree (init_cache):
+    {"st_a": [R, r, .], "st_z": ..., ...} (see cmp_state_parts); for inspection."""
+    ratio = cfg.layer_ratio(layer)
+    if ratio == 0:
+        raise ValueError(f"layer {layer} is a sliding-window layer: no compressor state")
+    return split_cmp_state(cache[f"L{layer}"]["cst"], cfg, ratio)
+
+
 def layer_structs(cfg: Config, cs: CacheSpec, layer: int) -> dict:
     R, NB, W = cs.max_requests, cs.num_blocks, cfg.sliding_window
     S = jax.ShapeDtypeStruct
     d: dict = {"win": kv_fields(cs, (R, W)), "win_pos": S((R, W), jnp.int32)}
     r = cfg.layer_ratio(layer)
     if r > 0:
-        coff = 2 if r == 4 else 1
         d["cmp"] = kv_fields(cs, (NB, BLOCK_TOKENS // r))
-        d["st_a"] = S((R, r, coff * cfg.head_dim), jnp.float32)
-        d["st_z"] = S((R, r, coff * cfg.head_dim), jnp.float32)
         if r == 4:
-            c = cfg.index_head_dim
-            d["pv_a"] = S((R, r, cfg.head_dim), jnp.float32)
-            d["pv_z"] = S((R, r, cfg.head_dim), jnp.float32)
             d["idx"] = idx_fields(cs, (NB, BLOCK_TOKENS // r))
-            d["ist_a"] = S((R, r, 2 * c), jnp.float32)
-            d["ist_z"] = S((R, r, 2 * c), jnp.float32)
-            d["ipv_a"] = S((R, r, c), jnp.float32)
-            d["ipv_z"] = S((R, r, c), jnp.float32)
+        d["cst"] = S((R, r, sum(w for _, w in cmp_state_parts(cfg, r))), jnp.float32)
     return d
 
 
@@ -137,11 +188,13 @@ def cache_structs(cfg: Config, cs: CacheSpec) -> dict:
 
 def init_cache(cfg: Config, cs: CacheSpec) -> dict:
     def make(path, s):
-        name = jax.tree_util.keystr(path)
-        if "win_pos" in name:
+        name = path[-1].key
+        if name == "win_pos":
             return jnp.full(s.shape, -1, s.dtype)
-        if "pv_z" in name:
-            return jnp.full(s.shape, -jnp.inf, s.dtype)
+        if name == "cst":   # [R, r, width]: each part's initial value along the last axis
+            row = np.concatenate([np.full(w, _CMP_STATE_INIT.get(n, 0.0), np.float32)
+                                  for n, w in cmp_state_parts(cfg, s.shape[1])])
+            return jnp.broadcast_to(jnp.asarray(row), s.shape)
         return jnp.zeros(s.shape, s.dtype)
     return jax.tree_util.tree_map_with_path(make, cache_structs(cfg, cs))
 

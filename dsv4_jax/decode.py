@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv
+from .cache import (BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv,
+                    join_cmp_state, split_cmp_state)
 from .config import Config
 from .quant import Numerics
 from . import layers as L
@@ -54,13 +55,19 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
         # Decode: the token lands in row `off` of the current block, which completes when
         # off == r - 1. The new state is an elementwise select on the old one, with no
         # gather: the general form's gathers cost dynamic-slice kernels and state copies
-        # every step. Same values as the general form.
+        # every step. Same values as the general form. a and z go through the selects as
+        # one [B, r, 2*coff*c] array (st_a | st_z sit side by side in the cache's packed
+        # state, cache.cmp_state_parts): one select fusion instead of two.
+        w = a.shape[-1]
         put = (jnp.arange(r)[None, :, None] == off[:, None, None]) & (nvalid > 0)[:, None, None]
-        cur_a, cur_z = jnp.where(put, a, st_a), jnp.where(put, z, st_z)     # [B, r, coff*c]
+        cur = jnp.where(put, jnp.concatenate([a, z], -1),
+                        jnp.concatenate([st_a, st_z], -1))                  # [B, r, 2*coff*c]
+        cur_a, cur_z = cur[..., :w], cur[..., w:]                           # [B, r, coff*c]
         a_blk = jnp.stack([cur_a, jnp.zeros_like(cur_a)], 1)                # [B, 2, r, .]
         z_blk = jnp.stack([cur_z, jnp.zeros_like(cur_z)], 1)
         done = (ncomp > 0)[:, None, None]
-        new_st_a, new_st_z = jnp.where(done, 0.0, cur_a), jnp.where(done, 0.0, cur_z)
+        new_st = jnp.where(done, 0.0, cur)
+        new_st_a, new_st_z = new_st[..., :w], new_st[..., w:]
         last_a, last_z = cur_a, cur_z   # the block that completed, if one did
     else:
         VL = (nb + 1) * r  # one spare block so the trailing partial block always exists
@@ -113,20 +120,28 @@ def _gather_entries(pool, bt_rows, epb):
     return jax.tree.map(lambda a: a[blk].reshape(blk.shape[0], -1, *a.shape[2:]), pool)
 
 
-def _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs, cfg, nm, which):
-    """Run the main ("") or indexer ("i") compressor over the chunk and store its new state
-    in lc. Returns (entries [B, nb, c], entry index [B, nb], complete [B, nb])."""
+def _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg, nm, which):
+    """Run the main ("") or indexer ("i") compressor over the chunk and put its new state in
+    st (the batch rows' named state parts, split_cmp_state: "st_a" [B, r, coff*c], ...).
+    Returns (entries [B, nb, c], entry index [B, nb], complete [B, nb])."""
     cp = L.block_params(ap, "compressor." if which == "" else "indexer.compressor.")
     c = cfg.head_dim if which == "" else cfg.index_head_dim
     kind = "main" if which == "" else "indexer"
     n = [which + k for k in ("st_a", "st_z", "pv_a", "pv_z")]
-    st = [lc[k][slots] if k in lc else None for k in n]
-    ent, eidx, comp, new = compressor_chunk(cp, x, tok_pos, pos, nvalid, *st, ratio, c, freqs,
-                                            cfg, nm, kind)
-    for k, v in zip(n, new):
-        if v is not None:
-            lc[k] = lc[k].at[slots].set(v)
+    ent, eidx, comp, new = compressor_chunk(cp, x, tok_pos, pos, nvalid, *(st.get(k) for k in n),
+                                            ratio, c, freqs, cfg, nm, kind)
+    st.update({k: v for k, v in zip(n, new) if v is not None})
     return ent, eidx, comp
+
+
+def _read_state(lc, slots, cfg, ratio):
+    """The batch rows' compressor state: lc["cst"] [R, r, width] -> {name: [B, r, part]}."""
+    return split_cmp_state(lc["cst"][slots], cfg, ratio)
+
+
+def _write_state(lc, slots, st, cfg, ratio):
+    """Store the batch rows' new compressor state (all parts as one write)."""
+    lc["cst"] = lc["cst"].at[slots].set(join_cmp_state(st, cfg, ratio))
 
 
 # The read-only kernels behind one jit each: the layers' identical calls then share one
@@ -196,15 +211,17 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     lc["win_pos"] = win["win_pos"]
     slots = jnp.arange(B)
     if ratio > 0:
-        ent, eidx, comp = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio,
-                                             freqs, cfg, nm, "")
+        st = _read_state(lc, slots, cfg, ratio)
+        ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
+                                             cfg, nm, "")
         pool = {"cmp_nope": lc["cmp"]["nope"], "cmp_scale": lc["cmp"]["scale"],
                 "cmp_rope": lc["cmp"]["rope"]}
         idx_pool, key = None, None
         if ratio == 4:
-            kI, _, _ = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs,
-                                          cfg, nm, "i")
+            kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
+                                          nm, "i")
             idx_pool, key = dict(lc["idx"]), kI[:, 0].astype(F32)
+        _write_state(lc, slots, st, cfg, ratio)
         pool, idx_pool = flush_compressed(pool, idx_pool, ent[:, 0].astype(jnp.bfloat16), key,
                                           comp[:, 0].astype(jnp.int32), eidx[:, 0], bt_rows,
                                           fmt=cs.index_format, interpret=interp)
@@ -263,8 +280,9 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     if ratio > 0:
         epb = BLOCK_TOKENS // ratio
         NB = cs.num_blocks
-        ent, eidx, comp = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio,
-                                             freqs, cfg, nm, "")
+        st = _read_state(lc, slots, cfg, ratio)
+        ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
+                                             cfg, nm, "")
         blk, sl = _pool_addr(eidx, comp, bt_rows, epb, NB)
         lc["cmp"] = _scatter(lc["cmp"], (blk, sl), encode_kv(cs, ent))
         cents = decode_kv(cs, _gather_entries(lc["cmp"], bt_rows, epb), nm.jdtype)  # [B, NE, K]
@@ -272,13 +290,14 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
         visible = (jnp.arange(NE)[None, None, :] < ((tok_pos + 1) // ratio)[:, :, None])
         if ratio == 4:
             ip = L.block_params(ap, "indexer.")
-            kI, _, _ = _compressor_update(ap, lc, x, tok_pos, slots, pos, nvalid, ratio, freqs,
-                                          cfg, nm, "i")
+            kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
+                                          nm, "i")
             lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
             keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm)
             scores = L.indexer_scores(qI, wI, keysI)
             visible, _ = L.topk_mask(scores, visible, cfg.index_topk)
+        _write_state(lc, slots, st, cfg, ratio)
         keys = jnp.concatenate([keys, cents], 1)
         mask = jnp.concatenate([mask, visible], -1)
     o = L.attend(q, keys[:, None], mask, ap["attn_sink"], nm)

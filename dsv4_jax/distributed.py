@@ -191,7 +191,8 @@ def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
       win_pos  [R, W]           requests, window
       cmp.*    [NB, epb, ...]   pool_blocks, entries, <field>
       idx.*    [NB, epb, ...]   pool_blocks, entries, idx_dim...
-      st_*, pv_*, ist_*, ipv_*  [R, r, width]  requests, cmp_rows, cmp_state"""
+      cst      [R, r, width]    requests, cmp_rows, cmp_state (the compressor state's
+                                parts side by side: cache.cmp_state_parts)"""
     def axes(path, s):
         keys = [p.key for p in path]  # ["L<i>", name] or ["L<i>", group, field]
         name, field = keys[1], keys[2] if len(keys) > 2 else None
