@@ -67,26 +67,34 @@ def x_proj_spec(cfg: Config) -> ParamSpec:
 # The decode form also stores pairs of linears that multiply the same input as one weight,
 # their rows concatenated (one weight-streaming kernel per pair instead of two): names
 # relative to the block ("layers.N." / "mtp.J."), merged name -> its parts in row order.
+# The routed experts' w1 + w3 are stacked [E, I, in]: their rows (axis -2) are concatenated
+# per expert, [E, 2I, in], so one kernel call streams both halves of each selected expert.
 ROW_MERGES = {"attn.wqkv_a": ("attn.wq_a", "attn.wkv"),
-              "ffn.shared_experts.w13": ("ffn.shared_experts.w1", "ffn.shared_experts.w3")}
-ROW_MERGE_AXIS = {"attn.wqkv_a": "qkv_a", "ffn.shared_experts.w13": "mlp13"}
+              "ffn.shared_experts.w13": ("ffn.shared_experts.w1", "ffn.shared_experts.w3"),
+              "ffn.experts.w13": ("ffn.experts.w1", "ffn.experts.w3")}
+ROW_MERGE_AXIS = {"attn.wqkv_a": "qkv_a", "ffn.shared_experts.w13": "mlp13",
+                  "ffn.experts.w13": "mlp13"}
 
 
 def row_merge_ok(parts: list[ParamSpec]) -> bool:
-    """Whether weights of these specs can be stored as one: same format and columns; FP8's
-    128 x 128 scale blocks must not straddle two parts (rows multiples of 128); NVFP4 has
-    one global scale per weight, so its weights stay apart."""
-    f, cols = parts[0].fmt, parts[0].shape[1:]
-    if any(q.fmt != f or q.shape[1:] != cols for q in parts) or len(cols) != 1:
+    """Whether weights of these specs can be stored as one, rows (axis -2) concatenated:
+    same format, leading dims and columns; FP8's 128 x 128 scale blocks must not straddle
+    two parts (rows multiples of 128); FP4 (e2m1, one e8m0 scale per 32 along a row) merges
+    at any row count; NVFP4 has one global scale per weight, so its weights stay apart."""
+    f, shp = parts[0].fmt, parts[0].shape
+    if len(shp) < 2 or any(q.fmt != f or len(q.shape) != len(shp) or q.shape[:-2] != shp[:-2]
+                           or q.shape[-1] != shp[-1] for q in parts):
         return False
     if f == "fp8":
-        return all(q.shape[0] % 128 == 0 for q in parts)
-    return f in ("bf16", "f32")
+        return all(q.shape[-2] % 128 == 0 for q in parts)
+    return f in ("fp4", "bf16", "f32")
 
 
 def _row_merged_spec(merged: str, parts: list[ParamSpec]) -> ParamSpec:
-    return ParamSpec((sum(q.shape[0] for q in parts), *parts[0].shape[1:]), parts[0].fmt,
-                     (ROW_MERGE_AXIS[merged], *parts[0].axes[1:]), parts[0].init)
+    p0 = parts[0]
+    rows = sum(q.shape[-2] for q in parts)
+    return ParamSpec((*p0.shape[:-2], rows, p0.shape[-1]), p0.fmt,
+                     (*p0.axes[:-2], ROW_MERGE_AXIS[merged], p0.axes[-1]), p0.init)
 
 
 def _block_specs(cfg: Config, p: str, layer: int,
@@ -367,8 +375,8 @@ def x_proj_is_merged(params: dict) -> bool:
     return any(k.endswith(ends) for k in params)
 
 
-def _cat(*leaves):  # rows: axis -2 of every stored array (FP8 scales too: [.., out/128, in/128])
-    return jnp.concatenate(leaves, axis=-2) if leaves[0].ndim > 1 else jnp.concatenate(leaves)
+def _cat(*leaves, xp=jnp):  # rows: axis -2 of every stored array (FP8 scales: [.., out/128, in/128])
+    return xp.concatenate(leaves, axis=-2 if leaves[0].ndim > 1 else 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,7 +390,7 @@ def _concat_rows(ws, spec: ParamSpec, rules):
     concatenated: placed as the first one is (on a mesh: by the rules for `spec`)."""
     leaves = jax.tree.leaves(ws)
     if all(isinstance(w, np.ndarray) for w in leaves):  # host tree: stays on the host
-        return jax.tree.map(lambda *a: np.concatenate(a, axis=-2 if a[0].ndim > 1 else 0), *ws)
+        return jax.tree.map(functools.partial(_cat, xp=np), *ws)
     if any(isinstance(w, jax.core.Tracer) for w in leaves):  # inside a trace (eval_shape, jit)
         return jax.tree.map(_cat, *ws)
     sh = getattr(leaves[0], "sharding", None)
@@ -410,8 +418,9 @@ def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None
 
     Every block (MTP included) also gets its ROW_MERGES pairs stored as one weight each,
     rows concatenated in order (every stored array: FP8 values and their block scales):
-    `attn.wqkv_a` = wq_a + wkv, `ffn.shared_experts.w13` = shared w1 + w3, where
-    row_merge_ok (FP8 with rows in whole 128-row scale blocks, or plain; NVFP4 stays
+    `attn.wqkv_a` = wq_a + wkv, `ffn.shared_experts.w13` = shared w1 + w3,
+    `ffn.experts.w13` = the routed experts' w1 + w3 per expert ([E, 2I, hidden]), where
+    row_merge_ok (FP8 with rows in whole 128-row scale blocks, FP4, or plain; NVFP4 stays
     apart). The layer code reads them as row views too, so each pair is one
     weight-streaming kernel per step instead of two (4 Flash layers compiled for an H100:
     284 -> 272 kernels, 50 -> 42 matmul kernels).
@@ -444,56 +453,45 @@ def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None
     prefixes += [f"mtp.{j}.attn." for j in range(cfg.num_nextn_predict_layers)
                  if cfg.layer_ratio(cfg.num_hidden_layers + j) == 4]
     for a in prefixes:
-        names = [a + k for k in X_PROJ_PARTS]
-        have = [n for n in names if n in out]
-        if a + X_PROJ in out:
-            if have:
-                raise ValueError(f"merge_x_proj: {a + X_PROJ} is there together with the "
-                                 f"weights it replaces: {have}")
-            continue  # merged already
-        if not have:
-            if any(k.startswith(a) for k in out):
-                raise ValueError(f"merge_x_proj: CSA block {a!r} has neither {X_PROJ} nor "
-                                 f"the weights it is made of {list(X_PROJ_PARTS)}")
-            continue  # block not in this tree
-        if len(have) != len(names):
-            raise ValueError(f"merge_x_proj: CSA block {a!r} lacks "
-                             f"{sorted(set(names) - set(have))}")
-        for n, rows in zip(names, sizes):
-            _check_x_proj_part(n, out[n], rows, cfg)
-        ws = [out.pop(n) for n in names]
-        out[a + X_PROJ] = _concat_rows(ws, spec, rules)
-        del ws  # the five are freed here unless someone else holds them
+        checks = [lambda n, w, rows=rows: _check_x_proj_part(n, w, rows, cfg) for rows in sizes]
+        _merge_one(out, a, X_PROJ, X_PROJ_PARTS, checks, spec, rules, "CSA block")
     blocks = [(f"layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
     blocks += [(f"mtp.{j}.", cfg.num_hidden_layers + j)
                for j in range(cfg.num_nextn_predict_layers)]
     for b, layer in blocks:
-        specs = _block_specs(cfg, b, layer)
+        specs, merged = _block_specs(cfg, b, layer), _block_specs(cfg, b, layer, True)
         for m, parts in ROW_MERGES.items():
-            names = [b + n for n in parts]
-            if not row_merge_ok([specs[n] for n in names]):
-                continue  # e.g. NVFP4 linears: stored apart in the decode form too
-            have = [n for n in names if n in out]
-            if b + m in out:
-                if have:
-                    raise ValueError(f"merge_x_proj: {b + m} is there together with the "
-                                     f"weights it replaces: {have}")
-                continue  # merged already
-            if not have:
-                if any(k.startswith(b) for k in out):
-                    raise ValueError(f"merge_x_proj: block {b!r} has neither {m} nor the "
-                                     f"weights it is made of {list(parts)}")
-                continue  # block not in this tree
-            if len(have) != len(names):
-                raise ValueError(f"merge_x_proj: block {b!r} lacks "
-                                 f"{sorted(set(names) - set(have))}")
-            for n in names:
-                _check_row_part(n, out[n], specs[n])
-            ws = [out.pop(n) for n in names]
-            out[b + m] = _concat_rows(ws, _row_merged_spec(m, [specs[n] for n in names]),
-                                      rules)
-            del ws
+            if b + m not in merged:
+                continue  # not row_merge_ok (e.g. NVFP4 linears): stored apart here too
+            checks = [lambda n, w, sp=specs[b + k]: _check_row_part(n, w, sp) for k in parts]
+            _merge_one(out, b, m, parts, checks, merged[b + m], rules, "block")
     return out
+
+
+def _merge_one(out: dict, b: str, merged: str, parts, checks, spec: ParamSpec, rules,
+               what: str):
+    """Block `b` of `out`: its weights b + parts -> one weight b + merged (rows
+    concatenated, placed by `spec`), in place; merged already or block absent: nothing.
+    A block with the merged weight and some parts, or only some parts, raises."""
+    names = [b + k for k in parts]
+    have = [n for n in names if n in out]
+    if b + merged in out:
+        if have:
+            raise ValueError(f"merge_x_proj: {b + merged} is there together with the "
+                             f"weights it replaces: {have}")
+        return  # merged already
+    if not have:
+        if any(k.startswith(b) for k in out):
+            raise ValueError(f"merge_x_proj: {what} {b!r} has neither {merged} nor the "
+                             f"weights it is made of {list(parts)}")
+        return  # block not in this tree
+    if len(have) != len(names):
+        raise ValueError(f"merge_x_proj: {what} {b!r} lacks {sorted(set(names) - set(have))}")
+    for n, check in zip(names, checks):
+        check(n, out[n])
+    ws = [out.pop(n) for n in names]
+    out[b + merged] = _concat_rows(ws, spec, rules)
+    del ws  # the parts are freed here unless someone else holds them
 
 
 def _check_row_part(name: str, w, spec: ParamSpec):

@@ -6,7 +6,7 @@ Weight formats, logical shape [..., out, in] (leading axes e.g. stacked experts)
   Fp4Weight    packed e2m1 int8 [.., out, in/2] (element 2k in the low nibble) + ue8m0 per 32
   NvFp4Weight  packed e2m1 uint8 [.., out, in/2] + e4m3 scale per 16 + fp32 global scale
   plain array  bf16 / f32
-  WeightRows   rows [start, stop) of a plain weight (a view: params.merge_x_proj)
+  WeightRows   rows [start, stop) of any of these (a view: params.merge_x_proj)
 """
 from __future__ import annotations
 
@@ -146,9 +146,10 @@ QUANT_TYPES = (Fp8Weight, Fp4Weight, NvFp4Weight)
                    meta_fields=["start", "stop"])
 @dataclasses.dataclass
 class WeightRows:
-    """Rows [start, stop) of a stored plain weight w [out, in], as a weight [stop - start,
-    in] of its own: how the layer code sees one of the weights stored concatenated in
-    `attn.x_proj_merged` (params.merge_x_proj). `f32_dot_bf16` multiplies x by ALL of w
+    """Rows [start, stop) of a stored weight w [..., out, in] (plain or quantised, leading
+    dims: stacked experts), as a weight [..., stop - start, in] of its own: how the layer
+    code sees one of the weights stored concatenated in `attn.x_proj_merged` or a
+    params.ROW_MERGES weight (params.merge_x_proj). `f32_dot_bf16` multiplies x by ALL of w
     and slices the output columns, so the views of one weight read with the same x in one
     program are the same dot, which XLA's CSE computes once (w is read once per step, and
     no concatenation is ever made)."""
@@ -212,7 +213,12 @@ def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
     (no id array: an iota would be a kernel of its own every step). x must already be
     act-quant simulated.
     The Pallas weight-streaming kernel when `nm.matmul` asks for it (reads the stored
-    bytes once), else gather + exact bf16 dequantisation + einsum in XLA."""
+    bytes once), else gather + exact bf16 dequantisation + einsum in XLA. A `WeightRows`
+    view of stacked weights (params.ROW_MERGES: experts' w1 + w3 as one [E, 2I, in]): the
+    product with the whole stored weight, columns sliced, so the two views' calls are one
+    call after XLA's CSE."""
+    if isinstance(w, WeightRows):
+        return grouped_linear(x_GMK, expert_G, w.w, nm)[..., w.start:w.stop]
     if _kernel_ok(w, nm) and nm.bf16_operands and x_GMK.shape[1] <= KERNEL_MAX_ROWS:
         M = x_GMK.shape[1]
         Mp = -(-M // 8) * 8

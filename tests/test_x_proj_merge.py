@@ -288,6 +288,8 @@ def test_row_views_through_the_matmul_kernel(tiny):
     x = jnp.asarray(np.random.default_rng().standard_normal((1, 3, cfg.hidden_size)),
                     jnp.bfloat16)
     for m, parts in P.ROW_MERGES.items():
+        if m == "ffn.experts.w13":
+            continue  # stacked experts: test_expert_row_views_through_the_grouped_kernel
         views = L.row_merge_views({m: merged["layers.0." + m],
                                    "attn.kv_norm.weight": params["layers.0.attn.kv_norm.weight"]})
         for n in parts:
@@ -295,3 +297,40 @@ def test_row_views_through_the_matmul_kernel(tiny):
             got = jax.jit(lambda x, w: linear(x, w, nm))(x, views[n])
             np.testing.assert_array_equal(np.asarray(got, np.float32),
                                           np.asarray(want, np.float32), err_msg=n)
+
+
+def test_expert_row_views_through_the_grouped_kernel():
+    """The routed experts' w1 + w3 stored as one FP4 weight [E, 2I, D] (params.ROW_MERGES
+    "ffn.experts.w13"): the grouped weight-streaming kernel (Mosaic GPU interpreter on CPU)
+    on each view gives that part's product, bit for bit, for any expert ids (one out of
+    range: zero rows). (That the two views' calls are one kernel after XLA's CSE shows in
+    the GPU program compiled without a GPU: `aot_anatomy.py --layers 4 --merge-x-proj`.)"""
+    from dsv4_jax.quant import Fp4Weight, encode_fp4_np, grouped_linear
+    rng = np.random.default_rng()
+    E, I, D, G = 3, 128, 512, 4     # the FP4 kernel's tiling: K % 512, rows % 128
+    nm = Numerics(True, "bfloat16", matmul="interpret")
+    w1, w3 = (rng.standard_normal((E, I, D)).astype(np.float32) for _ in range(2))
+    parts = [Fp4Weight(*map(jnp.asarray, encode_fp4_np(w))) for w in (w1, w3)]
+    merged = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-2), *parts)
+    views = L.row_merge_views({"ffn.experts.w13": merged})
+    x = jnp.asarray(rng.standard_normal((G, 8, D)), jnp.bfloat16)
+    ids = jnp.asarray(np.append(rng.integers(0, E, G - 1), E), jnp.int32)
+    f = jax.jit(lambda x, e, w: grouped_linear(x, e, w, nm))
+    for n, want_w in zip(("ffn.experts.w1", "ffn.experts.w3"), parts):
+        assert views[n].shape == (E, I, D)
+        got, want = f(x, ids, views[n]), f(x, ids, want_w)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=n)
+        assert np.all(np.asarray(got)[-1] == 0) and np.any(np.asarray(got)[0] != 0)
+
+
+def test_routed_experts_merged_in_the_flash_decode_form():
+    """Flash's decode form stores each layer's routed w1 + w3 as one FP4 [256, 4096, 4096]
+    weight, sharded on the experts axis like the parts; NVFP4 experts stay apart."""
+    import dataclasses
+    cfg = config.flash()
+    d = P.describe(cfg, x_proj_merged=True)
+    s = d["layers.0.ffn.experts.w13"]
+    assert (s.shape, s.fmt, s.axes) == ((256, 4096, 4096), "fp4", ("experts", "mlp13", "embed"))
+    assert "layers.0.ffn.experts.w1" not in d and "layers.0.ffn.experts.w2" in d
+    d4 = P.describe(dataclasses.replace(cfg, expert_dtype="nvfp4"), x_proj_merged=True)
+    assert "layers.0.ffn.experts.w13" not in d4 and "layers.0.ffn.experts.w1" in d4
