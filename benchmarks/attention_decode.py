@@ -59,6 +59,8 @@ VARIANTS = {   # name -> kernel keyword arguments
     "ws-lane": dict(gather="direct", warp_specialized=True),
     "direct-lane": dict(gather="direct", warp_specialized=False),
     "staged": dict(gather="staged", warp_specialized=False),
+    # ws-lane with the split rule before 2026-11-23 (kernel.default_splits_v1), for A/B
+    "ws-lane-v1split": dict(gather="direct", warp_specialized=True, split_rule="v1"),
 }
 
 
@@ -193,7 +195,7 @@ def rel_err(a, b):
 def breakdown(sets, kw, interpret=None):
     """(XLA side alone, Mosaic kernel alone) seconds per call for one variant."""
     ws = kw.get("warp_specialized", False)
-    pkw = dict(gather=kw["gather"], ctas_per_tile=1 if ws else 2)
+    pkw = dict(gather=kw["gather"], ctas_per_tile=1 if ws else 2, splits=kw.get("splits"))
     prep = jax.jit(lambda *x: AK.prepare_inputs(*x, **pkw))
     t_prep = bench(lambda *x: AK.prepare_inputs(*x, **pkw)[0], sets)
     prepped = [prep(*s) for s in sets]
@@ -228,6 +230,9 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False, models=M
     outs, progs = {}, [("ref", ref_many, sets)]
     for name in variants:
         kw = dict(VARIANTS[name], interpret=interpret)
+        ws = kw.get("warp_specialized", True)
+        rule = AK.default_splits_v1 if kw.pop("split_rule", None) == "v1" else AK.default_splits
+        kw["splits"] = rule(B, -(-H // 64) * 64, n_blk, ctas_per_tile=1 if ws else 2)
         f = lambda *x, kw=kw: AK.sparse_decode_attention(*x, **kw)
         try:
             many = batched(f)
@@ -235,10 +240,8 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False, models=M
             progs.append((name, many, sets))
             out = np.asarray(out).astype(np.float32)
             outs[name] = out
-            ws = kw.get("warp_specialized", True)
             row[name] = dict(us=t * 1e6, GBs=op_bytes / t / 1e9, pct=100 * op_bytes / t / bw,
-                             splits=AK.default_splits(B, -(-H // 64) * 64, n_blk,
-                                                      ctas_per_tile=1 if ws else 2),
+                             splits=kw["splits"],
                              rel_err=rel_err(out, ref), finite=bool(np.isfinite(out).all()),
                              speedup_ref=t_ref / t)
             if split_times:
@@ -332,6 +335,7 @@ def smoke(variants, tiny=False):
         shapes.append((label, a, ref))
     for v in variants:
         kw = dict(VARIANTS[v], interpret=interpret)
+        kw.pop("split_rule", None)
         errs = []
         for label, a, ref in shapes:
             out = np.asarray(jax.jit(lambda *x: AK.sparse_decode_attention(*x, **kw))(*a))
@@ -431,6 +435,9 @@ def main():
                     help="XLA-side / kernel-alone times for the first case")
     ap.add_argument("--skip", type=int, default=0, help="skip the first N cases (resume)")
     ap.add_argument("--default", default=None, help="variant for the non-first cases")
+    ap.add_argument("--only", default=None, metavar="MODEL:MODE:B:CTX,...",
+                    help="run just these cases, in this order (e.g. flash:csa:64:32768)")
+    ap.add_argument("--all-variants", action="store_true", help="every variant on every case")
     ap.add_argument("--no-profile", action="store_true", help="no GPU busy / span columns")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke run: GPU interpreter, tiny shapes and top-k 64")
@@ -451,7 +458,12 @@ def main():
     log = open(os.path.join(args.out, "attention_decode.jsonl"), "w")
     rows, skipped = [], []
     kw = dict(models=TINY_MODELS, interpret=plgpu.InterpretGPUParams(), reps=1) if args.tiny else {}
-    for model, mode, B, ctx, full in cases(args.tiny)[args.skip:]:
+    todo = cases(args.tiny)[args.skip:]
+    if args.only:
+        todo = [(m, md, int(b), int(c), True) for m, md, b, c in
+                (t.split(":") for t in args.only.split(","))]
+    for model, mode, B, ctx, full in todo:
+        full = full or args.all_variants
         if time.time() - t_start > args.budget:
             skipped.append(f"{model} {mode} B={B} ctx={ctx}")
             continue

@@ -81,7 +81,22 @@ def gather_rows_fp8(pool_ND, rows):
     return lax.bitcast_convert_type(u8, pool_ND.dtype)
 
 
-def default_splits(B, H, n_blk, num_sms=132, ctas_per_tile=2):
+def default_splits(B, H, n_blk, num_sms=132, ctas_per_tile=2, ctas_per_sm=1):
+    """Key-block splits (flash-decoding) per (request, head tile): the count that needs the
+    fewest key blocks run one after another on an SM, waves included; ties: fewer splits
+    (less merging). One CTA fits per SM (its SMEM). E.g. Flash B=64, 10 blocks: 2 splits
+    (128 CTAs, one wave of 5 blocks) where filling the SMs first (3 splits: 192 CTAs,
+    2 waves x 4 blocks = 8) ran a second, partial wave (H100, 2026-11-23)."""
+    ctas = B * -(-H // HT) * ctas_per_tile
+    slots = num_sms * ctas_per_sm
+
+    def serial_blocks(s):
+        return -(-ctas * s // slots) * -(-n_blk // s)
+    return int(min(range(1, max(1, n_blk) + 1), key=lambda s: (serial_blocks(s), s)))
+
+
+def default_splits_v1(B, H, n_blk, num_sms=132, ctas_per_tile=2):
+    """The rule before 2026-11-23 (fill the SMs, ignoring waves), kept for A/B runs."""
     ctas = B * -(-H // HT) * ctas_per_tile
     return int(max(1, min(n_blk, -(-num_sms // ctas))))
 
