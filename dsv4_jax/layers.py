@@ -86,19 +86,52 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu" if ON_GPU is None else ON_GPU
 
 
+# mHC sums of at most this many token rows (decode) take one variadic reduction; larger
+# inputs (prefill) the einsum + a sum, whose operands XLA never broadcasts.
+HC_FUSED_ROWS = 64
+
+
+def hc_sums(X, fn):
+    """X [..., N, D], fn [n, N*D] -> (s [..., n] = flat . fn^T, q [..., k] whose column 0
+    is sum(flat^2)), f32, flat = X's N streams side by side: the raw sums an mHC site
+    normalises (m = s * rsqrt(q[..., :1] / (N*D) + eps)). For decode-sized inputs both come
+    out of ONE variadic reduction (q then repeats the sum n times): XLA-GPU makes it one
+    kernel where the dot and the sum were two (one fewer per mHC site). Same products,
+    summed in another order than the einsum."""
+    flat = X.reshape(*X.shape[:-2], -1).astype(F32)
+    fn = fn.astype(F32)
+    if math.prod(flat.shape[:-1]) > HC_FUSED_ROWS:
+        return (jnp.einsum("...i,oi->...o", flat, fn, precision="highest"),
+                jnp.sum(flat * flat, -1, keepdims=True))
+    prod = flat[..., None, :] * fn                                          # [..., n, ND]
+    sq = jnp.broadcast_to((flat * flat)[..., None, :], prod.shape)
+    # (a concatenated [fn; flat] operand was materialised by XLA instead: two kernels)
+    return jax.lax.reduce((prod, sq), (np.float32(0), np.float32(0)),
+                          lambda a, b: (a[0] + b[0], a[1] + b[1]), (prod.ndim - 1,))
+
+
+def hc_project(X, fn, eps: float):
+    """m [..., n] = (flat . fn^T) * rsqrt(mean(flat^2) + eps) (see hc_sums)."""
+    s, q = hc_sums(X, fn)
+    return s * jax.lax.rsqrt(q[..., :1] / (X.shape[-2] * X.shape[-1]) + eps)
+
+
 def hc_weights(X, fn, scale, base, cfg: Config):
     """X [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all f32)."""
     N = cfg.hc_mult
-    flat = X.reshape(*X.shape[:-2], -1).astype(F32)
-    r = jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + cfg.rms_norm_eps)
-    m = jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision="highest") * r
+    s, q = hc_sums(X, fn)
+    m = s * jax.lax.rsqrt(q[..., :1] / (N * X.shape[-1]) + cfg.rms_norm_eps)
     pre = jax.nn.sigmoid(m[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(m[..., N:2 * N] * scale[1] + base[N:2 * N])
-    C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
-    if on_gpu():  # one small kernel instead of ~12 XLA kernels
-        from pallas_kernels.hc_sinkhorn import sinkhorn_softmax
-        C = sinkhorn_softmax(C.reshape(-1, N, N), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    if on_gpu():
+        # one small kernel from the raw sums (normalisation, logits, softmax, Sinkhorn)
+        # instead of ~12 XLA kernels, and no XLA kernel for the logits before it
+        from pallas_kernels.hc_sinkhorn import mhc_comb
+        C = mhc_comb(s.reshape(-1, s.shape[-1]), q.reshape(-1, q.shape[-1]), scale, base,
+                     N=N, nd=N * X.shape[-1], iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                     rms_eps=cfg.rms_norm_eps)
         return pre, post, C.reshape(*m.shape[:-1], N, N)
+    C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
     C = jax.nn.softmax(C, -1) + cfg.hc_eps
     return pre, post, sinkhorn_reduce(C, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
@@ -138,9 +171,7 @@ def hc_expand(f, X, post, C, dtype):
 
 
 def hc_head(X, fn, scale, base, cfg: Config, dtype):
-    flat = X.reshape(*X.shape[:-2], -1).astype(F32)
-    r = jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + cfg.rms_norm_eps)
-    m = jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision="highest") * r
+    m = hc_project(X, fn, cfg.rms_norm_eps)
     pre = jax.nn.sigmoid(m * scale[0] + base) + cfg.hc_eps
     return hc_collapse(X, pre, dtype)
 

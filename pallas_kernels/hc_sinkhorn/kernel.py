@@ -21,7 +21,10 @@ from jax.experimental.pallas import triton as pltriton
 
 
 def _kernel(x_ref, o_ref, *, iters, eps):
-    x = x_ref[...].astype(jnp.float32)  # [R, N, N]
+    o_ref[...] = _sinkhorn(x_ref[...].astype(jnp.float32), iters, eps)   # [R, N, N]
+
+
+def _sinkhorn(x, iters, eps):
     x = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
     c = x / jnp.sum(x, axis=-1, keepdims=True) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
@@ -30,7 +33,15 @@ def _kernel(x_ref, o_ref, *, iters, eps):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-    o_ref[...] = jax.lax.fori_loop(0, iters - 1, round_, c)
+    return jax.lax.fori_loop(0, iters - 1, round_, c)
+
+
+def _proj_kernel(s_ref, q_ref, scale_ref, base_ref, o_ref, *, N, nd, iters, eps, rms_eps):
+    R = o_ref.shape[0]
+    s = s_ref[:, pl.ds(2 * N, N * N)]                             # [R, N*N] raw projections
+    r = jax.lax.rsqrt(q_ref[:, pl.ds(0, 1)] / nd + rms_eps)       # [R, 1]
+    x = (s * r) * scale_ref[pl.ds(2, 1)] + base_ref[pl.ds(2 * N, N * N)]
+    o_ref[...] = _sinkhorn(x.reshape(R, N, N), iters, eps)
 
 
 @functools.partial(jax.jit, static_argnames=("iters", "eps", "interpret"))
@@ -56,4 +67,43 @@ def sinkhorn_softmax(logits_MNN, iters: int, eps: float, interpret: bool = False
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
     )(x)
+    return out[:M]
+
+
+@functools.partial(jax.jit, static_argnames=("N", "nd", "iters", "eps", "rms_eps", "interpret"))
+def mhc_comb(s_MK, q_MK, scale, base, *, N: int, nd: int, iters: int, eps: float,
+             rms_eps: float, interpret: bool = False):
+    """The mHC mixing matrices straight from the site's raw sums (layers.hc_sums), so that
+    no XLA kernel sits between that reduction and this one:
+        m = s * rsqrt(q[:, 0] / nd + rms_eps);  logits = m[:, 2N:] * scale[2] + base[2N:]
+        C = sinkhorn_softmax(logits as [M, N, N])
+    s_MK f32 [M, 2N + N*N] (flat . fn^T), q_MK f32 [M, >= 1] (column 0: sum of flat^2),
+    scale f32 [3], base f32 [2N + N*N] -> C f32 [M, N, N] (reference.mhc_comb_reference)."""
+    M, K = s_MK.shape
+    if N & (N - 1) or K != 2 * N + N * N:
+        raise ValueError(f"mhc_comb needs a power-of-two N and s [M, 2N + N^2]; got N={N}, "
+                         f"s {s_MK.shape}")
+    if q_MK.ndim != 2 or q_MK.shape[0] != M or scale.shape != (3,) or base.shape != (K,):
+        raise ValueError(f"mhc_comb: q must be [{M}, >= 1], scale [3], base [{K}]; got "
+                         f"{q_MK.shape}, {scale.shape}, {base.shape}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    R = min(8, pl.next_power_of_2(M))
+    Mp = pl.cdiv(M, R) * R
+    s, q = s_MK.astype(jnp.float32), q_MK.astype(jnp.float32)
+    if Mp != M:   # padded rows (q = 0: finite) are sliced off below
+        s = jnp.pad(s, ((0, Mp - M), (0, 0)))
+        q = jnp.pad(q, ((0, Mp - M), (0, 0)))
+    out = pl.pallas_call(
+        functools.partial(_proj_kernel, N=N, nd=nd, iters=iters, eps=eps, rms_eps=rms_eps),
+        out_shape=jax.ShapeDtypeStruct((Mp, N, N), jnp.float32),
+        grid=(Mp // R,),
+        in_specs=[pl.BlockSpec((R, K), lambda i: (i, 0)),
+                  pl.BlockSpec((R, q.shape[1]), lambda i: (i, 0)),
+                  pl.BlockSpec((3,), lambda i: (0,)),
+                  pl.BlockSpec((K,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((R, N, N), lambda i: (i, 0, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+    )(s, q, scale.astype(jnp.float32), base.astype(jnp.float32))
     return out[:M]
