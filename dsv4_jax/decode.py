@@ -191,7 +191,7 @@ _DUMMY_POOL = (np.eye(1, 448, dtype=jnp.float8_e4m3fn)[None],   # nope [1, 1, 44
 
 
 def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
-                      cs: CacheSpec, nm: Numerics, ratio: int, freqs):
+                      cs: CacheSpec, nm: Numerics, ratio: int, freqs, cqq=None):
     """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
     the window row and of completed compressed entries / indexer keys, the lightning indexer
     top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
@@ -229,7 +229,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         if ratio == 4:
             lc["idx"] = {k: idx_pool[k] for k in lc["idx"]}
             ip = L.block_params(ap, "indexer.")
-            qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm)
+            qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
@@ -248,18 +248,19 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
 
 
 def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg: Config,
-                     cs: CacheSpec, nm: Numerics, ratio: int):
-    """Attention for a chunk with the paged cache. Returns (out [B, T, D], new layer cache)."""
+                     cs: CacheSpec, nm: Numerics, ratio: int, xq=None):
+    """Attention for a chunk with the paged cache. Returns (out [B, T, D], new layer cache).
+    xq: x's padded FP8 simulation (layers.norm_act), if made."""
     B, T, _ = x.shape
     W = cfg.sliding_window
     freqs = L.rope_freqs(cfg, ratio)
-    q, kv, cq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm)
+    q, kv, cq, cqq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm, xq=xq)
     lc = dict(lc)
     if cs.kernels != "off" and T == 1:
         if B != cs.max_requests:
             raise ValueError("the kernel decode path runs all request slots (B == max_requests)")
         o = _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg,
-                              cs, nm, ratio, freqs)
+                              cs, nm, ratio, freqs, cqq)
         return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
     # ---- window: ring contents before this step + the chunk's own rows
     ring = decode_kv(cs, _rows(lc["win"], slots), nm.jdtype)  # [B, W, K]
@@ -294,7 +295,7 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
                                           nm, "i")
             lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
             keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
-            qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm)
+            qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)
             scores = L.indexer_scores(qI, wI, keysI)
             visible, _ = L.topk_mask(scores, visible, cfg.index_topk)
         _write_state(lc, slots, st, cfg, ratio)
@@ -319,9 +320,9 @@ def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs
         ratio = cfg.layer_ratio(i)
         holder = {}
 
-        def attn(ap, x, i=i, ratio=ratio, holder=holder):
+        def attn(ap, x, i=i, ratio=ratio, holder=holder, xq=None):
             out, holder["lc"] = attention_cached(ap, cache[f"L{i}"], x, tok_pos, valid, slots,
-                                                 pos, nvalid, bt_rows, cfg, cs, nm, ratio)
+                                                 pos, nvalid, bt_rows, cfg, cs, nm, ratio, xq)
             return out
 
         with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):

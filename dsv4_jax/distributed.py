@@ -251,7 +251,8 @@ def _batch_axis(mesh: Mesh, B: int):
     return "data" if mesh.shape.get("data", 1) > 1 and B % mesh.shape["data"] == 0 else None
 
 
-def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, *, mesh: Mesh, ep):
+def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False, *,
+                        mesh: Mesh, ep):
     """Routed experts with the experts split over mesh axes `ep` (same contract as
     layers.routed_experts). x [B, T, D], idx/w [B, T, k] (routing computed once, outside)
     -> [B, T, D] f32, combined with a psum over `ep`. Batch rows stay split over "data"
@@ -269,7 +270,7 @@ def expert_parallel_moe(p, x, idx, w, cfg: Config, nm: Numerics, *, mesh: Mesh, 
         loc = idx - jax.lax.axis_index(ep) * n_loc
         mine = (loc >= 0) & (loc < n_loc)
         y = L.routed_experts(ex, x, jnp.where(mine, loc, -1), jnp.where(mine, w, 0.0),
-                             cfg, nm)
+                             cfg, nm, presim)
         return jax.lax.psum(y, ep)
 
     return jax.shard_map(local, mesh=on, in_specs=(P(ep), bs, bs, bs), out_specs=bs,

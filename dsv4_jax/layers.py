@@ -32,6 +32,27 @@ def rms_norm(x, w, eps, out_dtype):
     return y.astype(out_dtype)
 
 
+# Decode-sized norms (at most this many token rows) feeding a weight-streaming matmul run
+# as one kernel with the matmul input's FP8 simulation (pallas_kernels/norm_fp8).
+NORM_FP8_ROWS = 64
+
+
+def norm_act(x, w, cfg: Config, nm: Numerics):
+    """rms_norm(x, w) [..., D] and, when the matmul kernels run with the FP8 activation
+    simulation (decode sizes), also its simulation padded to kernel rows, xq bf16
+    [ceil(rows/8)*8, D], for `linear(..., xq=xq)`: one Pallas kernel where XLA used three
+    (sum of squares, amax, quantise + pad). Otherwise xq is None."""
+    rows = math.prod(x.shape[:-1])
+    if not (nm.act_quant and nm.bf16_operands and nm.jdtype == jnp.bfloat16
+            and nm.matmul in ("pallas", "interpret") and rows <= NORM_FP8_ROWS
+            and x.shape[-1] % 128 == 0 and (on_gpu() or nm.matmul == "interpret")):
+        return rms_norm(x, w, cfg.rms_norm_eps, nm.jdtype), None
+    from pallas_kernels.norm_fp8 import rms_norm_fp8
+    y, yq = rms_norm_fp8(x.reshape(rows, x.shape[-1]), w, eps=cfg.rms_norm_eps,
+                         rows=-(-rows // 8) * 8, interpret=nm.matmul == "interpret")
+    return y.reshape(x.shape), yq
+
+
 # ---------------------------------------------------------------------------------------
 # Rotary embedding: interleaved pairs on the last R dims; per-layer base / YaRN
 # ---------------------------------------------------------------------------------------
@@ -261,11 +282,12 @@ def compress_sequence(p, x, ratio, c, freqs, cfg, nm, kind, debug=None):
 # ---------------------------------------------------------------------------------------
 # Lightning indexer
 # ---------------------------------------------------------------------------------------
-def indexer_query(p, x, cq, pos, freqs, cfg: Config, nm: Numerics):
-    """qI [B, T, nI, 128] (rope, Hadamard, FP4 sim) and head weights w [B, T, nI] f32."""
+def indexer_query(p, x, cq, pos, freqs, cfg: Config, nm: Numerics, cqq=None):
+    """qI [B, T, nI, 128] (rope, Hadamard, FP4 sim) and head weights w [B, T, nI] f32.
+    cqq: cq's padded FP8 simulation, if q_and_kv made one."""
     B, T, _ = x.shape
     nI, c = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(cq, p["wq_b"], nm).reshape(B, T, nI, c)
+    q = linear(cq, p["wq_b"], nm, xq=cqq).reshape(B, T, nI, c)
     q = apply_rope(q, pos, freqs)
     q = hadamard(q)
     if nm.act_quant:
@@ -312,18 +334,21 @@ def attend(q, keys, mask, sink, nm: Numerics):
     return o / denom[..., None]
 
 
-def q_and_kv(p, x, pos, freqs, cfg: Config, nm: Numerics):
-    """Query heads [B,T,H,K], the shared K=V row [B,T,K] (roped, FP8-simulated) and cq."""
+def q_and_kv(p, x, pos, freqs, cfg: Config, nm: Numerics, xq=None):
+    """Query heads [B,T,H,K], the shared K=V row [B,T,K] (roped, FP8-simulated), cq, and
+    cq's padded FP8 simulation cqq (norm_act; None off the kernel path). xq: x's, if the
+    caller made one."""
     B, T, _ = x.shape
     H, K = cfg.num_attention_heads, cfg.head_dim
-    cq = rms_norm(linear(x, p["wq_a"], nm), p["q_norm.weight"], cfg.rms_norm_eps, nm.jdtype)
-    q = linear(cq, p["wq_b"], nm).reshape(B, T, H, K)
+    cq, cqq = norm_act(linear(x, p["wq_a"], nm, xq=xq), p["q_norm.weight"], cfg, nm)
+    q = linear(cq, p["wq_b"], nm, xq=cqq).reshape(B, T, H, K)
     q = rms_norm(q, None, cfg.rms_norm_eps, nm.jdtype)  # weightless per-head norm
     q = apply_rope(q, pos, freqs)
-    kv = rms_norm(linear(x, p["wkv"], nm), p["kv_norm.weight"], cfg.rms_norm_eps, nm.jdtype)
+    kv = rms_norm(linear(x, p["wkv"], nm, xq=xq), p["kv_norm.weight"], cfg.rms_norm_eps,
+                  nm.jdtype)
     kv = apply_rope(kv, pos, freqs)
     kv = kv_quant_sim(kv, cfg, nm)
-    return q, kv, cq
+    return q, kv, cq, cqq
 
 
 def attn_output(p, o, pos, freqs, cfg: Config, nm: Numerics):
@@ -347,13 +372,14 @@ def attn_output(p, o, pos, freqs, cfg: Config, nm: Numerics):
     return linear(z.reshape(B, T, G * cfg.o_lora_rank), p["wo_b"], nm)
 
 
-def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None):
+def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None, xq=None):
     """Whole-sequence attention from position 0 (no cache). x [B, T, D] -> [B, T, D].
-    `debug`, if a dict, receives intermediates (indexer picks, compressor entries)."""
+    `debug`, if a dict, receives intermediates (indexer picks, compressor entries). xq:
+    x's padded FP8 simulation (norm_act), if made."""
     B, T, _ = x.shape
     freqs = rope_freqs(cfg, ratio)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    q, kv, cq = q_and_kv(p, x, pos, freqs, cfg, nm)
+    q, kv, cq, cqq = q_and_kv(p, x, pos, freqs, cfg, nm, xq=xq)
     t = jnp.arange(T)
     win = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - cfg.sliding_window)
     keys, mask = kv, jnp.broadcast_to(win, (B, T, T))
@@ -367,7 +393,7 @@ def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None):
             ip = block_params(p, "indexer.")
             keysI = compress_sequence(block_params(ip, "compressor."), x, ratio,
                                       cfg.index_head_dim, freqs, cfg, nm, "indexer")
-            qI, wI = indexer_query(ip, x, cq, pos, freqs, cfg, nm)
+            qI, wI = indexer_query(ip, x, cq, pos, freqs, cfg, nm, cqq)
             scores = indexer_scores(qI, wI, keysI)
             visible, idx = topk_mask(scores, visible, cfg.index_topk)
             if debug is not None:
@@ -470,9 +496,10 @@ def swiglu(h1, h3, limit):
     return jax.nn.silu(g) * u
 
 
-def expert_ffn(w1, w2, w3, x, weight, cfg: Config, nm: Numerics):
-    """One SwiGLU expert with clamps; the routing weight is applied BEFORE W2."""
-    h = swiglu(linear(x, w1, nm), linear(x, w3, nm), cfg.swiglu_limit)
+def expert_ffn(w1, w2, w3, x, weight, cfg: Config, nm: Numerics, xq=None):
+    """One SwiGLU expert with clamps; the routing weight is applied BEFORE W2. xq: x's
+    padded FP8 simulation (norm_act), if made."""
+    h = swiglu(linear(x, w1, nm, xq=xq), linear(x, w3, nm, xq=xq), cfg.swiglu_limit)
     if weight is not None:
         h = h * weight[..., None]
     return linear(h.astype(nm.jdtype), w2, nm, out_dtype=F32)
@@ -483,24 +510,30 @@ def expert_ffn(w1, w2, w3, x, weight, cfg: Config, nm: Numerics):
 ROUTED_EXPERTS_HOOK = None
 
 
-def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None):
+def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None, xq=None):
     """x [B, T, D], tokens [B, T] -> [B, T, D]. Routing, then the routed experts
-    (`routed_experts`, or the expert-parallel hook), then the shared expert."""
+    (`routed_experts`, or the expert-parallel hook), then the shared expert. xq: x's padded
+    FP8 simulation (norm_act), if made: the experts take it instead of simulating x."""
     idx, w = route(p, x, tokens, cfg, hash_layer)
     if debug is not None:
         debug["router_idx"], debug["router_w"] = idx, w
     routed = ROUTED_EXPERTS_HOOK or routed_experts
-    out = routed(p, x, idx, w, cfg, nm)
+    if xq is None:
+        out = routed(p, x, idx, w, cfg, nm)
+    else:
+        rows = math.prod(x.shape[:-1])
+        out = routed(p, xq[:rows].reshape(x.shape), idx, w, cfg, nm, presim=True)
     if cfg.n_shared_experts:
         out = out + expert_ffn(p["shared_experts.w1"], p["shared_experts.w2"],
-                               p["shared_experts.w3"], x, None, cfg, nm)
+                               p["shared_experts.w3"], x, None, cfg, nm, xq=xq)
     return out.astype(nm.jdtype)
 
 
-def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
+def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False):
     """sum_k w[..., k] expert_{idx[..., k]}(x) over the E experts stacked in p["experts.*"]
     (E = their leading dim: all experts, or one device's share; an index outside [0, E)
     combines nothing and reads no weights). x [B, T, D], idx/w [B, T, k] -> [B, T, D] f32.
+    presim: x is already FP8-simulated (the act-quant rounding is not applied again).
     Up to PAIR_GROUP_TOKENS tokens: one group per (token, expert) pair (`_moe_pairs`, no
     sort or scatters). Few tokens (decode batches): the pairs are grouped by expert into
     tiles (`expert_schedule`) and each tile reads its expert's stored weights once (the
@@ -512,10 +545,10 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics):
     pairs = B * T * k
     if B * T <= PAIR_GROUP_TOKENS and pairs < E:
         return _moe_pairs(p, x.reshape(B * T, D), idx.reshape(B * T, k),
-                          w.reshape(B * T, k), cfg, nm).reshape(B, T, D)
+                          w.reshape(B * T, k), cfg, nm, presim).reshape(B, T, D)
     if pairs < E or (nm.matmul != "xla" and pairs <= KERNEL_MAX_ROWS * k):
         return _moe_scheduled(p, x.reshape(B * T, D), idx.reshape(B * T, k),
-                              w.reshape(B * T, k), cfg, nm, 8).reshape(B, T, D)
+                              w.reshape(B * T, k), cfg, nm, 8, presim).reshape(B, T, D)
     comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
 
     def one(e, acc):
@@ -571,7 +604,7 @@ def _grouped_swiglu(p, X_GMD, expert_G, Wr_GM, cfg: Config, nm: Numerics):
     return grouped_linear(h, expert_G, p["experts.w2"], nm)
 
 
-def _moe_pairs(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):
+def _moe_pairs(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, presim=False):
     """Routed experts with one group per (token, expert) pair: x [N, D], idx/w [N, k] ->
     [N, D] f32 (an index outside [0, E) contributes nothing and reads no weights)."""
     N, D = x_ND.shape
@@ -579,19 +612,20 @@ def _moe_pairs(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics):
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     e = idx_NK.reshape(N * k).astype(jnp.int32)
     e = jnp.where((e >= 0) & (e < E), e, -1)
-    xq = fp8_block_sim(x_ND, 128) if nm.act_quant else x_ND
+    xq = fp8_block_sim(x_ND, 128) if nm.act_quant and not presim else x_ND
     X = jnp.repeat(xq, k, axis=0)[:, None, :]  # [P, 1, D]: pair j is token j // k
     y = _grouped_swiglu(p, X, e, w_NK.reshape(N * k, 1).astype(F32), cfg, nm)
     return y.reshape(N, k, D).sum(1)
 
 
-def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int):
+def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int,
+                   presim=False):
     """Routed experts over expert tiles: x [N, D], idx/w [N, k] -> [N, D] f32."""
     N, D = x_ND.shape
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     slot_expert, slot, row, tok = expert_schedule(idx_NK, E, tile)
     S = slot_expert.shape[0]
-    xq = fp8_block_sim(x_ND, 128) if nm.act_quant else x_ND
+    xq = fp8_block_sim(x_ND, 128) if nm.act_quant and not presim else x_ND
     X = jnp.zeros((S, tile, D), xq.dtype).at[slot, row].set(xq[tok])
     Wr = jnp.zeros((S, tile), F32).at[slot, row].set(w_NK.reshape(-1).astype(F32))
     y = _grouped_swiglu(p, X, slot_expert, Wr, cfg, nm)  # [S, tile, D]

@@ -21,19 +21,20 @@ def embed(params, tokens, cfg: Config, nm: Numerics):
 
 def block(bp, X, tokens, layer: int, cfg: Config, nm: Numerics, attn_fn, debug=None):
     """One transformer block on the hc residual X [B, T, N, D]. `attn_fn(bp, x)` computes
-    attention on the normed input (prefill or cached decode)."""
+    attention on the normed input (prefill or cached decode); `attn_fn(bp, x, xq=xq)` when
+    the norm also made x's padded FP8 simulation for the matmul kernels (L.norm_act)."""
     pre, post, C = L.hc_weights(X, bp["hc_attn_fn"], bp["hc_attn_scale"], bp["hc_attn_base"], cfg)
-    x = L.rms_norm(L.hc_collapse(X, pre, nm.jdtype), bp["attn_norm.weight"], cfg.rms_norm_eps,
-                   nm.jdtype)
-    f = attn_fn(L.block_params(bp, "attn."), x)
+    x, xq = L.norm_act(L.hc_collapse(X, pre, nm.jdtype), bp["attn_norm.weight"], cfg, nm)
+    ap = L.block_params(bp, "attn.")
+    f = attn_fn(ap, x) if xq is None else attn_fn(ap, x, xq=xq)
     X = L.hc_expand(f, X, post, C, nm.jdtype)
     if debug is not None:
         debug["hc_attn"] = (pre, post, C)
     pre, post, C = L.hc_weights(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"], bp["hc_ffn_base"], cfg)
-    x = L.rms_norm(L.hc_collapse(X, pre, nm.jdtype), bp["ffn_norm.weight"], cfg.rms_norm_eps,
-                   nm.jdtype)
+    x, xq = L.norm_act(L.hc_collapse(X, pre, nm.jdtype), bp["ffn_norm.weight"], cfg, nm)
     mdbg = {} if debug is not None else None
-    f = L.moe(L.block_params(bp, "ffn."), x, tokens, cfg, nm, cfg.is_hash_layer(layer), mdbg)
+    f = L.moe(L.block_params(bp, "ffn."), x, tokens, cfg, nm, cfg.is_hash_layer(layer), mdbg,
+              xq=xq)
     if debug is not None:
         debug["hc_ffn"] = (pre, post, C)
         debug.update(mdbg)
@@ -55,7 +56,8 @@ def forward_hidden(params, tokens, cfg: Config, nm: Numerics = Numerics(), debug
         bp = L.block_params(params, f"layers.{i}.")
         ratio = cfg.layer_ratio(i)
         ldbg = {} if debug is not None else None
-        attn = lambda ap, x, r=ratio, d=ldbg: L.attention_prefill(ap, x, cfg, nm, r, d)
+        attn = lambda ap, x, r=ratio, d=ldbg, xq=None: L.attention_prefill(ap, x, cfg, nm, r, d,
+                                                                         xq=xq)
         with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
             X = block(bp, X, tokens, i, cfg, nm, attn, ldbg)
         if debug is not None:
@@ -82,6 +84,6 @@ def mtp_forward(params, X_main, next_tokens, cfg: Config, nm: Numerics = Numeric
     layer = cfg.num_hidden_layers + j
     ratio = cfg.layer_ratio(layer)
     bp = L.block_params(params, p)
-    attn = lambda ap, x: L.attention_prefill(ap, x, cfg, nm, ratio)
+    attn = lambda ap, x, xq=None: L.attention_prefill(ap, x, cfg, nm, ratio, xq=xq)
     X = block(bp, X, next_tokens, layer, cfg, nm, attn)
     return head(params, X, cfg, nm, prefix=p)

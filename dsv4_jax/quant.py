@@ -264,20 +264,32 @@ def f32_dot_bf16(x, w_OI):
     return y3[..., 0, :] + y3[..., 1, :] + y3[..., 2, :]
 
 
-def linear(x, w, nm: Numerics, *, out_dtype=None):
+def linear(x, w, nm: Numerics, *, out_dtype=None, xq=None):
     """y = x @ W.T for any weight format, f32 accumulation. Quantised weights get the FP8
     activation simulation (per token per 128 channels) when `nm.act_quant`; then operands
     are bf16 (exact, see `dequant_bf16`) unless running f32 without simulation; with
-    `nm.matmul` = "pallas" the weight-streaming kernel reads FP8/FP4 weights as stored."""
+    `nm.matmul` = "pallas" the weight-streaming kernel reads FP8/FP4 weights as stored.
+    xq: the caller's fp8_block_sim(x) as bf16 [rows padded to a multiple of 8, in]
+    (layers.norm_act makes it in the norm's kernel): used as is, with no simulation or
+    padding kernels of XLA's before the matmul."""
     out_dtype = out_dtype or nm.jdtype
     if isinstance(w, WeightRows) and is_quantized(w.w):  # a view: the whole weight, sliced
-        return linear(x, w.w, nm, out_dtype=out_dtype)[..., w.start:w.stop]
+        return linear(x, w.w, nm, out_dtype=out_dtype, xq=xq)[..., w.start:w.stop]
     if not is_quantized(w):  # plain bf16 / f32 weights: f32-exact
         return f32_dot_bf16(x, w).astype(out_dtype)
-    if nm.act_quant:
-        x = fp8_block_sim(x, 128)
-    stacked = (w.w if isinstance(w, Fp8Weight) else w.packed).ndim > 2
     rows = math.prod(x.shape[:-1])
+    if xq is not None and not (nm.act_quant and xq.shape == (-(-rows // 8) * 8, x.shape[-1])):
+        raise ValueError(f"linear: xq must be the act-quant simulation of x [{rows} rows, "
+                         f"{x.shape[-1]}] padded to a multiple of 8 rows, got {xq.shape} "
+                         f"(act_quant={nm.act_quant})")
+    stacked = (w.w if isinstance(w, Fp8Weight) else w.packed).ndim > 2
+    if (xq is not None and _kernel_ok(w, nm) and nm.bf16_operands and not stacked
+            and rows <= KERNEL_MAX_ROWS):
+        wE = jax.tree.map(lambda a: a[None], w)
+        y = grouped_linear(xq[None], jnp.zeros((1,), jnp.int32), wE, nm)[0, :rows]
+        return y.reshape(*x.shape[:-1], -1).astype(out_dtype)
+    if nm.act_quant:
+        x = fp8_block_sim(x, 128) if xq is None else xq[:rows].reshape(x.shape).astype(x.dtype)
     if _kernel_ok(w, nm) and nm.bf16_operands and not stacked and rows <= KERNEL_MAX_ROWS:
         wE = jax.tree.map(lambda a: a[None], w)
         y = grouped_linear(x.reshape(1, -1, x.shape[-1]), jnp.zeros((1,), jnp.int32), wE, nm)

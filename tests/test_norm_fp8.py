@@ -1,0 +1,101 @@
+"""RMSNorm + FP8 activation simulation + row padding as one kernel (pallas_kernels/norm_fp8)
+against its reference, and its wiring: linear(..., xq=) and layers.norm_act in the model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice, AbstractMesh
+
+from dsv4_jax import config, layers as L, model, params as P, quant as Q
+from dsv4_jax.kvformat import fp8_block_sim
+from dsv4_jax.quant import Numerics
+from pallas_kernels.norm_fp8 import rms_norm_fp8, rms_norm_fp8_reference
+
+BF16 = jnp.bfloat16
+
+
+@pytest.mark.parametrize("M,D,with_w", [(1, 4096, True), (3, 1024, True), (8, 512, False),
+                                        (5, 7168, True), (13, 256, True)])
+def test_interpret_matches_reference(M, D, with_w):
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((M, D)) * rng.uniform(0.01, 30), BF16)
+    w = jnp.asarray(rng.standard_normal(D), BF16) if with_w else None
+    rows = -(-M // 8) * 8
+    y, yq = rms_norm_fp8(x, w, eps=1e-6, rows=rows, interpret=True)
+    ry, ryq = rms_norm_fp8_reference(x, w, 1e-6, rows)
+    assert y.shape == (M, D) and yq.shape == (rows, D) and y.dtype == yq.dtype == BF16
+    y, yq, ry, ryq = (np.asarray(a, np.float32) for a in (y, yq, ry, ryq))
+    # y: the norm up to the order of the sum of squares (<= 1 bf16 ulp)
+    np.testing.assert_allclose(y, ry, rtol=2 ** -7, atol=0)
+    # yq: exactly the simulation of the kernel's own y, zero rows past M
+    own = np.asarray(fp8_block_sim(jnp.asarray(y, BF16), 128), np.float32)
+    np.testing.assert_array_equal(yq[:M], own)
+    assert (yq[M:] == 0).all()
+    same = (y == ry).all(-1)          # rows whose norm came out identical
+    np.testing.assert_array_equal(yq[:M][same], ryq[:M][same])
+    assert not np.array_equal(yq[:M], y)   # the simulation did round something
+
+
+def test_bad_inputs_raise():
+    x = jnp.ones((2, 256), BF16)
+    with pytest.raises(ValueError, match="D % 128"):
+        rms_norm_fp8(jnp.ones((2, 200), BF16), None, eps=1e-6, rows=8, interpret=True)
+    with pytest.raises(ValueError, match="rows=1 < M=2"):
+        rms_norm_fp8(x, None, eps=1e-6, rows=1, interpret=True)
+    with pytest.raises(ValueError, match="w must be"):
+        rms_norm_fp8(x, jnp.ones(128, BF16), eps=1e-6, rows=8, interpret=True)
+
+
+def test_lowers_for_cuda():
+    dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    S = jax.ShapeDtypeStruct
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+        for M, D in ((1, 4096), (5, 1024), (64, 7168)):
+            txt = jax.jit(lambda x, w: rms_norm_fp8(x, w, eps=1e-6, rows=-(-M // 8) * 8)).trace(
+                S((M, D), BF16), S((D,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in txt
+
+
+def test_linear_with_presimulated_rows():
+    """linear(x, w, xq=padded simulation of x) gives linear(x, w) bit for bit, on the
+    matmul kernel (interpreted) and on the XLA path; a wrong xq is refused."""
+    rng = np.random.default_rng()
+    W = rng.standard_normal((256, 512)).astype(np.float32)
+    w = Q.Fp8Weight(*map(jnp.asarray, Q.encode_fp8_np(W)))
+    x = jnp.asarray(rng.standard_normal((1, 3, 512)), BF16)
+    xq = jnp.pad(fp8_block_sim(x.reshape(3, 512), 128), ((0, 5), (0, 0)))
+    for m in ("interpret", "xla"):
+        nm = Numerics(True, "bfloat16", matmul=m)
+        f = jax.jit(lambda x, xq: (Q.linear(x, w, nm, out_dtype=jnp.float32),
+                                   Q.linear(x, w, nm, out_dtype=jnp.float32, xq=xq)))
+        a, b = jax.block_until_ready(f(x, xq))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=m)
+    with pytest.raises(ValueError, match="xq must be"):
+        Q.linear(x, w, Numerics(True, "bfloat16"), xq=xq[:3])
+    with pytest.raises(ValueError, match="xq must be"):
+        Q.linear(x, w, Numerics(False, "bfloat16"), xq=xq)
+
+
+def test_model_forward_through_the_norm_kernel(monkeypatch):
+    """The whole forward with act-quant and the matmul kernels (interpreted): every norm
+    that feeds a quantised matmul goes through rms_norm_fp8 (attn, q and ffn norms), and
+    the logits equal those of the same run with the kernel turned off (XLA's three
+    kernels), to rounding."""
+    cfg = config.tiny()
+    params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
+    tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (1, 5)), jnp.int32)
+    nm = Numerics(True, "bfloat16", matmul="interpret")
+    fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
+    jaxpr = str(jax.make_jaxpr(lambda p, t: model.forward(p, t, cfg, nm))(params, tokens))
+    n = jaxpr.count("rms_norm_fp8")
+    assert n >= 3 * cfg.num_hidden_layers, n
+    got = np.asarray(jax.block_until_ready(fwd(params, tokens)))
+    monkeypatch.setattr(L, "NORM_FP8_ROWS", 0)
+    jax.clear_caches()
+    fwd0 = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
+    assert "rms_norm_fp8" not in str(jax.make_jaxpr(lambda p, t: model.forward(p, t, cfg, nm))(
+        params, tokens))
+    want = np.asarray(jax.block_until_ready(fwd0(params, tokens)))
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert np.isfinite(got).all() and rel < 1e-2, rel
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
