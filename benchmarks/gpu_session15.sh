@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Next session's GPU proof of session 14's kernel-count work (all of it compile-only so far:
+# 4 Flash layers 266 -> 229 kernels): the mHC comb kernel (hc_sinkhorn.mhc_comb, one
+# variadic reduction before it) and the norm + FP8-simulation kernel (norm_fp8) are Triton
+# kernels that have not run on a GPU yet. Run from the repo root: PART=N bash $0
+#  PART=1 (H100, ~9 min): GPU tests of the new kernels; the decode step with every kernel
+#         against the pure-JAX step (tiny, and 4 full-width Flash layers on a random 4K
+#         cache); 4 layers: kernels + step time (was 266 kernels, 1.315 ms pipelined,
+#         session14_h100); the stream step at B = 1 and 8 (was 1.34-1.54 / 2.46 ms).
+#  PART=2 (2 x H200, ~10 min): the whole Flash stream step at B = 1 (was 12.70 ms/step,
+#         78.7 tok/s on 2026-11-23, before the experts merge, the packed compressor state
+#         and this session's kernels), then B = 8.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 DSV4_COMPILE_CACHE=off
+T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+case "${PART:-1}" in
+1)
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hc_sinkhorn.py \
+    tests/test_norm_fp8.py tests/test_sparse_decode_attention.py | tee $OUT/gpu_tests.log | tail -5
+  T 90 python3 benchmarks/decode_kernels_check.py --preset tiny --matmul pallas --batch 2 \
+    | tee $OUT/check_tiny.log
+  T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 4096 --steps 3 | tee $OUT/check_flash4.log
+  T 110 python3 benchmarks/step_anatomy.py --preset flash --layers 4 --matmul pallas \
+    --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 | tee $OUT/anatomy4.log \
+    | grep -E "kernels in the step|^step"
+  T 200 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 --batch 1 8 \
+    --context 4096 --kernels on --matmul pallas --what stream --steps 20 \
+    | tee $OUT/flash4_batch.log | grep -E "floor" ;;
+2)
+  B="python3 -m benchmarks.decode_bench decode --preset flash --context 4096 --steps 30 --devices 2 --expert 2 --matmul pallas --kernels on --what stream"
+  T 330 $B --batch 1 | tee $OUT/flash43_x2_stream_b1.log | grep -E "floor|\|"
+  T 250 $B --batch 8 | tee $OUT/flash43_x2_stream_b8.log | grep -E "floor|\|" ;;
+esac
+true
