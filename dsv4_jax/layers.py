@@ -37,15 +37,21 @@ def rms_norm(x, w, eps, out_dtype):
 NORM_FP8_ROWS = 64
 
 
+def _norm_fp8_ok(shape, nm: Numerics) -> bool:
+    """Whether activations of `shape` [..., D] take the norm_fp8 kernels: FP8-simulated bf16
+    inputs of the matmul kernels, decode-sized."""
+    return (nm.act_quant and nm.bf16_operands and nm.jdtype == jnp.bfloat16
+            and nm.matmul in ("pallas", "interpret") and math.prod(shape[:-1]) <= NORM_FP8_ROWS
+            and shape[-1] % 128 == 0 and (on_gpu() or nm.matmul == "interpret"))
+
+
 def norm_act(x, w, cfg: Config, nm: Numerics):
     """rms_norm(x, w) [..., D] and, when the matmul kernels run with the FP8 activation
     simulation (decode sizes), also its simulation padded to kernel rows, xq bf16
     [ceil(rows/8)*8, D], for `linear(..., xq=xq)`: one Pallas kernel where XLA used three
     (sum of squares, amax, quantise + pad). Otherwise xq is None."""
     rows = math.prod(x.shape[:-1])
-    if not (nm.act_quant and nm.bf16_operands and nm.jdtype == jnp.bfloat16
-            and nm.matmul in ("pallas", "interpret") and rows <= NORM_FP8_ROWS
-            and x.shape[-1] % 128 == 0 and (on_gpu() or nm.matmul == "interpret")):
+    if not _norm_fp8_ok(x.shape, nm):
         return rms_norm(x, w, cfg.rms_norm_eps, nm.jdtype), None
     from pallas_kernels.norm_fp8 import rms_norm_fp8
     y, yq = rms_norm_fp8(x.reshape(rows, x.shape[-1]), w, eps=cfg.rms_norm_eps,
@@ -139,8 +145,33 @@ def hc_project(X, fn, eps: float):
 
 def hc_weights(X, fn, scale, base, cfg: Config):
     """X [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (all f32)."""
-    N = cfg.hc_mult
+    return _hc_mix(X, *hc_sums(X, fn), scale, base, cfg)
+
+
+def hc_site(X, fn, scale, base, norm_w, cfg: Config, nm: Numerics):
+    """An mHC site before its sublayer: X [..., N, D] -> (pre, post, comb (hc_weights),
+    x = rms_norm(hc_collapse(X, pre), norm_w) [..., D], xq (norm_act: x's padded FP8
+    simulation or None)). Where norm_act would run its kernel, the collapse runs in that
+    kernel too (pallas_kernels/norm_fp8.hc_norm_fp8, from the site's raw sums): no XLA
+    kernel for the collapse."""
     s, q = hc_sums(X, fn)
+    pre, post, C = _hc_mix(X, s, q, scale, base, cfg)
+    if not _norm_fp8_ok((*X.shape[:-2], X.shape[-1]), nm):
+        x, xq = norm_act(hc_collapse(X, pre, nm.jdtype), norm_w, cfg, nm)
+        return pre, post, C, x, xq
+    from pallas_kernels.norm_fp8 import hc_norm_fp8
+    N, D = X.shape[-2:]
+    rows = math.prod(X.shape[:-2])
+    y, yq = hc_norm_fp8(X.reshape(rows, N, D), s.reshape(rows, -1), q.reshape(rows, -1), scale,
+                        base, norm_w, N=N, eps=cfg.rms_norm_eps, rms_eps=cfg.rms_norm_eps,
+                        hc_eps=cfg.hc_eps, rows=-(-rows // 8) * 8,
+                        interpret=nm.matmul == "interpret")
+    return pre, post, C, y.reshape(*X.shape[:-2], D), yq
+
+
+def _hc_mix(X, s, q, scale, base, cfg: Config):
+    """hc_weights from the site's raw sums (hc_sums)."""
+    N = cfg.hc_mult
     m = s * jax.lax.rsqrt(q[..., :1] / (N * X.shape[-1]) + cfg.rms_norm_eps)
     pre = jax.nn.sigmoid(m[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(m[..., N:2 * N] * scale[1] + base[N:2 * N])

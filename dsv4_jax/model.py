@@ -23,15 +23,15 @@ def block(bp, X, tokens, layer: int, cfg: Config, nm: Numerics, attn_fn, debug=N
     """One transformer block on the hc residual X [B, T, N, D]. `attn_fn(bp, x)` computes
     attention on the normed input (prefill or cached decode); `attn_fn(bp, x, xq=xq)` when
     the norm also made x's padded FP8 simulation for the matmul kernels (L.norm_act)."""
-    pre, post, C = L.hc_weights(X, bp["hc_attn_fn"], bp["hc_attn_scale"], bp["hc_attn_base"], cfg)
-    x, xq = L.norm_act(L.hc_collapse(X, pre, nm.jdtype), bp["attn_norm.weight"], cfg, nm)
+    pre, post, C, x, xq = L.hc_site(X, bp["hc_attn_fn"], bp["hc_attn_scale"],
+                                    bp["hc_attn_base"], bp["attn_norm.weight"], cfg, nm)
     ap = L.block_params(bp, "attn.")
     f = attn_fn(ap, x) if xq is None else attn_fn(ap, x, xq=xq)
     X = L.hc_expand(f, X, post, C, nm.jdtype)
     if debug is not None:
         debug["hc_attn"] = (pre, post, C)
-    pre, post, C = L.hc_weights(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"], bp["hc_ffn_base"], cfg)
-    x, xq = L.norm_act(L.hc_collapse(X, pre, nm.jdtype), bp["ffn_norm.weight"], cfg, nm)
+    pre, post, C, x, xq = L.hc_site(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"], bp["hc_ffn_base"],
+                                    bp["ffn_norm.weight"], cfg, nm)
     mdbg = {} if debug is not None else None
     f = L.moe(L.block_params(bp, "ffn."), x, tokens, cfg, nm, cfg.is_hash_layer(layer), mdbg,
               xq=xq)

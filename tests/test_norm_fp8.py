@@ -1,5 +1,6 @@
-"""RMSNorm + FP8 activation simulation + row padding as one kernel (pallas_kernels/norm_fp8)
-against its reference, and its wiring: linear(..., xq=) and layers.norm_act in the model."""
+"""RMSNorm + FP8 activation simulation + row padding as one kernel (pallas_kernels/norm_fp8),
+with and without an mHC site's collapse in front, against the references, and the wiring:
+linear(..., xq=), layers.norm_act / hc_site in the model."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,8 @@ from jax._src.mesh import AbstractDevice, AbstractMesh
 from dsv4_jax import config, layers as L, model, params as P, quant as Q
 from dsv4_jax.kvformat import fp8_block_sim
 from dsv4_jax.quant import Numerics
-from pallas_kernels.norm_fp8 import rms_norm_fp8, rms_norm_fp8_reference
+from pallas_kernels.norm_fp8 import (hc_norm_fp8, hc_norm_fp8_reference, rms_norm_fp8,
+                                     rms_norm_fp8_reference)
 
 BF16 = jnp.bfloat16
 
@@ -87,13 +89,14 @@ def test_model_forward_through_the_norm_kernel(monkeypatch):
     nm = Numerics(True, "bfloat16", matmul="interpret")
     fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
     jaxpr = str(jax.make_jaxpr(lambda p, t: model.forward(p, t, cfg, nm))(params, tokens))
-    n = jaxpr.count("rms_norm_fp8")
-    assert n >= 3 * cfg.num_hidden_layers, n
+    # per layer: the attn and ffn sites' collapse + norm (hc_norm_fp8) and q_norm
+    assert jaxpr.count("name=hc_norm_fp8") == 2 * cfg.num_hidden_layers, jaxpr.count("hc_norm_fp8")
+    assert jaxpr.count("name=rms_norm_fp8") == cfg.num_hidden_layers, jaxpr.count("rms_norm_fp8")
     got = np.asarray(jax.block_until_ready(fwd(params, tokens)))
     monkeypatch.setattr(L, "NORM_FP8_ROWS", 0)
     jax.clear_caches()
     fwd0 = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
-    assert "rms_norm_fp8" not in str(jax.make_jaxpr(lambda p, t: model.forward(p, t, cfg, nm))(
+    assert "norm_fp8" not in str(jax.make_jaxpr(lambda p, t: model.forward(p, t, cfg, nm))(
         params, tokens))
     want = np.asarray(jax.block_until_ready(fwd0(params, tokens)))
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -117,3 +120,96 @@ def test_gpu_matches_reference():
         own = np.asarray(jax.jit(lambda v: fp8_block_sim(v, 128))(y), np.float32)
         np.testing.assert_array_equal(np.asarray(yq, np.float32)[:M], own)
         assert (np.asarray(yq, np.float32)[M:] == 0).all()
+
+
+
+def _site(M, N, D, rng):
+    X = jnp.asarray(rng.standard_normal((M, N, D)), BF16)
+    fn = jnp.asarray(rng.standard_normal((2 * N + N * N, N * D)) * 0.05, jnp.float32)
+    s, q = L.hc_sums(X, fn)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, 3), jnp.float32)
+    base = jnp.asarray(rng.standard_normal(2 * N + N * N), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(D), BF16)
+    return X, fn, s, q, scale, base, w
+
+
+@pytest.mark.parametrize("M,D", [(1, 512), (3, 1024), (9, 256)])
+def test_hc_interpret_matches_reference(M, D):
+    rng = np.random.default_rng()
+    X, _, s, q, scale, base, w = _site(M, 4, D, rng)
+    rows = -(-M // 8) * 8
+    kw = dict(eps=1e-6, rms_eps=1e-6, hc_eps=1e-6, rows=rows)
+    y, yq = hc_norm_fp8(X, s, q, scale, base, w, N=4, interpret=True, **kw)
+    ry, ryq = hc_norm_fp8_reference(X, s, q, scale, base, w, 4, **kw)
+    y, yq, ry, ryq = (np.asarray(a, np.float32) for a in (y, yq, ry, ryq))
+    np.testing.assert_allclose(y, ry, rtol=2 ** -7, atol=0)
+    own = np.asarray(fp8_block_sim(jnp.asarray(y, BF16), 128), np.float32)
+    np.testing.assert_array_equal(yq[:M], own)
+    assert (yq[M:] == 0).all()
+    same = (y == ry).all(-1)
+    np.testing.assert_array_equal(yq[:M][same], ryq[:M][same])
+    # the collapse weights matter: another base gives another row
+    other, _ = hc_norm_fp8_reference(X, s, q, scale, base.at[1].add(2.0), w, 4, **kw)
+    assert not np.allclose(np.asarray(other, np.float32), ry, rtol=1e-2)
+
+
+def test_hc_site_kernel_path_equals_xla_path(monkeypatch):
+    """layers.hc_site with the kernel (interpreted) against the same site with it off."""
+    from dsv4_jax import config
+    cfg = config.tiny()
+    rng = np.random.default_rng()
+    N, D = cfg.hc_mult, cfg.hidden_size
+    X, fn, _, _, scale, base, w = _site(2, N, D, rng)
+    X = X.reshape(2, 1, N, D)
+    nm = Numerics(True, "bfloat16", matmul="interpret")
+    f = lambda: jax.block_until_ready(jax.jit(
+        lambda X: L.hc_site(X, fn, scale, base, w, cfg, nm))(X))
+    got = f()
+    monkeypatch.setattr(L, "NORM_FP8_ROWS", 0)
+    want = f()
+    assert want[4] is None and got[4].shape == (8, D)
+    for g, wnt, name in zip(got[:4], want[:4], ("pre", "post", "comb", "x")):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wnt, np.float32),
+                                   rtol=2 ** -7 if name == "x" else 0, atol=0, err_msg=name)
+    xq = np.asarray(fp8_block_sim(got[3].reshape(2, D), 128), np.float32)
+    np.testing.assert_array_equal(np.asarray(got[4], np.float32)[:2], xq)
+
+
+def test_hc_bad_inputs_raise():
+    rng = np.random.default_rng()
+    X, _, s, q, scale, base, w = _site(2, 4, 256, rng)
+    kw = dict(N=4, eps=1e-6, rms_eps=1e-6, hc_eps=1e-6, rows=8, interpret=True)
+    with pytest.raises(ValueError, match="needs X"):
+        hc_norm_fp8(X[:, :3], s, q, scale, base, w, **kw)
+    with pytest.raises(ValueError, match="w \\[256\\]"):
+        hc_norm_fp8(X, s, q, scale, base, w[:128], **kw)
+    with pytest.raises(ValueError, match="rows=1 < M=2"):
+        hc_norm_fp8(X, s, q, scale, base, w, **dict(kw, rows=1))
+
+
+def test_hc_lowers_for_cuda():
+    dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+        for M, D in ((1, 4096), (64, 7168)):
+            txt = jax.jit(lambda X, s, q, a, b, w: hc_norm_fp8(
+                X, s, q, a, b, w, N=4, eps=1e-6, rms_eps=1e-6, hc_eps=1e-6,
+                rows=-(-M // 8) * 8)).trace(
+                    S((M, 4, D), BF16), S((M, 24), f32), S((M, 24), f32), S((3,), f32),
+                    S((24,), f32), S((D,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in txt
+
+
+@pytest.mark.gpu
+def test_gpu_hc_matches_reference():
+    rng = np.random.default_rng()
+    for M, D in ((1, 4096), (8, 4096), (3, 7168)):
+        X, _, s, q, scale, base, w = _site(M, 4, D, rng)
+        kw = dict(eps=1e-6, rms_eps=1e-6, hc_eps=1e-6, rows=-(-M // 8) * 8)
+        y, yq = hc_norm_fp8(X, s, q, scale, base, w, N=4, **kw)
+        ry, _ = jax.jit(lambda *a: hc_norm_fp8_reference(*a, 4, **kw))(X, s, q, scale, base, w)
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ry, np.float32),
+                                   rtol=2 ** -7, atol=0)
+        own = np.asarray(jax.jit(lambda v: fp8_block_sim(v, 128))(y), np.float32)
+        np.testing.assert_array_equal(np.asarray(yq, np.float32)[:M], own)

@@ -42,20 +42,55 @@ def _kernel(*refs, M, D, eps, has_w):
     @pl.loop(0, nb)
     def _(j):
         cols = pl.ds(j * BLOCK, BLOCK)
-        yb = x_ref[0, cols].astype(jnp.float32) * r
-        if has_w:
-            yb = yb * w_ref[cols].astype(jnp.float32)
-        yb = yb.astype(jnp.bfloat16)
-        y_ref[0, cols] = yb
-        yf = yb.astype(jnp.float32)
-        amax = jnp.maximum(jnp.max(jnp.abs(yf)), AMAX_FLOOR)
-        bits = lax.bitcast_convert_type(jnp.full((BLOCK,), amax * INV_E4M3_MAX, jnp.float32),
-                                        jnp.int32)
-        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # 2^ceil(log2)
-        inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)              # 1 / s
-        s = lax.bitcast_convert_type(e << 23, jnp.float32)                        # s
-        qv = jnp.clip(yf * inv, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-        q_ref[0, cols] = jnp.where(live, qv * s, 0.0).astype(jnp.bfloat16)
+        _norm_sim_store(x_ref[0, cols].astype(jnp.float32), r, w_ref, y_ref, q_ref, cols, live)
+
+
+def _norm_sim_store(xb, r, w_ref, y_ref, q_ref, cols, live):
+    """One 128-wide block: y = bf16(xb * r [* w]) -> y_ref; its e4m3 simulation (power-of-two
+    scale from the block's amax, as kvformat.fp8_block_sim) -> q_ref (zeros if not live)."""
+    yb = xb * r
+    if w_ref is not None:
+        yb = yb * w_ref[cols].astype(jnp.float32)
+    yb = yb.astype(jnp.bfloat16)
+    y_ref[0, cols] = yb
+    yf = yb.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(yf)), AMAX_FLOOR)
+    bits = lax.bitcast_convert_type(jnp.full((BLOCK,), amax * INV_E4M3_MAX, jnp.float32),
+                                    jnp.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # 2^ceil(log2)
+    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)              # 1 / s
+    s = lax.bitcast_convert_type(e << 23, jnp.float32)                        # s
+    qv = jnp.clip(yf * inv, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    q_ref[0, cols] = jnp.where(live, qv * s, 0.0).astype(jnp.bfloat16)
+
+
+def _hc_kernel(X_ref, s_ref, q_ref, scale_ref, base_ref, w_ref, y_ref, yq_ref, *, M, N, D,
+               eps, rms_eps, hc_eps):
+    """hc_norm_fp8's program for one output row: the mHC collapse weights from the site's
+    raw sums, the collapse (rounded to bf16, as layers.hc_collapse), then as _kernel."""
+    live = pl.program_id(0) < M
+    nb = D // BLOCK
+    # pre_i = sigmoid((s_i * rsqrt(q / (N*D) + rms_eps)) * scale_0 + base_i) + hc_eps, [1] each
+    rr = lax.rsqrt(q_ref[0, pl.ds(0, 1)] / (N * D) + rms_eps)
+    pre = [jax.nn.sigmoid(s_ref[0, pl.ds(i, 1)] * rr * scale_ref[pl.ds(0, 1)]
+                          + base_ref[pl.ds(i, 1)]) + hc_eps for i in range(N)]
+
+    def collapse(cols):
+        acc = pre[0] * X_ref[0, 0, cols].astype(jnp.float32)
+        for i in range(1, N):
+            acc = acc + pre[i] * X_ref[0, i, cols].astype(jnp.float32)
+        return acc.astype(jnp.bfloat16).astype(jnp.float32)
+
+    def ss(j, acc):
+        xb = collapse(pl.ds(j * BLOCK, BLOCK))
+        return acc + xb * xb
+    r = lax.rsqrt(jnp.sum(lax.fori_loop(0, nb, ss, jnp.zeros((BLOCK,), jnp.float32))) / D
+                  + eps)
+
+    @pl.loop(0, nb)
+    def _(j):
+        cols = pl.ds(j * BLOCK, BLOCK)
+        _norm_sim_store(collapse(cols), r, w_ref, y_ref, yq_ref, cols, live)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "rows", "interpret"))
@@ -86,3 +121,42 @@ def rms_norm_fp8(x_MD, w_D, *, eps: float, rows: int, interpret: bool = False):
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
     )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("N", "eps", "rms_eps", "hc_eps", "rows",
+                                             "interpret"))
+def hc_norm_fp8(X_MND, s_MK, q_MK, scale, base, w_D, *, N: int, eps: float, rms_eps: float,
+                hc_eps: float, rows: int, interpret: bool = False):
+    """An mHC site's collapse + RMSNorm + FP8 simulation in one kernel: X [M, N, D] (the
+    residual streams), s [M, 2N + N^2] / q [M, >= 1] (the site's raw sums, layers.hc_sums),
+    scale [3], base [2N + N^2], w [D] -> (y bf16 [M, D] = rms_norm(hc_collapse(X, pre), w),
+    yq bf16 [rows, D]) with pre = sigmoid(s[:, :N] * rsqrt(q[:, :1] / (N*D) + rms_eps) *
+    scale[0] + base[:N]) + hc_eps (layers.hc_weights). See reference.hc_norm_fp8_reference."""
+    M, N_, D = X_MND.shape
+    K = s_MK.shape[1]
+    if N_ != N or N & (N - 1) or D % BLOCK or K != 2 * N + N * N:
+        raise ValueError(f"hc_norm_fp8 needs X [M, {N} (a power of two), D % {BLOCK} == 0] "
+                         f"and s [M, 2N + N^2]; got X {X_MND.shape}, s {s_MK.shape}")
+    if (s_MK.shape[0] != M or q_MK.ndim != 2 or q_MK.shape[0] != M or scale.shape != (3,)
+            or base.shape != (K,) or w_D.shape != (D,)):
+        raise ValueError(f"hc_norm_fp8: s/q must be [{M}, .], scale [3], base [{K}], w [{D}]; "
+                         f"got {s_MK.shape}, {q_MK.shape}, {scale.shape}, {base.shape}, "
+                         f"{w_D.shape}")
+    if rows < M:
+        raise ValueError(f"hc_norm_fp8: rows={rows} < M={M}")
+    row = lambda m: (jnp.minimum(m, M - 1), 0)
+    full = lambda m: (0,)
+    return pl.pallas_call(
+        functools.partial(_hc_kernel, M=M, N=N, D=D, eps=eps, rms_eps=rms_eps, hc_eps=hc_eps),
+        out_shape=(jax.ShapeDtypeStruct((M, D), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((rows, D), jnp.bfloat16)),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec((1, N, D), lambda m: (jnp.minimum(m, M - 1), 0, 0)),
+                  pl.BlockSpec((1, K), row), pl.BlockSpec((1, q_MK.shape[1]), row),
+                  pl.BlockSpec((3,), full), pl.BlockSpec((K,), full),
+                  pl.BlockSpec((D,), full)],
+        out_specs=(pl.BlockSpec((1, D), row), pl.BlockSpec((1, D), lambda m: (m, 0))),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+    )(X_MND, s_MK.astype(jnp.float32), q_MK.astype(jnp.float32), scale.astype(jnp.float32),
+      base.astype(jnp.float32), w_D)
