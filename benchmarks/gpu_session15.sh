@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Next session's GPU proof of session 14's kernel-count work (all of it compile-only so far:
-# 4 Flash layers 266 -> 229 kernels): the mHC comb kernel (hc_sinkhorn.mhc_comb, one
-# variadic reduction before it) and the norm + FP8-simulation kernel (norm_fp8) are Triton
-# kernels that have not run on a GPU yet. Run from the repo root: PART=N bash $0
+# 4 Flash layers 266 -> 222 kernels): the mHC comb kernel (hc_sinkhorn.mhc_comb, one
+# variadic reduction before it) and the (collapse +) norm + FP8-simulation kernels
+# (norm_fp8) are Triton kernels that have not run on a GPU yet. Run from the repo root: PART=N bash $0
 #  PART=1 (H100, ~9 min): GPU tests of the new kernels; the decode step with every kernel
 #         against the pure-JAX step (tiny, and 4 full-width Flash layers on a random 4K
 #         cache); 4 layers: kernels + step time (was 266 kernels, 1.315 ms pipelined,
