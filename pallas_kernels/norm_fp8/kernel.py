@@ -30,19 +30,24 @@ def _kernel(*refs, M, D, eps, has_w):
         x_ref, w_ref, y_ref, q_ref = refs
     else:
         (x_ref, y_ref, q_ref), w_ref = refs, None
+    _norm_rows(lambda cols: x_ref[0, cols].astype(jnp.float32), M, D, eps, w_ref, y_ref, q_ref)
+
+
+def _norm_rows(block, M, D, eps, w_ref, y_ref, q_ref):
+    """This program's row: block(cols) -> the input's f32 [128] block (read twice: pass 1
+    sums the squares, pass 2 normalises, stores and simulates each block)."""
     live = pl.program_id(0) < M        # rows M.. of yq are padding: zeros
-    nb = D // BLOCK
 
     def ss(j, acc):
-        xb = x_ref[0, pl.ds(j * BLOCK, BLOCK)].astype(jnp.float32)
+        xb = block(pl.ds(j * BLOCK, BLOCK))
         return acc + xb * xb
-    r = lax.rsqrt(jnp.sum(lax.fori_loop(0, nb, ss, jnp.zeros((BLOCK,), jnp.float32))) / D
-                  + eps)
+    r = lax.rsqrt(jnp.sum(lax.fori_loop(0, D // BLOCK, ss, jnp.zeros((BLOCK,), jnp.float32)))
+                  / D + eps)
 
-    @pl.loop(0, nb)
+    @pl.loop(0, D // BLOCK)
     def _(j):
         cols = pl.ds(j * BLOCK, BLOCK)
-        _norm_sim_store(x_ref[0, cols].astype(jnp.float32), r, w_ref, y_ref, q_ref, cols, live)
+        _norm_sim_store(block(cols), r, w_ref, y_ref, q_ref, cols, live)
 
 
 def _norm_sim_store(xb, r, w_ref, y_ref, q_ref, cols, live):
@@ -68,8 +73,6 @@ def _hc_kernel(X_ref, s_ref, q_ref, scale_ref, base_ref, w_ref, y_ref, yq_ref, *
                eps, rms_eps, hc_eps):
     """hc_norm_fp8's program for one output row: the mHC collapse weights from the site's
     raw sums, the collapse (rounded to bf16, as layers.hc_collapse), then as _kernel."""
-    live = pl.program_id(0) < M
-    nb = D // BLOCK
     # pre_i = sigmoid((s_i * rsqrt(q / (N*D) + rms_eps)) * scale_0 + base_i) + hc_eps, [1] each
     rr = lax.rsqrt(q_ref[0, pl.ds(0, 1)] / (N * D) + rms_eps)
     pre = [jax.nn.sigmoid(s_ref[0, pl.ds(i, 1)] * rr * scale_ref[pl.ds(0, 1)]
@@ -81,16 +84,7 @@ def _hc_kernel(X_ref, s_ref, q_ref, scale_ref, base_ref, w_ref, y_ref, yq_ref, *
             acc = acc + pre[i] * X_ref[0, i, cols].astype(jnp.float32)
         return acc.astype(jnp.bfloat16).astype(jnp.float32)
 
-    def ss(j, acc):
-        xb = collapse(pl.ds(j * BLOCK, BLOCK))
-        return acc + xb * xb
-    r = lax.rsqrt(jnp.sum(lax.fori_loop(0, nb, ss, jnp.zeros((BLOCK,), jnp.float32))) / D
-                  + eps)
-
-    @pl.loop(0, nb)
-    def _(j):
-        cols = pl.ds(j * BLOCK, BLOCK)
-        _norm_sim_store(collapse(cols), r, w_ref, y_ref, yq_ref, cols, live)
+    _norm_rows(collapse, M, D, eps, w_ref, y_ref, yq_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "rows", "interpret"))
