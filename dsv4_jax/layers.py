@@ -488,8 +488,8 @@ def row_merge_views(p: dict) -> dict:
     "layers.N.") as WeightRows views under the names of their parts. Splits: wqkv_a = wq_a
     rows, then wkv's (as many as kv_norm has); shared_experts.w13 and experts.w13 (stacked
     [E, 2I, D]) = w1 rows, then w3's (half each). A matmul with a view multiplies by the
-    whole stored weight and slices (quant.linear, quant.grouped_linear): the two views' calls are one and the same kernel, which XLA computes
-    once."""
+    whole stored weight and slices (quant.linear, quant.grouped_linear): the two views'
+    calls are one and the same kernel, which XLA computes once."""
     out = {}
     for k, w in p.items():
         for m, (a, b) in ROW_MERGES.items():
