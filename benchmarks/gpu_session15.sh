@@ -3,7 +3,7 @@
 # 4 Flash layers 266 -> 222 kernels): the mHC comb kernel (hc_sinkhorn.mhc_comb, one
 # variadic reduction before it) and the (collapse +) norm + FP8-simulation kernels
 # (norm_fp8) are Triton kernels that have not run on a GPU yet. Run from the repo root: PART=N bash $0
-#  PART=1 (H100, ~9 min): GPU tests of the new kernels; the decode step with every kernel
+#  PART=1 (H100, ~10 min): GPU tests of the new kernels; the decode step with every kernel
 #         against the pure-JAX step (tiny, and 4 full-width Flash layers on a random 4K
 #         cache); 4 layers: kernels + step time (was 266 kernels, 1.315 ms pipelined,
 #         session14_h100); the stream step at B = 1 and 8 (was 1.34-1.54 / 2.46 ms).
@@ -21,9 +21,11 @@ case "${PART:-1}" in
     | tee $OUT/check_tiny.log
   T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 4096 --steps 3 | tee $OUT/check_flash4.log
-  T 110 python3 benchmarks/step_anatomy.py --preset flash --layers 4 --matmul pallas \
-    --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 | tee $OUT/anatomy4.log \
-    | grep -E "kernels in the step|^step"
+  for rows in 64 0; do   # the norm kernels on / off (DSV4_NORM_FP8_ROWS)
+    DSV4_NORM_FP8_ROWS=$rows T 110 python3 benchmarks/step_anatomy.py --preset flash --layers 4 \
+      --matmul pallas --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 \
+      | tee -a $OUT/anatomy4.log | grep -E "kernels in the step|^step"
+  done
   T 200 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 --batch 1 8 \
     --context 4096 --kernels on --matmul pallas --what stream --steps 20 \
     | tee $OUT/flash4_batch.log | grep -E "floor" ;;

@@ -7,6 +7,7 @@ D hidden, H heads, K head_dim (512), R rope dims (64), N hc streams (4), E exper
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,8 @@ def rms_norm(x, w, eps, out_dtype):
 
 # Decode-sized norms (at most this many token rows) feeding a weight-streaming matmul run
 # as one kernel with the matmul input's FP8 simulation (pallas_kernels/norm_fp8).
-NORM_FP8_ROWS = 64
+# DSV4_NORM_FP8_ROWS=0 turns that off process-wide (A/B runs without code changes).
+NORM_FP8_ROWS = int(os.environ.get("DSV4_NORM_FP8_ROWS", "64"))
 
 
 def _norm_fp8_ok(shape, nm: Numerics) -> bool:
