@@ -12,6 +12,8 @@
 #         and this session's kernels), then B = 8.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 DSV4_COMPILE_CACHE=off
+# the new kernels are off by default until this proof: on for every run below but the A/B
+export DSV4_NORM_FP8_ROWS=64 DSV4_MHC_COMB=1
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
 case "${PART:-1}" in
 1)
@@ -21,8 +23,9 @@ case "${PART:-1}" in
     | tee $OUT/check_tiny.log
   T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 4096 --steps 3 | tee $OUT/check_flash4.log
-  for rows in 64 0; do   # the norm kernels on / off (DSV4_NORM_FP8_ROWS)
-    DSV4_NORM_FP8_ROWS=$rows T 110 python3 benchmarks/step_anatomy.py --preset flash --layers 4 \
+  for on in "64 1" "0 0"; do   # the new kernels on / off
+    set -- $on
+    DSV4_NORM_FP8_ROWS=$1 DSV4_MHC_COMB=$2 T 110 python3 benchmarks/step_anatomy.py --preset flash --layers 4 \
       --matmul pallas --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 \
       | tee -a $OUT/anatomy4.log | grep -E "kernels in the step|^step"
   done

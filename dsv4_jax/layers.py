@@ -35,8 +35,12 @@ def rms_norm(x, w, eps, out_dtype):
 
 # Decode-sized norms (at most this many token rows) feeding a weight-streaming matmul run
 # as one kernel with the matmul input's FP8 simulation (pallas_kernels/norm_fp8).
-# DSV4_NORM_FP8_ROWS=0 turns that off process-wide (A/B runs without code changes).
-NORM_FP8_ROWS = int(os.environ.get("DSV4_NORM_FP8_ROWS", "64"))
+# OFF by default until they have run correctly on a GPU (built 2026-11-25, tested in the
+# interpreter and compiled for an H100 only): DSV4_NORM_FP8_ROWS=64 turns them on.
+NORM_FP8_ROWS = int(os.environ.get("DSV4_NORM_FP8_ROWS", "0"))
+# The mHC comb matrix from the raw sums in one kernel (hc_sinkhorn.mhc_comb): same status,
+# DSV4_MHC_COMB=1 turns it on; otherwise the GPU runs the proven sinkhorn_softmax kernel.
+MHC_COMB = os.environ.get("DSV4_MHC_COMB", "0") == "1"
 
 
 def _norm_fp8_ok(shape, nm: Numerics) -> bool:
@@ -177,7 +181,7 @@ def _hc_mix(X, s, q, scale, base, cfg: Config):
     m = s * jax.lax.rsqrt(q[..., :1] / (N * X.shape[-1]) + cfg.rms_norm_eps)
     pre = jax.nn.sigmoid(m[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(m[..., N:2 * N] * scale[1] + base[N:2 * N])
-    if on_gpu():
+    if on_gpu() and MHC_COMB:
         # one small kernel from the raw sums (normalisation, logits, softmax, Sinkhorn)
         # instead of ~12 XLA kernels, and no XLA kernel for the logits before it
         from pallas_kernels.hc_sinkhorn import mhc_comb
@@ -186,6 +190,10 @@ def _hc_mix(X, s, q, scale, base, cfg: Config):
                      rms_eps=cfg.rms_norm_eps)
         return pre, post, C.reshape(*m.shape[:-1], N, N)
     C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
+    if on_gpu():  # one small kernel (softmax + Sinkhorn) instead of ~12 XLA kernels
+        from pallas_kernels.hc_sinkhorn import sinkhorn_softmax
+        C = sinkhorn_softmax(C.reshape(-1, N, N), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        return pre, post, C.reshape(*m.shape[:-1], N, N)
     C = jax.nn.softmax(C, -1) + cfg.hc_eps
     return pre, post, sinkhorn_reduce(C, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 

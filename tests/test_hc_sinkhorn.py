@@ -112,6 +112,7 @@ def test_hc_weights_kernel_path_equals_cpu_path(monkeypatch):
         monkeypatch.setattr(L, "ON_GPU", False)
         want = L.hc_weights(X, fn, scale, base, cfg)
         monkeypatch.setattr(L, "ON_GPU", True)
+        monkeypatch.setattr(L, "MHC_COMB", True)
         monkeypatch.setattr(hc_sinkhorn, "mhc_comb",
                             lambda *a, **k: real(*a, **k, interpret=True))
         got = L.hc_weights(X, fn, scale, base, cfg)
