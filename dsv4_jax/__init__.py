@@ -5,7 +5,7 @@ Public API: `load`, `Engine` (generate / stream / teacher_forced_logits), the sa
 """
 from . import config, params, quant, chat  # noqa: F401
 from .config import Config  # noqa: F401
-from .quant import Numerics  # noqa: F401
+from .quant import EXACT_COMPILER_OPTIONS, Numerics  # noqa: F401
 
 
 def load(path, mesh=None, **kw):

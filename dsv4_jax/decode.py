@@ -17,7 +17,7 @@ import numpy as np
 from .cache import (BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv,
                     join_cmp_state, split_cmp_state)
 from .config import Config
-from .quant import Numerics
+from .quant import EXACT_COMPILER_OPTIONS, Numerics
 from . import layers as L
 from . import model as M
 
@@ -338,9 +338,13 @@ def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs
 # layer) overlap in the graph: H100, SWA + CSA + HCA layers + head, B = 1: sync step 2.24 ->
 # 1.87 ms, pipelined 1.27 -> 1.09 ms (benchmarks/results/session5_h100/flags.log); 4 Flash
 # layers: sync 2.71 -> 2.31 ms, pipelined 1.47 either way. Only the scheduling changes, not
-# the kernels. DSV4_GRAPH_CONCURRENT=0 turns it off (A/B runs).
+# the kernels. DSV4_GRAPH_CONCURRENT=0 turns it off (A/B runs). Plus the options that keep
+# the reference's roundings on the GPU (quant.EXACT_COMPILER_OPTIONS; DSV4_EXCESS_PRECISION=1
+# drops them, for an A/B of their cost only: the FP8 activation simulation is then gone).
 STEP_COMPILER_OPTIONS = {"xla_gpu_graph_enable_concurrent_region":
-                         os.environ.get("DSV4_GRAPH_CONCURRENT", "1") == "1"}
+                         os.environ.get("DSV4_GRAPH_CONCURRENT", "1") == "1",
+                         **({} if os.environ.get("DSV4_EXCESS_PRECISION") == "1"
+                            else EXACT_COMPILER_OPTIONS)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -342,7 +342,7 @@ def sharded_forward(cfg: Config, nm: Numerics, mesh: Mesh, include_mtp: bool = T
     return PerParamForm(lambda merged: jax.jit(
         fwd, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp,
                                            x_proj_merged=merged), rep),
-        out_shardings=rep))
+        out_shardings=rep, compiler_options=D.STEP_COMPILER_OPTIONS))
 
 
 def data_groups(cs: CacheSpec, mesh: Mesh) -> int:

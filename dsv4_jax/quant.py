@@ -21,6 +21,16 @@ import numpy as np
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 MATMUL_IMPLS = ("xla", "pallas", "interpret")
+
+# XLA options every program computing the model must compile with. By default XLA-GPU
+# (xla_allow_excess_precision=True) deletes f32 -> f8 -> f32 and f32 -> bf16 -> f32 convert
+# chains (its SimplifyFPConversions pass): the FP8 activation simulation and every bf16
+# rounding point of the reference then silently vanish on the GPU, while the CPU keeps
+# them. Found 2026-11-25: kvformat.fp8_block_sim compiled for an H100 has no f8 convert left
+# with the default, and returns plain bf16 values on the GPU (benchmarks/results/
+# session15_h100/gpu_tests.log). Notebooks that jit model code on a GPU pass these too:
+# jax.jit(f, compiler_options=dsv4_jax.EXACT_COMPILER_OPTIONS).
+EXACT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 E2M1_TABLE = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 

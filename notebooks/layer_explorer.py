@@ -37,6 +37,7 @@
 # `$DSV4_NOTEBOOK_OUT/layer_explorer/` (default `_out/layer_explorer/` next to the notebook).
 
 # %%
+import functools
 import os
 import sys
 import time
@@ -107,9 +108,11 @@ print(repr(tok.decode(ids[:80])), "...")
 # `forward(..., debug=dbg)` fills `dbg[i]` for each layer `i` with that layer's
 # intermediates. We jit a small wrapper that returns `dbg` as an output (a dict of arrays is
 # a pytree), so the pass compiles once (~10-30 s on CPU) and then runs fast.
+# `EXACT_COMPILER_OPTIONS` keeps the reference's FP8 / bf16 roundings on a GPU (XLA-GPU
+# drops such round trips by default; the CPU keeps them either way).
 
 # %%
-@jax.jit
+@functools.partial(jax.jit, compiler_options=dsv4_jax.EXACT_COMPILER_OPTIONS)
 def forward_debug(params, tokens):
     dbg = {}
     logits = dsv4_jax.model.forward(params, tokens, cfg, nm, debug=dbg)
@@ -370,7 +373,8 @@ save(fig, "mhc_pre_post")
 # last layer's lens is the model output itself (checked below).
 
 # %%
-head = jax.jit(lambda X: dsv4_jax.model.head(params, X, cfg, nm))
+head = jax.jit(lambda X: dsv4_jax.model.head(params, X, cfg, nm),
+              compiler_options=dsv4_jax.EXACT_COMPILER_OPTIONS)
 X0 = dsv4_jax.model.embed(params, tokens, cfg, nm)
 lens = [np.asarray(head(X0))] + [np.asarray(head(jnp.asarray(dbg[i]["X"]))) for i in range(L)]
 np.testing.assert_allclose(lens[-1], logits, rtol=1e-5, atol=1e-5)
