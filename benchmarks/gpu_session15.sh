@@ -31,12 +31,15 @@ case "${PART:-1}" in
       --matmul pallas --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 \
       | tee -a $OUT/anatomy4.log | grep -E "kernels in the step|^step"
   done ;;
-3)   # ~9 min: kernels vs pure JAX on 4 full-width layers (exact options), stream steps
-  T 240 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
-    --matmul pallas --batch 1 8 --context 4096 --steps 3 | tee $OUT/check_flash4.log
-  T 280 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 --batch 1 8 64 \
+3)   # ~9.5 min: stream steps (B = 1, 8, 64), the cost of exact numerics, kernels vs pure JAX
+  T 270 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 --batch 1 8 64 \
     --context 4096 --kernels on --matmul pallas --what stream --steps 20 \
-    | tee $OUT/flash4_batch.log | grep -E "floor" ;;
+    | tee $OUT/flash4_batch.log | grep -E "floor"
+  DSV4_EXCESS_PRECISION=1 T 100 python3 benchmarks/step_anatomy.py --preset flash --layers 4 \
+    --matmul pallas --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 \
+    | tee -a $OUT/anatomy4_excess_precision.log | grep -E "kernels in the step|^step"
+  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 4096 --steps 3 | tee $OUT/check_flash4.log ;;
 2)
   B="python3 -m benchmarks.decode_bench decode --preset flash --context 4096 --steps 30 --devices 2 --expert 2 --matmul pallas --kernels on --what stream"
   T 330 $B --batch 1 | tee $OUT/flash43_x2_stream_b1.log | grep -E "floor|\|"

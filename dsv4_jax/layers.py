@@ -34,13 +34,14 @@ def rms_norm(x, w, eps, out_dtype):
 
 
 # Decode-sized norms (at most this many token rows) feeding a weight-streaming matmul run
-# as one kernel with the matmul input's FP8 simulation (pallas_kernels/norm_fp8).
-# OFF by default until they have run correctly on a GPU (built 2026-11-25, tested in the
-# interpreter and compiled for an H100 only): DSV4_NORM_FP8_ROWS=64 turns them on.
-NORM_FP8_ROWS = int(os.environ.get("DSV4_NORM_FP8_ROWS", "0"))
-# The mHC comb matrix from the raw sums in one kernel (hc_sinkhorn.mhc_comb): same status,
-# DSV4_MHC_COMB=1 turns it on; otherwise the GPU runs the proven sinkhorn_softmax kernel.
-MHC_COMB = os.environ.get("DSV4_MHC_COMB", "0") == "1"
+# as one kernel with the matmul input's FP8 simulation (pallas_kernels/norm_fp8). GPU-proven
+# 2026-11-25 (H100: tests pass; 1.5 / 3.2 us of GPU time against XLA's 3.4 / 4.8 us in 3-4
+# kernels; 4 Flash layers 255 -> 220 kernels with MHC_COMB, pipelined step 1.306 -> 1.279
+# ms, benchmarks/results/session15b_h100). DSV4_NORM_FP8_ROWS=0 turns them off (A/B).
+NORM_FP8_ROWS = int(os.environ.get("DSV4_NORM_FP8_ROWS", "64"))
+# The mHC comb matrix from the raw sums in one kernel (hc_sinkhorn.mhc_comb), GPU-proven the
+# same day; DSV4_MHC_COMB=0 runs the sinkhorn_softmax kernel after XLA's prelude instead.
+MHC_COMB = os.environ.get("DSV4_MHC_COMB", "1") == "1"
 
 
 def _norm_fp8_ok(shape, nm: Numerics) -> bool:

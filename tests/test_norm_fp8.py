@@ -87,7 +87,7 @@ def test_model_forward_through_the_norm_kernel(monkeypatch):
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
     tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (1, 5)), jnp.int32)
     nm = Numerics(True, "bfloat16", matmul="interpret")
-    monkeypatch.setattr(L, "NORM_FP8_ROWS", 64)   # off by default until GPU-proven
+    monkeypatch.setattr(L, "NORM_FP8_ROWS", 64)   # (the default; set in case the env turned it off)
     fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
     jaxpr = str(jax.make_jaxpr(lambda p, t: model.forward(p, t, cfg, nm))(params, tokens))
     # per layer: the attn and ffn sites' collapse + norm (hc_norm_fp8) and q_norm
@@ -167,7 +167,7 @@ def test_hc_site_kernel_path_equals_xla_path(monkeypatch):
     X, fn, _, _, scale, base, w = _site(2, N, D, rng)
     X = X.reshape(2, 1, N, D)
     nm = Numerics(True, "bfloat16", matmul="interpret")
-    monkeypatch.setattr(L, "NORM_FP8_ROWS", 64)   # off by default until GPU-proven
+    monkeypatch.setattr(L, "NORM_FP8_ROWS", 64)   # (the default; set in case the env turned it off)
     f = lambda: jax.block_until_ready(jax.jit(
         lambda X: L.hc_site(X, fn, scale, base, w, cfg, nm))(X))
     got = f()
@@ -223,12 +223,12 @@ def test_gpu_hc_matches_reference():
         np.testing.assert_array_equal(np.asarray(yq, np.float32)[:M], own)
 
 
-def test_new_kernels_are_off_by_default():
-    """Not GPU-proven yet (2026-11-25): the model's GPU path keeps the proven kernels
-    unless DSV4_NORM_FP8_ROWS / DSV4_MHC_COMB turn the new ones on."""
+def test_new_kernels_are_on_by_default():
+    """GPU-proven 2026-11-25 (session15b_h100): the GPU path takes them unless
+    DSV4_NORM_FP8_ROWS=0 / DSV4_MHC_COMB=0 turn them off."""
     import os
     if "DSV4_NORM_FP8_ROWS" in os.environ or "DSV4_MHC_COMB" in os.environ:
         pytest.skip("switch set in the environment")
-    assert L.NORM_FP8_ROWS == 0 and L.MHC_COMB is False
+    assert L.NORM_FP8_ROWS == 64 and L.MHC_COMB is True
     nm = Numerics(True, "bfloat16", matmul="interpret")
-    assert L.norm_act(jnp.ones((1, 1, 256), BF16), None, config.tiny(), nm)[1] is None
+    assert L.norm_act(jnp.ones((1, 1, 256), BF16), None, config.tiny(), nm)[1] is not None
