@@ -24,7 +24,7 @@ per case (model, mode, B, context):
    path) / kernel, and staged (the previous version: XLA staging gather + kernel) / direct.
 Variants: ws-lane = warp_specialized=True (the default), direct-lane = two single-warpgroup
 CTAs per head tile (both gather="direct", Lane lowering), staged = the previous XLA
-staging gather. Cases run in priority order (cases()) until --budget seconds have passed
+staging gather, tritonN = kernel_triton (vector-load gathers) with N heads per program. Cases run in priority order (cases()) until --budget seconds have passed
 since the start (smoke test included; a case once started runs to its end: 19-42 s on the H100, mostly compilation; the
 smoke test takes ~60 s, --trusted skips it);
 skipped ones are listed. The first case gets every variant, later ones the best correct
@@ -61,6 +61,10 @@ VARIANTS = {   # name -> kernel keyword arguments
     "staged": dict(gather="staged", warp_specialized=False),
     # ws-lane with the split rule before 2026-11-23 (kernel.default_splits_v1), for A/B
     "ws-lane-v1split": dict(gather="direct", warp_specialized=True, split_rule="v1"),
+    # kernel_triton: rows gathered by vector loads; head_tile heads per program
+    "triton16": dict(backend="triton", head_tile=16, num_warps=4),
+    "triton32": dict(backend="triton", head_tile=32, num_warps=4),
+    "triton64": dict(backend="triton", head_tile=64, num_warps=8),
 }
 
 
@@ -232,7 +236,11 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False, models=M
         kw = dict(VARIANTS[name], interpret=interpret)
         ws = kw.get("warp_specialized", True)
         rule = AK.default_splits_v1 if kw.pop("split_rule", None) == "v1" else AK.default_splits
-        kw["splits"] = rule(B, -(-H // 64) * 64, n_blk, ctas_per_tile=1 if ws else 2)
+        if kw.get("backend") == "triton":   # several small programs per SM
+            kw["splits"] = AK.default_splits(B, -(-H // 64) * 64, n_blk,
+                                             ctas_per_tile=64 // kw["head_tile"], ctas_per_sm=4)
+        else:
+            kw["splits"] = rule(B, -(-H // 64) * 64, n_blk, ctas_per_tile=1 if ws else 2)
         f = lambda *x, kw=kw: AK.sparse_decode_attention(*x, **kw)
         try:
             many = batched(f)

@@ -102,7 +102,8 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
             out.append(jnp.where(jnp.isinf(a), a, jax.random.normal(kk, a.shape) * 0.1))
         else:
             out.append((jax.random.normal(kk, a.shape) * 0.1).astype(a.dtype))
-    return jax.tree_util.tree_unflatten(tree, out)
+    # placed (committed) as a step returns it, or a step fed this cache compiles twice
+    return jax.device_put(jax.tree_util.tree_unflatten(tree, out), jax.devices()[0])
 
 
 def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,

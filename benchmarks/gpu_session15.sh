@@ -46,3 +46,11 @@ case "${PART:-1}" in
   T 250 $B --batch 8 | tee $OUT/flash43_x2_stream_b8.log | grep -E "floor|\|" ;;
 esac
 true
+# PART=4 (H100, ~8 min): the Triton-backend attention (kernel_triton: vector-load row
+# gathers) against the Mosaic ws-lane kernel and XLA, every variant on each case
+if [ "${PART:-1}" = 4 ]; then
+  T 560 python3 benchmarks/attention_decode.py --out $OUT --budget 420 --all-variants \
+    --variants ws-lane,triton16,triton32,triton64 \
+    --only flash:csa:64:32768,flash:csa:8:32768,pro:csa:8:32768,flash:csa:1:32768,flash:hca:64:131072,pro:csa:32:32768 \
+    2>&1 | grep -v "^{" | tail -40
+fi

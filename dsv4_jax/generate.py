@@ -150,6 +150,9 @@ class Engine:
         self.mesh = mesh
         self.cache = init_cache(cfg, self.cs)
         if mesh is None:
+            # placed (committed) as the step returns it: an uncommitted cache makes the second
+            # step compile again (a 4-layer Flash check lost ~36 s a step to it on the H100)
+            self.cache = jax.device_put(self.cache, jax.devices()[0])
             self.bm = BlockManager(cfg, self.cs)
             self._step = compiled_step(cfg, self.cs, numerics)
         else:

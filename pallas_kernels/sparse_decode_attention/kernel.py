@@ -101,9 +101,12 @@ def default_splits_v1(B, H, n_blk, num_sms=132, ctas_per_tile=2):
     return int(max(1, min(n_blk, -(-num_sms // ctas))))
 
 
+BACKENDS = ("mosaic", "triton")
+
+
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
                             splits=None, gather="direct", warp_specialized=True,
-                            interpret=None):
+                            backend="mosaic", head_tile=16, num_warps=4, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -112,13 +115,27 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     warp_specialized: one CTA per (request, split, head tile) with a producer warpgroup
     issuing the row copies and two consumer warpgroups (one per output column half) sharing
     the K tile; otherwise two single-warpgroup CTAs (one per column half) each copy and
-    dequantise every row."""
+    dequantise every row.
+    backend="triton": kernel_triton (rows gathered by vector loads, head_tile heads per
+    program, num_warps; gather must be "direct"); interpret then only needs to be truthy."""
     H = q_BHD.shape[1]
-    args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
-                              splits=splits, gather=gather,
-                              ctas_per_tile=1 if warp_specialized else 2)
-    call = _attn_call_ws if warp_specialized else _attn_call
-    o, lse = call(*args, NS=NS, gather=gather, interpret=interpret)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        from pallas_kernels.sparse_decode_attention import kernel_triton as T
+        if gather != "direct":
+            raise ValueError("the triton backend gathers rows itself: gather must be 'direct'")
+        args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
+                                  splits=splits, ctas_per_tile=max(1, HT // head_tile),
+                                  ctas_per_sm=4)
+        o, lse = T.attention_call(*args, NS=NS, HT=head_tile, num_warps=num_warps,
+                                  interpret=bool(interpret))
+    else:
+        args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
+                                  splits=splits, gather=gather,
+                                  ctas_per_tile=1 if warp_specialized else 2)
+        call = _attn_call_ws if warp_specialized else _attn_call
+        o, lse = call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
     if NS == 1:
         out = o[0]
@@ -132,7 +149,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
-                   gather="direct", ctas_per_tile=2):
+                   gather="direct", ctas_per_tile=2, ctas_per_sm=1):
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
     gather) -> (kernel args, NS)."""
     win_nope, win_scale, win_rope, win_pos = win
@@ -161,7 +178,8 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         sink = jnp.pad(sink, (0, HP - H))
     crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
     n_blk = meta.shape[1]
-    NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile)
+    NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile,
+                                  ctas_per_sm=ctas_per_sm)
     if gather == "staged":
         # Staging gather of the selected compressed rows (FP8 padded to 512 B, BF16 rope).
         cn = gather_rows_fp8(cmp_nope.reshape(-1, NOPE), crow)               # [B, KP, 448]

@@ -1,0 +1,122 @@
+"""Sparse decode attention as a Pallas Triton-backend kernel: rows gathered by plain vector
+loads instead of one TMA copy per row.
+
+Why: the Mosaic kernel (kernel.py) copies each selected row with its own TMA instruction,
+~129 per 64-key block, issued by one thread; that issue rate, not HBM, bounds it (5-8% of
+the bandwidth at B = 64, benchmarks/results/attention_decode.md). Here every thread of the
+program loads 16-byte pieces of the rows it needs (`ref[rows_vector, cols]`: a gather that
+Triton lowers to vectorised global loads, many in flight per SM).
+
+Same semantics, inputs and outputs as kernel.sparse_decode_attention (reference.py), same
+XLA-side metadata (kernel._prep: the pool row of each selected id, the per-block scale
+exponents + validity byte), same split merge. One program per (head tile, split, request):
+  for each 64-key block of its split: the block's 64 pool rows, 7 FP8 chunks of 64 dims
+  (dequantised in registers: e4m3 * 2^(e - 127), exact in bf16) + the BF16 rope;
+  S = q K^T / sqrt(512) as 8 [HT, 64] x [64, 64] dots, online softmax (P rounded to bf16),
+  O += P V as 8 [HT, 64] accumulators (V = K).
+HT heads per program (16 by default: the [HT, 512] f32 accumulator stays in registers);
+the head tiles of one request are neighbours in the launch order, so the 2nd..nth reads of
+a row hit L2.
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.sparse_decode_attention.kernel import BLK, D, NOPE, NW, WINDOW
+
+NCH = NOPE // 64     # FP8 chunks of 64 dims per row
+CH = NCH + 1         # + the rope chunk (64 dims)
+
+
+def _dot_t(a, b):   # a [M, K] . b [N, K]^T -> f32 [M, N]
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):     # a [M, K] . b [K, N] -> f32 [M, N]
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _block(q, rows, nope_ref, rope_ref, meta_ref, b, g, carry):
+    """One 64-key block: rows [64] pool rows -> the updated (acc [CH x [HT, 64]], m, l)."""
+    accs, m, l = carry
+    ks = []
+    for j in range(NCH):
+        x = nope_ref[rows * NCH + j, :].astype(jnp.float32)                  # [64, 64]
+        e = meta_ref[b, g, j, :].astype(jnp.int32)                           # [64]
+        f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
+        ks.append((x * f[:, None]).astype(jnp.bfloat16))
+    ks.append(rope_ref[rows, :])
+    s = _dot_t(q[0], ks[0])
+    for j in range(1, CH):
+        s = s + _dot_t(q[j], ks[j])                            # [HT, 64]
+    ok = meta_ref[b, g, 7, :].astype(jnp.int32) != 0
+    s = jnp.where(ok[None, :], s * (1.0 / math.sqrt(D)), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                        # all masked so far
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    p16 = p.astype(jnp.bfloat16)
+    accs = [a * alpha[:, None] + _dot(p16, k) for a, k in zip(accs, ks)]
+    return accs, m_new, l
+
+
+def _kernel(q_ref, wn_ref, wr_ref, cn_ref, cr_ref, crow_ref, meta_ref, nb_ref, sink_ref,
+            o_ref, lse_ref, *, HT, NS, bps):
+    ht, s_id, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads = pl.ds(ht * HT, HT)
+    q = [q_ref[b, heads, pl.ds(j * 64, 64)] for j in range(CH)]              # CH x [HT, 64]
+    g0 = s_id * bps
+    g1 = jnp.minimum(nb_ref[b], g0 + bps)          # this split's blocks: [g0, g1)
+    keys = lax.broadcasted_iota(jnp.int32, (BLK,), 0)
+    carry = ([jnp.zeros((HT, 64), jnp.float32) for _ in range(CH)],
+             jnp.full((HT,), -jnp.inf, jnp.float32), jnp.zeros((HT,), jnp.float32))
+
+    def win_body(g, c):      # window ring: this request's rows b*128 + g*64 + j
+        return _block(q, b * WINDOW + g * BLK + keys, wn_ref, wr_ref, meta_ref, b, g, c)
+
+    def cmp_body(g, c):      # compressed: the pool rows of the selected ids
+        rows = crow_ref[b, pl.ds((g - NW) * BLK, BLK)]
+        return _block(q, rows, cn_ref, cr_ref, meta_ref, b, g, c)
+
+    carry = lax.fori_loop(jnp.minimum(g0, NW), jnp.minimum(g1, NW), win_body, carry)
+    accs, m, l = lax.fori_loop(jnp.maximum(g0, NW), jnp.maximum(g1, NW), cmp_body, carry)
+    if NS == 1:   # final: the sink joins the denominator
+        sk = sink_ref[heads]
+        mm = jnp.maximum(m, sk)
+        scale = jnp.exp(m - mm) / (l * jnp.exp(m - mm) + jnp.exp(sk - mm))
+    else:         # a split: normalised partial output + its log-sum-exp, merged in XLA
+        scale = 1.0 / jnp.where(l > 0, l, 1.0)
+        lse_ref[s_id, b, heads] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)),
+                                            -jnp.inf)
+    for j, a in enumerate(accs):
+        o_ref[s_id, b, heads, pl.ds(j * 64, 64)] = (a * scale[:, None]).astype(jnp.bfloat16)
+
+
+def attention_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, HT=16, num_warps=4,
+                   num_stages=1, interpret=False):
+    """The kernel on kernel.prepare_inputs' direct-gather arguments -> (o [NS, B, HP, 512]
+    bf16, lse [NS, B, HP] f32). The pools are passed whole (no blocking): wn / cn
+    [rows * 7, 64] e4m3 (a row's 448 B as 7 chunks), wr / cr [rows, 64] bf16."""
+    B, HP, _ = q.shape
+    if HP % HT:
+        raise ValueError(f"heads {HP} must be a multiple of the head tile {HT}")
+    bps = -(-meta.shape[1] // NS)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    args = (q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
+    return pl.pallas_call(
+        functools.partial(_kernel, HT=HT, NS=NS, bps=bps),
+        out_shape=(jax.ShapeDtypeStruct((NS, B, HP, D), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((NS, B, HP), jnp.float32)),
+        grid=(HP // HT, NS, B),
+        in_specs=[whole(a) for a in args],
+        out_specs=(pl.BlockSpec((NS, B, HP, D), lambda *_: (0, 0, 0, 0)),
+                   pl.BlockSpec((NS, B, HP), lambda *_: (0, 0, 0))),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(*args)
