@@ -65,6 +65,9 @@ VARIANTS = {   # name -> kernel keyword arguments
     "triton16": dict(backend="triton", head_tile=16, num_warps=4),
     "triton32": dict(backend="triton", head_tile=32, num_warps=4),
     "triton64": dict(backend="triton", head_tile=64, num_warps=8),
+    "triton64s2": dict(backend="triton", head_tile=64, num_warps=8, num_stages=2),
+    "triton64s3": dict(backend="triton", head_tile=64, num_warps=8, num_stages=3),
+    "triton64w4": dict(backend="triton", head_tile=64, num_warps=4),
 }
 
 

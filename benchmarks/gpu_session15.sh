@@ -54,3 +54,16 @@ if [ "${PART:-1}" = 4 ]; then
     --only flash:csa:64:32768,flash:csa:8:32768,pro:csa:8:32768,flash:csa:1:32768,flash:hca:64:131072,pro:csa:32:32768 \
     2>&1 | grep -v "^{" | tail -40
 fi
+# PART=5 (H100, ~9 min): Triton attention with software pipelining (num_stages 2, 3) and
+# 4 warps, then the 4-layer step with the Triton attention vs the Mosaic one
+if [ "${PART:-1}" = 5 ]; then
+  T 330 python3 benchmarks/attention_decode.py --out $OUT --budget 250 --all-variants \
+    --variants ws-lane,triton64,triton64s2,triton64s3,triton64w4 --trusted ws-lane,triton64 \
+    --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768 \
+    2>&1 | grep -v "^{" | grep -E "smoke|^\| (flash|pro)" 
+  for be in triton mosaic; do
+    DSV4_ATTN_BACKEND=$be T 110 python3 benchmarks/step_anatomy.py --preset flash --layers 4 \
+      --matmul pallas --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 \
+      --batch 8 | tee -a $OUT/anatomy4_attn_$be.log | grep -E "kernels in the step|^step"
+  done
+fi

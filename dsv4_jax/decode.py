@@ -155,9 +155,17 @@ def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret):
     return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret)
 
 
+# Attention kernel backend: "mosaic" (kernel.py: TMA row copies, warp-specialised) or
+# "triton" (kernel_triton.py: vector-load row gathers, 64 heads per program, 8 warps).
+ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "mosaic")
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
+    if ATTN_BACKEND == "triton":
+        return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
+                                       backend="triton", interpret=interpret is not None)
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, interpret=interpret)
 
 

@@ -106,7 +106,8 @@ BACKENDS = ("mosaic", "triton")
 
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
                             splits=None, gather="direct", warp_specialized=True,
-                            backend="mosaic", head_tile=16, num_warps=4, interpret=None):
+                            backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
+                            interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -117,7 +118,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     the K tile; otherwise two single-warpgroup CTAs (one per column half) each copy and
     dequantise every row.
     backend="triton": kernel_triton (rows gathered by vector loads, head_tile heads per
-    program, num_warps; gather must be "direct"); interpret then only needs to be truthy."""
+    program, num_warps, num_stages; gather must be "direct"); interpret then only needs to
+    be truthy."""
     H = q_BHD.shape[1]
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -129,7 +131,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                                   splits=splits, ctas_per_tile=max(1, HT // head_tile),
                                   ctas_per_sm=4)
         o, lse = T.attention_call(*args, NS=NS, HT=head_tile, num_warps=num_warps,
-                                  interpret=bool(interpret))
+                                  num_stages=num_stages, interpret=bool(interpret))
     else:
         args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                                   splits=splits, gather=gather,
