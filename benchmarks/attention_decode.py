@@ -68,6 +68,8 @@ VARIANTS = {   # name -> kernel keyword arguments
     "triton64s2": dict(backend="triton", head_tile=64, num_warps=8, num_stages=2),
     "triton64s3": dict(backend="triton", head_tile=64, num_warps=8, num_stages=3),
     "triton64w4": dict(backend="triton", head_tile=64, num_warps=4),
+    # the split rule of the first Triton runs (4 programs per SM assumed)
+    "triton64-cps4": dict(backend="triton", head_tile=64, num_warps=8, ctas_per_sm=4),
 }
 
 
@@ -239,9 +241,10 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False, models=M
         kw = dict(VARIANTS[name], interpret=interpret)
         ws = kw.get("warp_specialized", True)
         rule = AK.default_splits_v1 if kw.pop("split_rule", None) == "v1" else AK.default_splits
-        if kw.get("backend") == "triton":   # several small programs per SM
+        if kw.get("backend") == "triton":
+            cps = kw.pop("ctas_per_sm", None) or AK.triton_ctas_per_sm(kw["head_tile"])
             kw["splits"] = AK.default_splits(B, -(-H // 64) * 64, n_blk,
-                                             ctas_per_tile=64 // kw["head_tile"], ctas_per_sm=4)
+                                             ctas_per_tile=64 // kw["head_tile"], ctas_per_sm=cps)
         else:
             kw["splits"] = rule(B, -(-H // 64) * 64, n_blk, ctas_per_tile=1 if ws else 2)
         f = lambda *x, kw=kw: AK.sparse_decode_attention(*x, **kw)
@@ -347,6 +350,7 @@ def smoke(variants, tiny=False):
     for v in variants:
         kw = dict(VARIANTS[v], interpret=interpret)
         kw.pop("split_rule", None)
+        kw.pop("ctas_per_sm", None)
         errs = []
         for label, a, ref in shapes:
             out = np.asarray(jax.jit(lambda *x: AK.sparse_decode_attention(*x, **kw))(*a))

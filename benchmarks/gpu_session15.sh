@@ -67,3 +67,17 @@ if [ "${PART:-1}" = 5 ]; then
       --batch 8 | tee -a $OUT/anatomy4_attn_$be.log | grep -E "kernels in the step|^step"
   done
 fi
+# PART=6 (H100, ~8 min): Triton attention with the one-program-per-SM split rule; the 4-layer
+# step with it (B = 8); the 4-layer stream step at B = 64 (never measured before)
+if [ "${PART:-1}" = 6 ]; then
+  T 230 python3 benchmarks/attention_decode.py --out $OUT --budget 150 --all-variants \
+    --variants ws-lane,triton64,triton64-cps4 --trusted ws-lane,triton64,triton64-cps4 \
+    --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768 \
+    2>&1 | grep -v "^{" | grep -E "^\| (flash|pro)"
+  DSV4_ATTN_BACKEND=triton T 100 python3 benchmarks/step_anatomy.py --preset flash --layers 4 \
+    --matmul pallas --kernels on --context 4096 --donate-logits --merge-x-proj --top 8 \
+    --batch 8 | tee -a $OUT/anatomy4_attn_triton.log | grep -E "kernels in the step|^step"
+  DSV4_ATTN_BACKEND=triton T 150 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 \
+    --batch 64 --context 4096 --kernels on --matmul pallas --what stream --steps 20 \
+    | tee $OUT/flash4_b64_triton.log | grep -E "floor"
+fi
