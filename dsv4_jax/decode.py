@@ -155,15 +155,21 @@ def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret):
     return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret)
 
 
-# Attention kernel backend: "mosaic" (kernel.py: TMA row copies, warp-specialised) or
-# "triton" (kernel_triton.py: vector-load row gathers, 64 heads per program, 8 warps).
-ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "mosaic")
+# Attention kernel backend: "triton" (kernel_triton.py: rows gathered by vector loads, 64
+# heads per program, 8 warps) or "mosaic" (kernel.py: one TMA copy per row, warp-
+# specialised). H100, kernel alone (benchmarks/results/session15f_h100): Flash CSA B=64 32K
+# 73.0 -> 49.8 us, Flash HCA B=64 128K 118.5 -> 80.6, Pro CSA B=32 114.6 -> 75.6, Flash
+# CSA B=8 19.3 -> 12.4; same error against the reference. DSV4_ATTN_BACKEND=mosaic for
+# the Mosaic kernel (the Blackwell path to build on).
+ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "triton")
+if ATTN_BACKEND not in ("triton", "mosaic"):
+    raise ValueError(f"DSV4_ATTN_BACKEND must be 'triton' or 'mosaic', got {ATTN_BACKEND!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret):
+@functools.partial(jax.jit, static_argnames=("interpret", "backend"))
+def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
-    if ATTN_BACKEND == "triton":
+    if backend == "triton":
         return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
                                        backend="triton", interpret=interpret is not None)
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, interpret=interpret)
@@ -251,7 +257,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         idx = np.full((B, 64), -1, np.int32)
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
-                              interpret=interp)
+                              interpret=interp, backend=ATTN_BACKEND)
     return o[:, None].astype(F32)
 
 

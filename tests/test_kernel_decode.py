@@ -1,6 +1,7 @@
 """The decode step with the Pallas kernels (Mosaic GPU interpreter on CPU) against the
 pure-JAX step on the same cache: identical cache writes, attention to bf16 rounding."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,9 @@ def _bits(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a
 
 
-def test_kernel_decode_layers_match_pure_jax(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend):
+    monkeypatch.setattr(D, "ATTN_BACKEND", backend)   # the attention kernel's backend
     cfg = config.tiny()
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
     nm = Numerics(True, "bfloat16")
@@ -54,12 +57,20 @@ def test_kernel_decode_layers_match_pure_jax(monkeypatch):
             assert np.array_equal(np.asarray(c, np.float32), b)
 
 
-def test_read_only_kernels_lowered_once_per_shape(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_read_only_kernels_lowered_once_per_shape(monkeypatch, backend):
     """The indexer top-k and sparse attention kernels sit behind one jit each, so a model's
     layers share one lowered (and one compiled) copy per shape: the CUDA lowering of the
     5-layer tiny step (SWA, 2 CSA, 2 HCA) defines attention once per layer kind and calls
     it from every layer. Without it the 43-layer Flash step compiled ~5x slower."""
+    import contextlib
     import re
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+    monkeypatch.setattr(D, "ATTN_BACKEND", backend)
+    # the Triton lowering asks for the GPU's model: an abstract H100
+    dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    ctx = (jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev))
+           if backend == "triton" else contextlib.nullcontext())
     cfg = config.tiny()
     nm = Numerics(True, "bfloat16")
     cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2, kernels="on")
@@ -67,8 +78,10 @@ def test_read_only_kernels_lowered_once_per_shape(monkeypatch):
     args = (S((2, 1), jnp.int32), S((2,), jnp.int32), S((2,), jnp.int32), S((2,), jnp.int32),
             S((2, 2), jnp.int32))
     from dsv4_jax.cache import cache_structs
-    low = D.compiled_step(cfg, cs, nm).trace(P.abstract_params(cfg), cache_structs(cfg, cs),
-                                             *args).lower(lowering_platforms=("cuda",))
+    with ctx:
+        low = jax.jit(functools.partial(D.step, cfg=cfg, cs=cs, nm=nm)).trace(
+            P.abstract_params(cfg), cache_structs(cfg, cs), *args).lower(
+            lowering_platforms=("cuda",))
     txt = low.as_text()
     defs = re.findall(r"func\.func (?:private|public) @(\w+)", txt)
     count = lambda name: sum(d == name or d.startswith(name + "_") for d in defs)
@@ -79,11 +92,11 @@ def test_read_only_kernels_lowered_once_per_shape(monkeypatch):
     assert len(re.findall(r"call @_indexer_topk_jit(?:_\d+)?\b", txt)) == sum(
         cfg.layer_ratio(i) == 4 for i in range(cfg.num_hidden_layers))
     # the experimental knob puts the scatters behind one jit too (one per layer kind)
-    import functools
     monkeypatch.setattr(D, "DEDUP_SCATTER", True)
     f = jax.jit(functools.partial(D.step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
-    defs = re.findall(r"func\.func (?:private|public) @(\w+)", f.trace(
-        P.abstract_params(cfg), cache_structs(cfg, cs), *args).lower(
-        lowering_platforms=("cuda",)).as_text())
+    with ctx:
+        defs = re.findall(r"func\.func (?:private|public) @(\w+)", f.trace(
+            P.abstract_params(cfg), cache_structs(cfg, cs), *args).lower(
+            lowering_platforms=("cuda",)).as_text())
     assert count("_append_window_jit") == 1, defs  # the ring has one shape in every layer
     assert count("_flush_compressed_jit") == 2, defs  # CSA (with indexer keys), HCA

@@ -152,3 +152,83 @@ def test_gpu_kernel_matches_reference(gather, ws):
     f = functools.partial(K.sparse_decode_attention, gather=gather, warp_specialized=ws)
     out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
     assert rel_err(out, ref) < 5e-3
+
+
+# ---------------------------------------------------------------- Triton backend
+def run_triton(args, **kw):
+    f = functools.partial(K.sparse_decode_attention, backend="triton", interpret=True, **kw)
+    return np.asarray(jax.jit(f)(*args)).astype(np.float32)
+
+
+@pytest.mark.parametrize("splits,head_tile", [(1, 64), (2, 16), (3, 32)])
+def test_triton_matches_reference(splits, head_tile):
+    args = make_inputs(11 + splits)
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    out = run_triton(args, splits=splits, head_tile=head_tile)
+    assert np.isfinite(out).all()
+    assert rel_err(out, ref) < 5e-3
+    np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_triton_holes_pool_end_and_hca():
+    # -1 holes between valid ids, a whole block of -1, the pool's last row; then an HCA-style
+    # list with an empty request (only window slots, most of them empty at t = 20)
+    B, NB, EPB, MAXB = 2, 6, 32, 3
+    q, win, cmp, bt, _, t, sink = make_inputs(15, B=B, NB=NB, EPB=EPB, MAXB=MAXB, n_idx=150,
+                                              t=(300, 380), n_valid=(0, 0))
+    bt_np = np.asarray(bt)
+    b_last, i_last = np.argwhere(bt_np == (NB * EPB - 1) // EPB)[0]
+    rng = np.random.default_rng()
+    idx = np.full((B, 150), -1, np.int32)
+    ids = rng.permutation(MAXB * EPB)
+    idx[0, :40:2] = ids[:20]
+    idx[1, 100:110] = ids[20:30]
+    idx[b_last, 3 if b_last == 0 else 120] = i_last * EPB + EPB - 1
+    args = (q, win, cmp, bt, jnp.asarray(idx), t, sink)
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    assert rel_err(run_triton(args, splits=2), ref) < 5e-3
+    args = make_inputs(16, NB=8, EPB=1, MAXB=4, n_idx=4, t=(20, 600), n_valid=(0, 4))
+    q, win, cmp, bt, _, t, sink = args
+    args = (q, win, cmp, bt, R.hca_indices(t, 4), t, sink)
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    assert rel_err(run_triton(args), ref) < 5e-3
+
+
+def test_triton_bad_arguments_raise():
+    args = make_inputs(3)
+    with pytest.raises(ValueError, match="backend"):
+        K.sparse_decode_attention(*args, backend="cuda")
+    with pytest.raises(ValueError, match="gather must be 'direct'"):
+        K.sparse_decode_attention(*args, backend="triton", gather="staged")
+    with pytest.raises(ValueError, match="head tile"):
+        run_triton(args, head_tile=48)
+
+
+@pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])
+def test_triton_cuda_lowering_flash_pro_shapes(H, topk):
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+    B, NB, EPB, MAXB = 8, 4096, 32, 512
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    args = (S((B, H, 512), jnp.bfloat16),
+            (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
+             S((B, 128), jnp.int32)),
+            (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
+            S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
+            S((H,), jnp.float32))
+    dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+        for splits in (1, 3):
+            f = functools.partial(K.sparse_decode_attention, splits=splits, backend="triton")
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            assert "triton" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,splits", [(64, None), (128, 3)])
+def test_gpu_triton_matches_reference(H, splits):
+    args = make_inputs(17, B=2, H=H, NB=64, MAXB=32, n_idx=512, t=(4000, 4095), n_valid=(300, 512))
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    f = functools.partial(K.sparse_decode_attention, backend="triton", splits=splits)
+    out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
+    assert rel_err(out, ref) < 5e-3
