@@ -70,6 +70,10 @@ VARIANTS = {   # name -> kernel keyword arguments
     "triton64w4": dict(backend="triton", head_tile=64, num_warps=4),
     # the split rule of the first Triton runs (4 programs per SM assumed)
     "triton64-cps4": dict(backend="triton", head_tile=64, num_warps=8, ctas_per_sm=4),
+    # triton64 spills (255 registers + 360 B, benchmarks/triton_regs.py); these do not /
+    # less: two programs per tile, one per output column half; q re-read per block
+    "triton64c2": dict(backend="triton", head_tile=64, num_warps=8, col_split=2),
+    "triton64q": dict(backend="triton", head_tile=64, num_warps=8, q_in_loop=True),
 }
 
 
@@ -243,8 +247,9 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False, models=M
         rule = AK.default_splits_v1 if kw.pop("split_rule", None) == "v1" else AK.default_splits
         if kw.get("backend") == "triton":
             cps = kw.pop("ctas_per_sm", None) or AK.triton_ctas_per_sm(kw["head_tile"])
-            kw["splits"] = AK.default_splits(B, -(-H // 64) * 64, n_blk,
-                                             ctas_per_tile=64 // kw["head_tile"], ctas_per_sm=cps)
+            kw["splits"] = AK.default_splits(
+                B, -(-H // 64) * 64, n_blk, ctas_per_sm=cps,
+                ctas_per_tile=64 // kw["head_tile"] * kw.get("col_split", 1))
         else:
             kw["splits"] = rule(B, -(-H // 64) * 64, n_blk, ctas_per_tile=1 if ws else 2)
         f = lambda *x, kw=kw: AK.sparse_decode_attention(*x, **kw)

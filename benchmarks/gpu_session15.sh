@@ -81,3 +81,13 @@ if [ "${PART:-1}" = 6 ]; then
     --batch 64 --context 4096 --kernels on --matmul pallas --what stream --steps 20 \
     | tee $OUT/flash4_b64_triton.log | grep -E "floor"
 fi
+# PART=7 (next session, H100, ~6 min): the Triton attention variants that spill less
+# (col_split 2: no spill at 64 heads; q_in_loop), against triton64 and ws-lane
+if [ "${PART:-1}" = 7 ]; then
+  T 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k triton -rA | grep -E "passed|failed|PASSED|FAILED"
+  T 330 python3 benchmarks/attention_decode.py --out $OUT --budget 240 --all-variants \
+    --variants ws-lane,triton64,triton64c2,triton64q --trusted ws-lane,triton64 \
+    --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768 \
+    2>&1 | grep -v "^{" | grep -E "smoke|^\| (flash|pro)"
+fi

@@ -160,11 +160,13 @@ def run_triton(args, **kw):
     return np.asarray(jax.jit(f)(*args)).astype(np.float32)
 
 
-@pytest.mark.parametrize("splits,head_tile", [(1, 64), (2, 16), (3, 32)])
-def test_triton_matches_reference(splits, head_tile):
+@pytest.mark.parametrize("splits,head_tile,opts", [
+    (1, 64, {}), (2, 16, {}), (3, 32, {}), (2, 64, dict(col_split=2)),
+    (1, 64, dict(q_in_loop=True))])
+def test_triton_matches_reference(splits, head_tile, opts):
     args = make_inputs(11 + splits)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_triton(args, splits=splits, head_tile=head_tile)
+    out = run_triton(args, splits=splits, head_tile=head_tile, **opts)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
@@ -202,6 +204,8 @@ def test_triton_bad_arguments_raise():
         K.sparse_decode_attention(*args, backend="triton", gather="staged")
     with pytest.raises(ValueError, match="head tile"):
         run_triton(args, head_tile=48)
+    with pytest.raises(ValueError, match="col_split"):
+        run_triton(args, col_split=3)
 
 
 @pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])

@@ -41,8 +41,9 @@ def _dot(a, b):     # a [M, K] . b [K, N] -> f32 [M, N]
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _block(q, rows, nope_ref, rope_ref, meta_ref, b, g, carry):
-    """One 64-key block: rows [64] pool rows -> the updated (acc [CH x [HT, 64]], m, l)."""
+def _block(q, rows, nope_ref, rope_ref, meta_ref, b, g, carry, cols):
+    """One 64-key block: rows [64] pool rows -> the updated (accs, m, l); accs are the
+    [HT, 64] output chunks `cols` (all CH, or one column half). q(j) -> q's chunk j."""
     accs, m, l = carry
     ks = []
     for j in range(NCH):
@@ -51,9 +52,9 @@ def _block(q, rows, nope_ref, rope_ref, meta_ref, b, g, carry):
         f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
         ks.append((x * f[:, None]).astype(jnp.bfloat16))
     ks.append(rope_ref[rows, :])
-    s = _dot_t(q[0], ks[0])
+    s = _dot_t(q(0), ks[0])
     for j in range(1, CH):
-        s = s + _dot_t(q[j], ks[j])                            # [HT, 64]
+        s = s + _dot_t(q(j), ks[j])                                          # [HT, 64]
     ok = meta_ref[b, g, 7, :].astype(jnp.int32) != 0
     s = jnp.where(ok[None, :], s * (1.0 / math.sqrt(D)), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -62,58 +63,77 @@ def _block(q, rows, nope_ref, rope_ref, meta_ref, b, g, carry):
     p = jnp.exp(s - m_safe[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     p16 = p.astype(jnp.bfloat16)
-    accs = [a * alpha[:, None] + _dot(p16, k) for a, k in zip(accs, ks)]
+    accs = [a * alpha[:, None] + _dot(p16, ks[j]) for a, j in zip(accs, cols)]
     return accs, m_new, l
 
 
 def _kernel(q_ref, wn_ref, wr_ref, cn_ref, cr_ref, crow_ref, meta_ref, nb_ref, sink_ref,
-            o_ref, lse_ref, *, HT, NS, bps):
+            o_ref, lse_ref, *, HT, NS, bps, q_in_loop, col_split):
     ht, s_id, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = pl.ds(ht * HT, HT)
-    q = [q_ref[b, heads, pl.ds(j * 64, 64)] for j in range(CH)]              # CH x [HT, 64]
+    qload = lambda j: q_ref[b, heads, pl.ds(j * 64, 64)]                    # [HT, 64]
+    if q_in_loop:   # re-read per block (L1 / L2): 64 registers a thread fewer at HT = 64
+        q = qload
+    else:
+        q_held = [qload(j) for j in range(CH)]
+        q = lambda j: q_held[j]
     g0 = s_id * bps
     g1 = jnp.minimum(nb_ref[b], g0 + bps)          # this split's blocks: [g0, g1)
     keys = lax.broadcasted_iota(jnp.int32, (BLK,), 0)
-    carry = ([jnp.zeros((HT, 64), jnp.float32) for _ in range(CH)],
-             jnp.full((HT,), -jnp.inf, jnp.float32), jnp.zeros((HT,), jnp.float32))
 
-    def win_body(g, c):      # window ring: this request's rows b*128 + g*64 + j
-        return _block(q, b * WINDOW + g * BLK + keys, wn_ref, wr_ref, meta_ref, b, g, c)
+    def run(cols):
+        carry = ([jnp.zeros((HT, 64), jnp.float32) for _ in cols],
+                 jnp.full((HT,), -jnp.inf, jnp.float32), jnp.zeros((HT,), jnp.float32))
 
-    def cmp_body(g, c):      # compressed: the pool rows of the selected ids
-        rows = crow_ref[b, pl.ds((g - NW) * BLK, BLK)]
-        return _block(q, rows, cn_ref, cr_ref, meta_ref, b, g, c)
+        def win_body(g, c):      # window ring: this request's rows b*128 + g*64 + j
+            return _block(q, b * WINDOW + g * BLK + keys, wn_ref, wr_ref, meta_ref, b, g, c,
+                          cols)
 
-    carry = lax.fori_loop(jnp.minimum(g0, NW), jnp.minimum(g1, NW), win_body, carry)
-    accs, m, l = lax.fori_loop(jnp.maximum(g0, NW), jnp.maximum(g1, NW), cmp_body, carry)
-    if NS == 1:   # final: the sink joins the denominator
-        sk = sink_ref[heads]
-        mm = jnp.maximum(m, sk)
-        scale = jnp.exp(m - mm) / (l * jnp.exp(m - mm) + jnp.exp(sk - mm))
-    else:         # a split: normalised partial output + its log-sum-exp, merged in XLA
-        scale = 1.0 / jnp.where(l > 0, l, 1.0)
-        lse_ref[s_id, b, heads] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)),
-                                            -jnp.inf)
-    for j, a in enumerate(accs):
-        o_ref[s_id, b, heads, pl.ds(j * 64, 64)] = (a * scale[:, None]).astype(jnp.bfloat16)
+        def cmp_body(g, c):      # compressed: the pool rows of the selected ids
+            rows = crow_ref[b, pl.ds((g - NW) * BLK, BLK)]
+            return _block(q, rows, cn_ref, cr_ref, meta_ref, b, g, c, cols)
+
+        carry = lax.fori_loop(jnp.minimum(g0, NW), jnp.minimum(g1, NW), win_body, carry)
+        accs, m, l = lax.fori_loop(jnp.maximum(g0, NW), jnp.maximum(g1, NW), cmp_body, carry)
+        if NS == 1:   # final: the sink joins the denominator
+            sk = sink_ref[heads]
+            mm = jnp.maximum(m, sk)
+            scale = jnp.exp(m - mm) / (l * jnp.exp(m - mm) + jnp.exp(sk - mm))
+        else:         # a split: normalised partial output + its log-sum-exp, merged in XLA
+            scale = 1.0 / jnp.where(l > 0, l, 1.0)
+            # (with col_split, both halves store the same values)
+            lse_ref[s_id, b, heads] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)),
+                                                -jnp.inf)
+        for j, a in zip(cols, accs):
+            o_ref[s_id, b, heads, pl.ds(j * 64, 64)] = (a * scale[:, None]).astype(jnp.bfloat16)
+
+    if col_split == 1:
+        run(tuple(range(CH)))
+    else:   # this program's half of the output columns (scores over all of them)
+        half = pl.program_id(3)
+        for h in range(2):
+            pl.when(half == h)(lambda h=h: run(tuple(range(h * CH // 2, (h + 1) * CH // 2))))
 
 
 def attention_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, HT=16, num_warps=4,
-                   num_stages=1, interpret=False):
+                   num_stages=1, q_in_loop=False, col_split=1, interpret=False):
     """The kernel on kernel.prepare_inputs' direct-gather arguments -> (o [NS, B, HP, 512]
     bf16, lse [NS, B, HP] f32). The pools are passed whole (no blocking): wn / cn
     [rows * 7, 64] e4m3 (a row's 448 B as 7 chunks), wr / cr [rows, 64] bf16."""
     B, HP, _ = q.shape
     if HP % HT:
         raise ValueError(f"heads {HP} must be a multiple of the head tile {HT}")
+    if col_split not in (1, 2):
+        raise ValueError(f"col_split must be 1 or 2, got {col_split}")
     bps = -(-meta.shape[1] // NS)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     args = (q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
     return pl.pallas_call(
-        functools.partial(_kernel, HT=HT, NS=NS, bps=bps),
+        functools.partial(_kernel, HT=HT, NS=NS, bps=bps, q_in_loop=q_in_loop,
+                          col_split=col_split),
         out_shape=(jax.ShapeDtypeStruct((NS, B, HP, D), jnp.bfloat16),
                    jax.ShapeDtypeStruct((NS, B, HP), jnp.float32)),
-        grid=(HP // HT, NS, B),
+        grid=(HP // HT, NS, B) + ((2,) if col_split == 2 else ()),
         in_specs=[whole(a) for a in args],
         out_specs=(pl.BlockSpec((NS, B, HP, D), lambda *_: (0, 0, 0, 0)),
                    pl.BlockSpec((NS, B, HP), lambda *_: (0, 0, 0))),

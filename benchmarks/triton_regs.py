@@ -1,0 +1,60 @@
+"""Registers and spills of the Triton attention kernel for an H100, without a GPU.
+
+    PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py [--head-tile 64 --num-warps 8]
+        [--q-in-loop] [--col-split 2] [--B 64 --H 64 --ctx 32768 --topk 512]
+
+Compiles sparse_decode_attention(backend="triton") for the compile-only CUDA topology of
+benchmarks/aot_anatomy.py (needs the CUDA PJRT plugin + nvcc wheels, see there) with
+ptxas -v, and prints ptxas' register / spill report for the kernel. A kernel that spills
+(255 registers + local memory) loses bandwidth; check variants here before device time.
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_gpu_ptx_compiler_extra_flags=-v").strip()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-tile", type=int, default=64)
+    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--q-in-loop", action="store_true")
+    ap.add_argument("--col-split", type=int, default=1)
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--topk", type=int, default=512)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if not a.child:   # ptxas' report goes to the process' stderr log: filter it
+        p = subprocess.run([sys.executable, __file__, "--child"] + sys.argv[1:],
+                           capture_output=True, text=True)
+        lines = [ln for ln in (p.stdout + p.stderr).splitlines()
+                 if "ptxas" in ln or "registers" in ln or "spill" in ln or ln.startswith("OK")]
+        print("\n".join(lines) or (p.stdout + p.stderr)[-3000:])
+        return
+    import jax
+    from benchmarks.aot_anatomy import _tracing_for_gpu, gpu_devices
+    from benchmarks.attention_decode import make_case
+    from pallas_kernels.sparse_decode_attention import kernel as AK
+    dev = gpu_devices()[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    shapes = jax.eval_shape(lambda: make_case(jax.random.key(0), a.B, a.H, a.ctx, a.topk, "csa"))
+    absd = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes)
+    f = functools.partial(AK.sparse_decode_attention, backend="triton", head_tile=a.head_tile,
+                          num_warps=a.num_warps, q_in_loop=a.q_in_loop, col_split=a.col_split)
+    with _tracing_for_gpu(dev.device_kind):
+        jax.jit(f).lower(*absd).compile()
+    print(f"OK head_tile={a.head_tile} num_warps={a.num_warps} q_in_loop={a.q_in_loop} "
+          f"col_split={a.col_split}")
+
+
+if __name__ == "__main__":
+    main()
