@@ -149,10 +149,20 @@ def _write_state(lc, slots, st, cfg, ratio):
 # compile on 2 x H200 went 69 -> 347 s when the cache kernels came on, most likely from the
 # per-call copies; not re-measured yet. The in-place scatters stay inline: their cache
 # buffers must alias the step's donated ones (see DEDUP_SCATTER).
-@functools.partial(jax.jit, static_argnames=("topk", "interpret"))
-def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret):
+@functools.partial(jax.jit, static_argnames=("topk", "interpret", "select"))
+def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, select):
     from pallas_kernels.indexer_decode import indexer_topk
-    return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret)
+    return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret,
+                        select=select)
+
+
+# The indexer's top-k: "xla" (lax.top_k, a full sort of each row in XLA-GPU: 290 us at
+# B=64, 128K context on the H100) or "kernel" (pallas_kernels/topk_select, radix select:
+# the same ids, ascending). DSV4_TOPK=kernel turns it on; off by default until it has run
+# on a GPU (benchmarks/topk_select.py, gpu_session16.sh).
+TOPK_SELECT = os.environ.get("DSV4_TOPK", "xla")
+if TOPK_SELECT not in ("xla", "kernel"):
+    raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
 
 
 # Attention kernel backend: "triton" (kernel_triton.py: rows gathered by vector loads, 64
@@ -248,7 +258,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
             idx = _indexer_topk_jit(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"],
-                                    bt_rows, t, topk=cfg.index_topk, interpret=interp)
+                                    bt_rows, t, topk=cfg.index_topk, interpret=interp,
+                                    select=TOPK_SELECT)
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])

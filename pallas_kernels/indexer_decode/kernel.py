@@ -103,7 +103,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", **kw):
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
-                   chunks_per_cta=None, interpret=None):
+                   chunks_per_cta=None, interpret=None, trim=True):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -112,6 +112,8 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     The stored code bytes are read directly (TMA of uint8 blocks, nibbles split in
     registers); only the 4-byte scales are viewed as one u32 per entry. Ran on the H100 on
     2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
+    trim=False: the kernel's whole output [B, W >= MAXB*32], scores in the first MAXB*32
+    columns (past them -inf), without the slice (a copy kernel in XLA).
     """
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
     B = q_BHD.shape[0]
@@ -121,7 +123,7 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, scale_u32, bt, n_elig,
                                fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret)
-    return out[:, :n_max]
+    return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, interpret):
@@ -241,8 +243,18 @@ def topk_from_scores(scores_BN, topk):
 
 
 def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, *,
-                 chunks_per_cta=None, interpret=None):
-    """Kernel scores + XLA top-k: entry ids [B, topk] int32, -1 padded."""
+                 chunks_per_cta=None, interpret=None, select="xla"):
+    """Kernel scores + top-k: entry ids [B, topk] int32, -1 padded. select "xla":
+    lax.top_k (a sort of each row in XLA-GPU), ids by descending score; "kernel": the
+    pallas_kernels.topk_select radix-select kernel on the untrimmed scores, the same set
+    of ids in ascending order."""
+    if select not in ("xla", "kernel"):
+        raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B,
-                       chunks_per_cta=chunks_per_cta, interpret=interpret)
+                       chunks_per_cta=chunks_per_cta, interpret=interpret,
+                       trim=select == "xla")
+    if select == "kernel":
+        from pallas_kernels.topk_select import topk_select
+        return topk_select(s, topk, n=block_table.shape[1] * EPB,
+                           interpret=interpret is not None)
     return topk_from_scores(s, topk)

@@ -1,0 +1,129 @@
+"""Exact top-k selection (radix select + compaction) as a Pallas Triton-backend kernel.
+
+Why: XLA-GPU lowers lax.top_k(scores [B, N], 512) to a full sort of every row. For the
+lightning indexer at 128K context (N = 32K entries a request) that sort took 290 us at
+B = 64 on the H100, as long as the indexer's scoring kernel (benchmarks/results/
+indexer_attention.md); every CSA layer pays it. Selecting the top k needs no sort: find the
+k-th largest value, then keep what is above it.
+
+One program per row (request):
+  key    = the score's f32 bits made order-preserving as int32 (-0.0 taken as +0.0).
+  search = 8 passes of 4 bits, most significant first: count the row's keys under the
+           prefix found so far by their next 4-bit digit (16 counts), keep the digit where
+           the running count from the top reaches k. After 8 passes: T, the k-th largest
+           key, and `need`, how many keys equal to T belong to the top k (the lowest ids).
+  select = one pass in id order: keep key > T, and key == T while fewer than `need` such
+           were kept; drop -inf; write the kept ids at their rank (a prefix sum in the
+           tile), then -1 up to k.
+Reads the row 9 times (it stays in L1 / L2 after the first), writes k ids. Output contract
+(ascending ids, -1 padded): reference.topk_select_reference.
+
+NOT yet run on a GPU (interpreter- and compile-tested only): kept off the decode step's
+default path (decode.TOPK_KERNEL) until benchmarks/topk_select.py proves and times it.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+DIGIT_BITS = 4
+N_DIGITS = 1 << DIGIT_BITS
+N_PASSES = 32 // DIGIT_BITS
+INT_MIN = -(1 << 31)
+# the order key of -inf: f32 bits 0xFF800000 with the magnitude bits flipped
+NEG_INF_KEY = -2139095041
+
+
+def _order_key(x):
+    """f32 -> int32 whose signed order is x's order (-0.0 -> +0.0's key; no NaNs). On bits,
+    not float compares: a flush-to-zero compare would merge denormals with zero."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, jnp.where(bits == INT_MIN, 0, bits ^ 0x7FFFFFFF), bits)
+
+
+def _kernel(s_ref, o_ref, *, N, K, TILE):
+    b = pl.program_id(0)
+    lanes = lax.broadcasted_iota(jnp.int32, (TILE,), 0)
+    digits = lax.broadcasted_iota(jnp.int32, (N_DIGITS,), 0)
+    n_search = -(-max(N, K) // TILE)   # >= k keys (past N: -inf), so the k-th one exists
+    n_tiles = -(-N // TILE)
+
+    def keys(t):          # [TILE] order keys of tile t, -inf past the row's end
+        x = pltriton.load(s_ref.at[b, pl.ds(t * TILE, TILE)], mask=t * TILE + lanes < N,
+                          other=-jnp.inf)
+        return _order_key(x)
+
+    prefix, need = jnp.int32(0), jnp.int32(K)     # prefix: T's bits found so far, unsigned
+    for p in range(N_PASSES):
+        shift = 32 - DIGIT_BITS * (p + 1)
+
+        def count(t, cnt, shift=shift, prefix=prefix):
+            u = keys(t) ^ INT_MIN                  # unsigned order, as int32 bits
+            d = lax.shift_right_logical(u, shift) & (N_DIGITS - 1)
+            hit = d[:, None] == digits[None, :]
+            if shift + DIGIT_BITS < 32:            # only keys under the prefix so far
+                hit = hit & (lax.shift_right_logical(u, shift + DIGIT_BITS) == prefix)[:, None]
+            return cnt + jnp.sum(hit.astype(jnp.int32), axis=0)
+
+        cnt = lax.fori_loop(0, n_search, count, jnp.zeros((N_DIGITS,), jnp.int32))
+        # at_least[d] = keys under the prefix with digit >= d; the top k reach into digit d*
+        at_least = jnp.sum(jnp.where(digits[None, :] >= digits[:, None], cnt[None, :], 0),
+                           axis=1)
+        d_star = jnp.sum((at_least >= need).astype(jnp.int32)) - 1
+        need = need - jnp.sum(jnp.where(digits > d_star, cnt, 0))
+        prefix = (prefix << DIGIT_BITS) | d_star
+    t_key = prefix ^ INT_MIN                       # the k-th largest key (signed order)
+
+    def select(t, carry):
+        n_out, n_eq = carry
+        key = keys(t)
+        eq = (key == t_key).astype(jnp.int32)
+        eq_rank = n_eq + jnp.cumsum(eq) - eq       # keys == T before this one
+        take = (key > t_key) | ((eq == 1) & (eq_rank < need))
+        take = take & (key > NEG_INF_KEY)
+        ti = take.astype(jnp.int32)
+        pos = n_out + jnp.cumsum(ti) - ti
+        pltriton.store(o_ref.at[b, jnp.where(take, pos, K)], t * TILE + lanes, mask=take)
+        return n_out + jnp.sum(ti), n_eq + jnp.sum(eq)
+
+    n_out, _ = lax.fori_loop(0, n_tiles, select, (jnp.int32(0), jnp.int32(0)))
+
+    def fill(t, c):       # -1 after the kept ids
+        p = t * TILE + lanes
+        pltriton.store(o_ref.at[b, pl.ds(t * TILE, TILE)], jnp.full((TILE,), -1, jnp.int32),
+                       mask=(p >= n_out) & (p < K))
+        return c
+
+    lax.fori_loop(n_out // TILE, -(-K // TILE), fill, 0)
+
+
+def topk_select(scores_BN, k, *, n=None, tile=512, num_warps=4, interpret=False):
+    """ids [B, k] int32 of the k largest scores per row, ascending, -1 padded (ties: lower
+    id; -inf never selected). scores_BN [B, W] f32, of which the first n columns (all by
+    default) are the scores: a wider buffer is read in place, with no slice copy before
+    the kernel. See reference.topk_select_reference."""
+    if scores_BN.ndim != 2:
+        raise ValueError(f"scores must be [B, N], got shape {scores_BN.shape}")
+    if scores_BN.dtype != jnp.float32:
+        raise ValueError(f"scores must be float32, got {scores_BN.dtype}")
+    if not 0 < k < 1 << 30:
+        raise ValueError(f"k must be positive, got {k}")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    B, W = scores_BN.shape
+    N = W if n is None else n
+    if not 0 < N <= W:
+        raise ValueError(f"n must be in [1, {W}] (the scores' width), got {n}")
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    return pl.pallas_call(
+        functools.partial(_kernel, N=N, K=k, TILE=tile),
+        out_shape=jax.ShapeDtypeStruct((B, k), jnp.int32),
+        grid=(B,),
+        in_specs=[whole((B, W))],
+        out_specs=whole((B, k)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(scores_BN)

@@ -1,0 +1,127 @@
+"""Exact top-k selection kernel (Pallas Triton, interpreted on CPU) against an independent
+numpy statement of the contract: the k largest scores' ids (ties: the lower id), -inf never
+selected, ascending, -1 padded."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.topk_select import topk_select, topk_select_reference
+
+
+def numpy_topk_set(s, k):
+    out = np.full((s.shape[0], k), -1, np.int32)
+    for b, row in enumerate(s):
+        order = np.argsort(-row.astype(np.float64), kind="stable")[:k]  # stable: lower id first
+        keep = np.sort(order[row[order] > -np.inf])
+        out[b, :len(keep)] = keep
+    return out
+
+
+def random_scores(rng, B, N, *, ties=True):
+    s = rng.standard_normal((B, N)).astype(np.float32) * rng.uniform(0.1, 1e3)
+    if ties:   # coarse values: many equal scores, some straddling the k-th
+        s = np.round(s * 4) / 4
+    return s
+
+
+def run(s, k, **kw):
+    return np.asarray(topk_select(jnp.asarray(s), k, interpret=True, **kw))
+
+
+@pytest.mark.parametrize("B,N,k,tile", [(2, 1000, 64, 128), (3, 300, 512, 128),
+                                        (2, 4096, 512, 512), (1, 77, 77, 16)])
+def test_kernel_matches_numpy(B, N, k, tile):
+    rng = np.random.default_rng()
+    s = random_scores(rng, B, N)
+    s[0, rng.integers(N // 2, N):] = -np.inf            # fewer eligible than usual
+    out = run(s, k, tile=tile)
+    assert np.array_equal(out, numpy_topk_set(s, k))
+    assert np.array_equal(out, np.asarray(topk_select_reference(jnp.asarray(s), k)))
+
+
+def test_edge_rows():
+    """All -inf; fewer finite than k; every score equal (ties decide all); +0.0 / -0.0
+    mixed (equal, so the lower ids win); huge and tiny magnitudes of both signs."""
+    rng = np.random.default_rng()
+    N, k = 200, 64
+    s = random_scores(rng, 6, N, ties=False)
+    s[0] = -np.inf
+    s[1, 10:] = -np.inf
+    s[2] = 3.0
+    s[3] = np.where(rng.random(N) < 0.5, 0.0, -0.0).astype(np.float32)
+    s[3, :5] = -1.0
+    # (normal numbers only: a flush-to-zero reference would call denormals zero)
+    s[4] = rng.choice(np.array([-3e38, -1e-30, 1e-30, 3e38, -2e-37, 2e-37], np.float32), N)
+    out = run(s, k, tile=64)
+    ref = numpy_topk_set(s, k)
+    assert np.array_equal(out, ref)
+    assert (out[0] == -1).all() and (out[1, :10] == np.arange(10)).all()
+    assert (out[1, 10:] == -1).all()
+    assert np.array_equal(out[2], np.arange(k)) and np.array_equal(out[3], np.arange(5, 5 + k))
+
+
+def test_scores_decide():
+    """The same scores shuffled move the selection with them (catches a kernel that ignores
+    its input or the tie rule)."""
+    rng = np.random.default_rng()
+    s = random_scores(rng, 1, 600, ties=False)
+    perm = rng.permutation(600)
+    a, b = run(s, 100, tile=128), run(s[:, perm], 100, tile=128)
+    assert np.array_equal(np.sort(perm[b[0]]), a[0])
+
+
+def test_bad_arguments_raise():
+    s = jnp.zeros((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="\\[B, N\\]"):
+        topk_select(s[0], 8)
+    with pytest.raises(ValueError, match="float32"):
+        topk_select(s.astype(jnp.bfloat16), 8)
+    with pytest.raises(ValueError, match="k must be"):
+        topk_select(s, 0)
+    with pytest.raises(ValueError, match="tile"):
+        topk_select(s, 8, tile=100)
+
+
+@pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (8, 65536, 1024)])
+def test_cuda_lowering(B, N, k):
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+    dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+        lowered = jax.jit(functools.partial(topk_select, k=k)).trace(
+            jax.ShapeDtypeStruct((B, N), jnp.float32)).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (3, 8000, 1024)])
+def test_gpu_kernel_matches_numpy(B, N, k):
+    rng = np.random.default_rng()
+    s = random_scores(rng, B, N)
+    s[0, N // 3:] = -np.inf
+    out = np.asarray(jax.jit(functools.partial(topk_select, k=k))(jnp.asarray(s)))
+    assert np.array_equal(out, numpy_topk_set(s, k))
+
+
+def test_indexer_topk_kernel_select_matches_xla():
+    """indexer_topk(select="kernel") (scoring kernel + this kernel on the untrimmed scores,
+    both interpreted) picks the same entries as the XLA top-k, which tracks the reference
+    (test_indexer_decode); k above and below the eligible count."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.indexer_decode import indexer_topk
+    from test_indexer_decode import make_inputs
+    q, w, keys, bt, t = make_inputs(int(np.random.default_rng().integers(1 << 20)), B=3,
+                                    NB=12, MAXB=4, t=(500, 90, 311))
+    args = (q, w, keys["idx_codes"], keys["idx_scale"], bt, t)
+    for k in (16, 64, 200):
+        f = lambda *a, sel: indexer_topk(*a, k, interpret=plgpu.InterpretGPUParams(),
+                                         select=sel)
+        got = np.asarray(jax.jit(functools.partial(f, sel="kernel"))(*args))
+        xla = np.asarray(jax.jit(functools.partial(f, sel="xla"))(*args))
+        xla = np.sort(np.where(xla < 0, 1 << 30, xla), axis=1)
+        assert np.array_equal(got, np.where(xla == 1 << 30, -1, xla)), k
+        assert (got[1, (90 + 1) // 4:] == -1).all() and (got[1, :(90 + 1) // 4] >= 0).all()
+    with pytest.raises(ValueError, match="select"):
+        indexer_topk(*args, 16, select="sort")
