@@ -1,12 +1,16 @@
-"""Registers and spills of the Triton attention kernel for an H100, without a GPU.
+"""Registers and spills of a Triton kernel (sparse attention, top-k select) for an H100,
+without a GPU.
 
     PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py [--head-tile 64 --num-warps 8]
         [--q-in-loop] [--col-split 2] [--B 64 --H 64 --ctx 32768 --topk 512]
+    PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py --kernel topk [--B 64
+        --ctx 131072 --topk 512 --tile 512 --bits 4 --num-warps 4]
 
 Compiles sparse_decode_attention(backend="triton") for the compile-only CUDA topology of
 benchmarks/aot_anatomy.py (needs the CUDA PJRT plugin + nvcc wheels, see there) with
 ptxas -v, and prints ptxas' register / spill report for the kernel. A kernel that spills
 (255 registers + local memory) loses bandwidth; check variants here before device time.
+XLA logs ptxas' report only when ptxas warns (a spill): "OK" and no report = no spill.
 """
 import os
 
@@ -31,6 +35,9 @@ def main():
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=512)
+    ap.add_argument("--kernel", default="attention", choices=["attention", "topk"])
+    ap.add_argument("--tile", type=int, default=512, help="topk: keys per loop step")
+    ap.add_argument("--bits", type=int, default=4, help="topk: radix digit bits")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not a.child:   # ptxas' report goes to the process' stderr log: filter it
@@ -46,6 +53,17 @@ def main():
     from pallas_kernels.sparse_decode_attention import kernel as AK
     dev = gpu_devices()[0]
     sh = jax.sharding.SingleDeviceSharding(dev)
+    if a.kernel == "topk":
+        import jax.numpy as jnp
+        from pallas_kernels.topk_select import topk_select
+        x = jax.ShapeDtypeStruct((a.B, a.ctx // 4), jnp.float32, sharding=sh)
+        f = functools.partial(topk_select, k=a.topk, tile=a.tile, bits=a.bits,
+                              num_warps=a.num_warps)
+        with _tracing_for_gpu(dev.device_kind):   # (+ 1: an XLA kernel, so ptxas runs)
+            jax.jit(lambda s: f(s) + 1).lower(x).compile()
+        print(f"OK topk B={a.B} N={a.ctx // 4} k={a.topk} tile={a.tile} bits={a.bits} "
+              f"num_warps={a.num_warps}")
+        return
     shapes = jax.eval_shape(lambda: make_case(jax.random.key(0), a.B, a.H, a.ctx, a.topk, "csa"))
     absd = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes)
     f = functools.partial(AK.sparse_decode_attention, backend="triton", head_tile=a.head_tile,

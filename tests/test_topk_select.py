@@ -31,13 +31,14 @@ def run(s, k, **kw):
     return np.asarray(topk_select(jnp.asarray(s), k, interpret=True, **kw))
 
 
-@pytest.mark.parametrize("B,N,k,tile", [(2, 1000, 64, 128), (3, 300, 512, 128),
-                                        (2, 4096, 512, 512), (1, 77, 77, 16)])
-def test_kernel_matches_numpy(B, N, k, tile):
+@pytest.mark.parametrize("B,N,k,tile,bits", [(2, 1000, 64, 128, 4), (3, 300, 512, 128, 4),
+                                             (2, 4096, 512, 512, 4), (1, 77, 77, 16, 4),
+                                             (2, 1000, 100, 256, 2), (2, 700, 50, 64, 8)])
+def test_kernel_matches_numpy(B, N, k, tile, bits):
     rng = np.random.default_rng()
     s = random_scores(rng, B, N)
     s[0, rng.integers(N // 2, N):] = -np.inf            # fewer eligible than usual
-    out = run(s, k, tile=tile)
+    out = run(s, k, tile=tile, bits=bits)
     assert np.array_equal(out, numpy_topk_set(s, k))
     assert np.array_equal(out, np.asarray(topk_select_reference(jnp.asarray(s), k)))
 
@@ -83,6 +84,10 @@ def test_bad_arguments_raise():
         topk_select(s, 0)
     with pytest.raises(ValueError, match="tile"):
         topk_select(s, 8, tile=100)
+    with pytest.raises(ValueError, match="bits"):
+        topk_select(s, 8, bits=3)
+    with pytest.raises(ValueError, match="n must be"):
+        topk_select(s, 8, n=65)
 
 
 @pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (8, 65536, 1024)])

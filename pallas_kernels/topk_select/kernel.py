@@ -8,14 +8,15 @@ k-th largest value, then keep what is above it.
 
 One program per row (request):
   key    = the score's f32 bits made order-preserving as int32 (-0.0 taken as +0.0).
-  search = 8 passes of 4 bits, most significant first: count the row's keys under the
-           prefix found so far by their next 4-bit digit (16 counts), keep the digit where
-           the running count from the top reaches k. After 8 passes: T, the k-th largest
-           key, and `need`, how many keys equal to T belong to the top k (the lowest ids).
+  search = 32 / bits passes (default 8 of 4 bits), most significant first: count the row's
+           keys under the prefix found so far by their next digit (2^bits counts, kept
+           per lane and reduced once a pass), keep the digit where the running count from
+           the top reaches k. At the end: T, the k-th largest key, and `need`, how many
+           keys equal to T belong to the top k (the lowest ids).
   select = one pass in id order: keep key > T, and key == T while fewer than `need` such
            were kept; drop -inf; write the kept ids at their rank (a prefix sum in the
            tile), then -1 up to k.
-Reads the row 9 times (it stays in L1 / L2 after the first), writes k ids. Output contract
+Reads the row 32 / bits + 1 times (it stays in L1 / L2 after the first), writes k ids. Output contract
 (ascending ids, -1 padded): reference.topk_select_reference.
 
 NOT yet run on a GPU (interpreter- and compile-tested only): kept off the decode step's
@@ -29,9 +30,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-DIGIT_BITS = 4
-N_DIGITS = 1 << DIGIT_BITS
-N_PASSES = 32 // DIGIT_BITS
 INT_MIN = -(1 << 31)
 # the order key of -inf: f32 bits 0xFF800000 with the magnitude bits flipped
 NEG_INF_KEY = -2139095041
@@ -44,8 +42,9 @@ def _order_key(x):
     return jnp.where(bits < 0, jnp.where(bits == INT_MIN, 0, bits ^ 0x7FFFFFFF), bits)
 
 
-def _kernel(s_ref, o_ref, *, N, K, TILE):
+def _kernel(s_ref, o_ref, *, N, K, TILE, BITS):
     b = pl.program_id(0)
+    N_DIGITS = 1 << BITS
     lanes = lax.broadcasted_iota(jnp.int32, (TILE,), 0)
     digits = lax.broadcasted_iota(jnp.int32, (N_DIGITS,), 0)
     n_search = -(-max(N, K) // TILE)   # >= k keys (past N: -inf), so the k-th one exists
@@ -57,24 +56,25 @@ def _kernel(s_ref, o_ref, *, N, K, TILE):
         return _order_key(x)
 
     prefix, need = jnp.int32(0), jnp.int32(K)     # prefix: T's bits found so far, unsigned
-    for p in range(N_PASSES):
-        shift = 32 - DIGIT_BITS * (p + 1)
+    for p in range(32 // BITS):
+        shift = 32 - BITS * (p + 1)
 
-        def count(t, cnt, shift=shift, prefix=prefix):
+        def count(t, acc, shift=shift, prefix=prefix):
             u = keys(t) ^ INT_MIN                  # unsigned order, as int32 bits
             d = lax.shift_right_logical(u, shift) & (N_DIGITS - 1)
             hit = d[:, None] == digits[None, :]
-            if shift + DIGIT_BITS < 32:            # only keys under the prefix so far
-                hit = hit & (lax.shift_right_logical(u, shift + DIGIT_BITS) == prefix)[:, None]
-            return cnt + jnp.sum(hit.astype(jnp.int32), axis=0)
+            if shift + BITS < 32:                  # only keys under the prefix so far
+                hit = hit & (lax.shift_right_logical(u, shift + BITS) == prefix)[:, None]
+            return acc + hit.astype(jnp.int32)     # per lane: reduced once, after the loop
 
-        cnt = lax.fori_loop(0, n_search, count, jnp.zeros((N_DIGITS,), jnp.int32))
+        acc = lax.fori_loop(0, n_search, count, jnp.zeros((TILE, N_DIGITS), jnp.int32))
+        cnt = jnp.sum(acc, axis=0)
         # at_least[d] = keys under the prefix with digit >= d; the top k reach into digit d*
         at_least = jnp.sum(jnp.where(digits[None, :] >= digits[:, None], cnt[None, :], 0),
                            axis=1)
         d_star = jnp.sum((at_least >= need).astype(jnp.int32)) - 1
         need = need - jnp.sum(jnp.where(digits > d_star, cnt, 0))
-        prefix = (prefix << DIGIT_BITS) | d_star
+        prefix = (prefix << BITS) | d_star
     t_key = prefix ^ INT_MIN                       # the k-th largest key (signed order)
 
     def select(t, carry):
@@ -100,11 +100,12 @@ def _kernel(s_ref, o_ref, *, N, K, TILE):
     lax.fori_loop(n_out // TILE, -(-K // TILE), fill, 0)
 
 
-def topk_select(scores_BN, k, *, n=None, tile=512, num_warps=4, interpret=False):
+def topk_select(scores_BN, k, *, n=None, tile=512, bits=4, num_warps=4, interpret=False):
     """ids [B, k] int32 of the k largest scores per row, ascending, -1 padded (ties: lower
     id; -inf never selected). scores_BN [B, W] f32, of which the first n columns (all by
     default) are the scores: a wider buffer is read in place, with no slice copy before
-    the kernel. See reference.topk_select_reference."""
+    the kernel. bits: radix digit width (32 / bits passes, 2^bits counts per key and pass).
+    See reference.topk_select_reference."""
     if scores_BN.ndim != 2:
         raise ValueError(f"scores must be [B, N], got shape {scores_BN.shape}")
     if scores_BN.dtype != jnp.float32:
@@ -113,13 +114,15 @@ def topk_select(scores_BN, k, *, n=None, tile=512, num_warps=4, interpret=False)
         raise ValueError(f"k must be positive, got {k}")
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8 (a divisor of 32), got {bits}")
     B, W = scores_BN.shape
     N = W if n is None else n
     if not 0 < N <= W:
         raise ValueError(f"n must be in [1, {W}] (the scores' width), got {n}")
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     return pl.pallas_call(
-        functools.partial(_kernel, N=N, K=k, TILE=tile),
+        functools.partial(_kernel, N=N, K=k, TILE=tile, BITS=bits),
         out_shape=jax.ShapeDtypeStruct((B, k), jnp.int32),
         grid=(B,),
         in_specs=[whole((B, W))],
