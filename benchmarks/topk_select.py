@@ -2,13 +2,14 @@
 at the lightning indexer's decode shapes.
 
     PYTHONPATH=. python benchmarks/topk_select.py [--cases 64:32768:512 ...] [--json F]
-        [--tiles 256 512] [--bits 2 4] [--interpret]
+        [--tiles 256 512] [--bits 2 4] [--segments 0 1] [--interpret]
 
 Scores [B, N] f32 as the indexer writes them: random, -inf past each request's eligible
 entries ((t + 1) // 4, t drawn per request). N = max_blocks * 32 (4K / 32K / 128K context:
 ~1K / 8K / 32K entries), k = index_topk (Flash 512, Pro 1024).
 Per case: time per call (one jitted program running several independent input sets back to
-back, sized past the L2), GPU busy per call (profiler), bytes = scores read once + ids
+back, sized past the L2), GPU busy per call (profiler; with several segments per row the
+kernel is two calls and a gather), bytes = scores read once + ids
 written, share of the copy bandwidth measured in the same run, and the check: the kernel's
 ids equal reference.topk_select_reference (the set lax.top_k picks, ascending) exactly.
 """
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--cases", nargs="+", default=CASES, help="B:N:k")
     ap.add_argument("--tiles", type=int, nargs="+", default=[512])
     ap.add_argument("--bits", type=int, nargs="+", default=[4], help="radix digit widths")
+    ap.add_argument("--segments", type=int, nargs="+", default=[0],
+                    help="programs per row (0: kernel.default_segments)")
     ap.add_argument("--json", help="append one JSON line per case here")
     ap.add_argument("--interpret", action="store_true", help="CPU check of this script")
     a = ap.parse_args()
@@ -54,9 +57,10 @@ def main():
         B, N, k = map(int, case.split(":"))
         sets = [scores(jax.random.key(1000 * B + i), B, N)
                 for i in range(1 if a.interpret else max(2, min(16, (64 << 20) // (B * N * 4))))]
-        progs = {f"kernel t{t}b{d}": functools.partial(topk_select, k=k, tile=t, bits=d,
-                                                       interpret=a.interpret)
-                 for t in a.tiles for d in a.bits}
+        progs = {f"kernel t{t}b{d}s{g or 'auto'}": functools.partial(
+                     topk_select, k=k, tile=t, bits=d, segments=g or None,
+                     interpret=a.interpret)
+                 for t in a.tiles for d in a.bits for g in a.segments}
         progs["xla lax.top_k"] = functools.partial(topk_from_scores, topk=k)
         many = {n: jax.jit(lambda ss, f=f: [f(s) for s in ss]) for n, f in progs.items()}
         res, outs = {}, {}

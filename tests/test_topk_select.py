@@ -31,14 +31,16 @@ def run(s, k, **kw):
     return np.asarray(topk_select(jnp.asarray(s), k, interpret=True, **kw))
 
 
-@pytest.mark.parametrize("B,N,k,tile,bits", [(2, 1000, 64, 128, 4), (3, 300, 512, 128, 4),
-                                             (2, 4096, 512, 512, 4), (1, 77, 77, 16, 4),
-                                             (2, 1000, 100, 256, 2), (2, 700, 50, 64, 8)])
-def test_kernel_matches_numpy(B, N, k, tile, bits):
+@pytest.mark.parametrize("B,N,k,tile,bits,segments", [
+    (2, 1000, 64, 128, 4, 1), (3, 300, 512, 128, 4, None), (2, 4096, 512, 512, 4, 1),
+    (1, 77, 77, 16, 4, 1), (2, 1000, 100, 256, 2, 1), (2, 700, 50, 64, 8, 1),
+    # several programs per row + the second stage: segments shorter than k, a ragged last
+    (2, 1000, 64, 128, 4, 3), (1, 2000, 300, 128, 4, 7)])
+def test_kernel_matches_numpy(B, N, k, tile, bits, segments):
     rng = np.random.default_rng()
     s = random_scores(rng, B, N)
     s[0, rng.integers(N // 2, N):] = -np.inf            # fewer eligible than usual
-    out = run(s, k, tile=tile, bits=bits)
+    out = run(s, k, tile=tile, bits=bits, segments=segments)
     assert np.array_equal(out, numpy_topk_set(s, k))
     assert np.array_equal(out, np.asarray(topk_select_reference(jnp.asarray(s), k)))
 
@@ -56,9 +58,10 @@ def test_edge_rows():
     s[3, :5] = -1.0
     # (normal numbers only: a flush-to-zero reference would call denormals zero)
     s[4] = rng.choice(np.array([-3e38, -1e-30, 1e-30, 3e38, -2e-37, 2e-37], np.float32), N)
-    out = run(s, k, tile=64)
+    out = run(s, k, tile=64, segments=1)
     ref = numpy_topk_set(s, k)
     assert np.array_equal(out, ref)
+    assert np.array_equal(run(s, k, tile=64, segments=3), ref)   # ties across segments
     assert (out[0] == -1).all() and (out[1, :10] == np.arange(10)).all()
     assert (out[1, 10:] == -1).all()
     assert np.array_equal(out[2], np.arange(k)) and np.array_equal(out[3], np.arange(5, 5 + k))
@@ -70,7 +73,7 @@ def test_scores_decide():
     rng = np.random.default_rng()
     s = random_scores(rng, 1, 600, ties=False)
     perm = rng.permutation(600)
-    a, b = run(s, 100, tile=128), run(s[:, perm], 100, tile=128)
+    a, b = run(s, 100, tile=128, segments=1), run(s[:, perm], 100, tile=128, segments=1)
     assert np.array_equal(np.sort(perm[b[0]]), a[0])
 
 
@@ -88,6 +91,14 @@ def test_bad_arguments_raise():
         topk_select(s, 8, bits=3)
     with pytest.raises(ValueError, match="n must be"):
         topk_select(s, 8, n=65)
+    with pytest.raises(ValueError, match="segments"):
+        topk_select(s, 8, segments=0)
+
+
+def test_default_segments():
+    from pallas_kernels.topk_select.kernel import default_segments
+    assert default_segments(64, 32800, 512) == 2 and default_segments(1, 1056, 512) == 1
+    assert default_segments(1, 32800, 512) == 8 and default_segments(200, 32800, 512) == 1
 
 
 @pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (8, 65536, 1024)])
@@ -101,12 +112,15 @@ def test_cuda_lowering(B, N, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (3, 8000, 1024)])
-def test_gpu_kernel_matches_numpy(B, N, k):
+@pytest.mark.parametrize("B,N,k,segments", [(64, 32768, 512, None), (1, 1056, 512, None),
+                                            (3, 8000, 1024, None), (1, 32800, 512, 1),
+                                            (2, 32800, 512, 5)])
+def test_gpu_kernel_matches_numpy(B, N, k, segments):
     rng = np.random.default_rng()
     s = random_scores(rng, B, N)
     s[0, N // 3:] = -np.inf
-    out = np.asarray(jax.jit(functools.partial(topk_select, k=k))(jnp.asarray(s)))
+    f = functools.partial(topk_select, k=k, segments=segments)
+    out = np.asarray(jax.jit(f)(jnp.asarray(s)))
     assert np.array_equal(out, numpy_topk_set(s, k))
 
 
@@ -120,7 +134,7 @@ def test_indexer_topk_kernel_select_matches_xla():
     q, w, keys, bt, t = make_inputs(int(np.random.default_rng().integers(1 << 20)), B=3,
                                     NB=12, MAXB=4, t=(500, 90, 311))
     args = (q, w, keys["idx_codes"], keys["idx_scale"], bt, t)
-    for k in (16, 64, 200):
+    for k in (16, 200):
         f = lambda *a, sel: indexer_topk(*a, k, interpret=plgpu.InterpretGPUParams(),
                                          select=sel)
         got = np.asarray(jax.jit(functools.partial(f, sel="kernel"))(*args))
