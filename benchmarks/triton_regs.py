@@ -10,7 +10,8 @@ Compiles sparse_decode_attention(backend="triton") for the compile-only CUDA top
 benchmarks/aot_anatomy.py (needs the CUDA PJRT plugin + nvcc wheels, see there) with
 ptxas -v, and prints ptxas' register / spill report for the kernel. A kernel that spills
 (255 registers + local memory) loses bandwidth; check variants here before device time.
-XLA logs ptxas' report only when ptxas warns (a spill): "OK" and no report = no spill.
+Seen here: XLA logs ptxas' report only when ptxas warns (a spill), so "OK" without a
+report means no spill (the attention kernel's spill is reported, col_split=2 prints none).
 """
 import os
 

@@ -1,7 +1,8 @@
 """Lightning-indexer scoring at decode as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
 
 Entry points: indexer_scores (fp4 pool; run on the H100), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
-topk_from_scores / indexer_topk (XLA top-k). `nvfp4` has no kernel (reference.py only).
+topk_from_scores (XLA top-k), indexer_topk (scores + XLA top-k, or select="kernel": the
+pallas_kernels.topk_select kernel, not yet run on a GPU). `nvfp4` has no kernel (reference.py only).
 
 For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
