@@ -2,7 +2,7 @@
 at the lightning indexer's decode shapes.
 
     PYTHONPATH=. python benchmarks/topk_select.py [--cases 64:32768:512 ...] [--json F]
-        [--tiles 256 512] [--bits 2 4] [--segments 0 1] [--interpret]
+        [--tiles 0 2048] [--bits 2 4] [--segments 0 9] [--interpret]
 
 Scores [B, N] f32 as the indexer writes them: random, -inf past each request's eligible
 entries ((t + 1) // 4, t drawn per request). N = max_blocks * 32 (4K / 32K / 128K context:
@@ -43,8 +43,9 @@ def scores(key, B, N):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=CASES, help="B:N:k")
-    ap.add_argument("--tiles", type=int, nargs="+", default=[512])
-    ap.add_argument("--bits", type=int, nargs="+", default=[4], help="radix digit widths")
+    ap.add_argument("--tiles", type=int, nargs="+", default=[0],
+                    help="keys a program holds when a row is split (0: default_tile)")
+    ap.add_argument("--bits", type=int, nargs="+", default=[2], help="radix digit widths")
     ap.add_argument("--segments", type=int, nargs="+", default=[0],
                     help="programs per row (0: kernel.default_segments)")
     ap.add_argument("--json", help="append one JSON line per case here")
@@ -57,8 +58,8 @@ def main():
         B, N, k = map(int, case.split(":"))
         sets = [scores(jax.random.key(1000 * B + i), B, N)
                 for i in range(1 if a.interpret else max(2, min(16, (64 << 20) // (B * N * 4))))]
-        progs = {f"kernel t{t}b{d}s{g or 'auto'}": functools.partial(
-                     topk_select, k=k, tile=t, bits=d, segments=g or None,
+        progs = {f"kernel t{t or 'auto'}b{d}s{g or 'auto'}": functools.partial(
+                     topk_select, k=k, tile=t or None, bits=d, segments=g or None,
                      interpret=a.interpret)
                  for t in a.tiles for d in a.bits for g in a.segments}
         progs["xla lax.top_k"] = functools.partial(topk_from_scores, topk=k)

@@ -4,7 +4,7 @@ without a GPU.
     PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py [--head-tile 64 --num-warps 8]
         [--q-in-loop] [--col-split 2] [--B 64 --H 64 --ctx 32768 --topk 512]
     PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py --kernel topk [--B 64
-        --ctx 131072 --topk 512 --tile 512 --bits 4 --num-warps 4]
+        --ctx 131072 --topk 512 --tile 4096 --bits 2 --num-warps 8]
 
 Compiles sparse_decode_attention(backend="triton") for the compile-only CUDA topology of
 benchmarks/aot_anatomy.py (needs the CUDA PJRT plugin + nvcc wheels, see there) with
@@ -29,7 +29,8 @@ import sys  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-tile", type=int, default=64)
-    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--num-warps", type=int, default=None,
+                    help="attention: 8 by default; topk: the kernel's rule by default")
     ap.add_argument("--q-in-loop", action="store_true")
     ap.add_argument("--col-split", type=int, default=1)
     ap.add_argument("--B", type=int, default=64)
@@ -37,8 +38,9 @@ def main():
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--kernel", default="attention", choices=["attention", "topk"])
-    ap.add_argument("--tile", type=int, default=512, help="topk: keys per loop step")
-    ap.add_argument("--bits", type=int, default=4, help="topk: radix digit bits")
+    ap.add_argument("--tile", type=int, default=None,
+                    help="topk: keys a program holds when a row is split (default_tile)")
+    ap.add_argument("--bits", type=int, default=2, help="topk: radix digit bits")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not a.child:   # ptxas' report goes to the process' stderr log: filter it
@@ -68,7 +70,7 @@ def main():
     shapes = jax.eval_shape(lambda: make_case(jax.random.key(0), a.B, a.H, a.ctx, a.topk, "csa"))
     absd = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes)
     f = functools.partial(AK.sparse_decode_attention, backend="triton", head_tile=a.head_tile,
-                          num_warps=a.num_warps, q_in_loop=a.q_in_loop, col_split=a.col_split)
+                          num_warps=a.num_warps or 8, q_in_loop=a.q_in_loop, col_split=a.col_split)
     with _tracing_for_gpu(dev.device_kind):
         jax.jit(f).lower(*absd).compile()
     print(f"OK head_tile={a.head_tile} num_warps={a.num_warps} q_in_loop={a.q_in_loop} "

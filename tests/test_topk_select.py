@@ -32,10 +32,13 @@ def run(s, k, **kw):
 
 
 @pytest.mark.parametrize("B,N,k,tile,bits,segments", [
-    (2, 1000, 64, 128, 4, 1), (3, 300, 512, 128, 4, None), (2, 4096, 512, 512, 4, 1),
-    (1, 77, 77, 16, 4, 1), (2, 1000, 100, 256, 2, 1), (2, 700, 50, 64, 8, 1),
+    (2, 1000, 64, None, 2, 1), (3, 300, 512, None, 2, None), (2, 4096, 512, None, 4, 1),
+    (1, 77, 77, None, 1, 1), (2, 1000, 100, None, 2, 1), (2, 700, 50, None, 4, 1),
     # several programs per row + the second stage: segments shorter than k, a ragged last
-    (2, 1000, 64, 128, 4, 3), (1, 2000, 300, 128, 4, 7)])
+    (2, 1000, 64, 128, 2, 3), (1, 2000, 300, 512, 2, 7),
+    # three stages: 20 segments' 20000 candidates > MAX_KEYS are split again (the ids
+    # carried through a split stage), then one program picks among 3 x 1000
+    (1, 20000, 1000, 8192, 2, 20)])
 def test_kernel_matches_numpy(B, N, k, tile, bits, segments):
     rng = np.random.default_rng()
     s = random_scores(rng, B, N)
@@ -87,18 +90,23 @@ def test_bad_arguments_raise():
         topk_select(s, 0)
     with pytest.raises(ValueError, match="tile"):
         topk_select(s, 8, tile=100)
+    with pytest.raises(ValueError, match="tile"):
+        topk_select(s, 32, tile=16)                      # a tile must hold k keys
     with pytest.raises(ValueError, match="bits"):
         topk_select(s, 8, bits=3)
     with pytest.raises(ValueError, match="n must be"):
         topk_select(s, 8, n=65)
     with pytest.raises(ValueError, match="segments"):
         topk_select(s, 8, segments=0)
+    with pytest.raises(ValueError, match="segments"):          # 20000 keys in one program
+        topk_select(jnp.zeros((1, 20000), jnp.float32), 8, segments=1)
 
 
 def test_default_segments():
-    from pallas_kernels.topk_select.kernel import default_segments
-    assert default_segments(64, 32800, 512) == 2 and default_segments(1, 1056, 512) == 1
-    assert default_segments(1, 32800, 512) == 8 and default_segments(200, 32800, 512) == 1
+    from pallas_kernels.topk_select.kernel import default_segments, default_tile
+    assert default_tile(512) == 4096 and default_tile(1024) == 8192 and default_tile(600) == 8192
+    assert default_segments(1056, 512) == 1 and default_segments(16384, 512) == 1
+    assert default_segments(32800, 512) == 9 and default_segments(32800, 1024) == 5
 
 
 @pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (8, 65536, 1024)])
