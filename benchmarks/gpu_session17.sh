@@ -6,8 +6,10 @@
 #  PART=1 (H100, ~9 min): top-k GPU tests; the kernel alone vs lax.top_k at the indexer's
 #         shapes (default tile / 2048, digits of 2 / 4 bits, default segments / 4);
 #         4 Flash layers at B = 64, 32K context: the stream step with each top-k.
-#  PART=2 (H100, ~8 min): the same step at B = 1; the attention variants that spill less
-#         (col_split 2, q_in_loop) against ws-lane / triton64.
+#  PART=2 (H100, ~8 min): top-k GPU tests again (3 stages at N = 256K); the long rows
+#         (tile default / 2048, 2 bits); the same step at B = 1.
+#  PART=3 (H100, ~4 min): the attention variants that spill less (col_split 2, q_in_loop)
+#         against ws-lane / triton64.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -26,8 +28,14 @@ case "${PART:-1}" in
     --cases 1:1056:512 64:1056:512 1:8224:512 64:8224:512 1:32800:512 8:32800:512 \
     64:32800:512 32:32800:1024 --json $OUT/topk_select.jsonl | tee $OUT/topk_select.log
   step 64 ;;
-2)
-  step 1
+2)  # after PART=1: bits 2 won everywhere; default_segments now splits rows > tile
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_topk_select.py -rA \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|PASSED|FAILED"
+  T 200 python3 benchmarks/topk_select.py --tiles 0 2048 --bits 2 \
+    --cases 1:8224:512 1:32800:512 8:32800:512 64:32800:512 32:32800:1024 2:262144:512 \
+    --json $OUT/topk_select.jsonl | tee $OUT/topk_select.log
+  step 1 ;;
+3)
   T 230 python3 benchmarks/attention_decode.py --out $OUT --budget 170 --all-variants \
     --variants ws-lane,triton64,triton64c2,triton64q --trusted ws-lane,triton64 \
     --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768 \

@@ -105,7 +105,8 @@ def test_bad_arguments_raise():
 def test_default_segments():
     from pallas_kernels.topk_select.kernel import default_segments, default_tile
     assert default_tile(512) == 4096 and default_tile(1024) == 8192 and default_tile(600) == 8192
-    assert default_segments(1056, 512) == 1 and default_segments(16384, 512) == 1
+    assert default_segments(1056, 512) == 1 and default_segments(4096, 512) == 1
+    assert default_segments(8224, 512) == 3 and default_segments(8224, 1024) == 2
     assert default_segments(32800, 512) == 9 and default_segments(32800, 1024) == 5
 
 
@@ -121,8 +122,8 @@ def test_cuda_lowering(B, N, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,N,k,segments", [(64, 32768, 512, None), (1, 1056, 512, None),
-                                            (3, 8000, 1024, None), (1, 32800, 512, 1),
-                                            (2, 32800, 512, 5)])
+                                            (3, 8000, 1024, None), (1, 16384, 512, 1),
+                                            (2, 32800, 512, 5), (2, 262144, 512, None)])
 def test_gpu_kernel_matches_numpy(B, N, k, segments):
     rng = np.random.default_rng()
     s = random_scores(rng, B, N)
