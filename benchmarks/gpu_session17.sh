@@ -8,6 +8,8 @@
 #         4 Flash layers at B = 64, 32K context: the stream step with each top-k.
 #  PART=2 (H100, ~8 min): top-k GPU tests again (3 stages at N = 256K); the long rows
 #         (tile default / 2048, 2 bits); the same step at B = 1.
+#  PART=4 (H100, ~6 min): the decode step with kernels on (top-k kernel / XLA top-k) vs the
+#         pure-JAX step, 4 Flash layers, B = 1 / 8 at 32K context (rel. L2 of the logits).
 #  PART=3 (H100, ~4 min): the attention variants that spill less (col_split 2, q_in_loop)
 #         against ws-lane / triton64.
 set -u
@@ -40,5 +42,11 @@ case "${PART:-1}" in
     --variants ws-lane,triton64,triton64c2,triton64q --trusted ws-lane,triton64 \
     --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768 \
     2>&1 | grep -v "^{" | grep -E "smoke|^\| (flash|pro)" ;;
+4)  # the decode step with the top-k kernel (now the default) against the pure-JAX step
+  for sel in kernel xla; do
+    DSV4_TOPK=$sel T 240 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 \
+      --random-cache --matmul pallas --batch 1 8 --context 32768 --steps 3 \
+      | tee $OUT/check_flash4_topk_$sel.log | grep -E "median"
+  done ;;
 esac
 true

@@ -156,11 +156,11 @@ def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, se
                         select=select)
 
 
-# The indexer's top-k: "xla" (lax.top_k, a full sort of each row in XLA-GPU: 290 us at
-# B=64, 128K context on the H100) or "kernel" (pallas_kernels/topk_select, radix select:
-# the same ids, ascending). DSV4_TOPK=kernel turns it on; off by default until it has run
-# on a GPU (benchmarks/topk_select.py, gpu_session16.sh).
-TOPK_SELECT = os.environ.get("DSV4_TOPK", "xla")
+# The indexer's top-k: "kernel" (pallas_kernels/topk_select, radix select: the same ids as
+# lax.top_k, ascending; the default since its H100 proof, 2026-11-25: 57 us GPU busy at
+# B=64, N=32800 against XLA's 242) or "xla" (lax.top_k, a full sort of each row in
+# XLA-GPU). DSV4_TOPK=xla turns the kernel off.
+TOPK_SELECT = os.environ.get("DSV4_TOPK", "kernel")
 if TOPK_SELECT not in ("xla", "kernel"):
     raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
 
