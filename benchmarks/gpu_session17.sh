@@ -10,6 +10,8 @@
 #         (tile default / 2048, 2 bits); the same step at B = 1.
 #  PART=4 (H100, ~6 min): the decode step with kernels on (top-k kernel / XLA top-k) vs the
 #         pure-JAX step, 4 Flash layers, B = 1 / 8 at 32K context (rel. L2 of the logits).
+#  PART=5 (H100, ~7 min): 4 Flash layers at B = 64, 128K: the stream step with each top-k;
+#         the tiny preset's decode step with kernels vs pure JAX.
 #  PART=3 (H100, ~4 min): the attention variants that spill less (col_split 2, q_in_loop)
 #         against ws-lane / triton64.
 set -u
@@ -48,5 +50,14 @@ case "${PART:-1}" in
       --random-cache --matmul pallas --batch 1 8 --context 32768 --steps 3 \
       | tee $OUT/check_flash4_topk_$sel.log | grep -E "median"
   done ;;
+5)  # the long context: B = 64 at 128K (the XLA sort took 242-290 us a CSA layer there);
+    # and the tiny preset's kernel step (top-k kernel by default) against pure JAX
+  for sel in xla kernel; do
+    DSV4_TOPK=$sel T 170 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 \
+      --batch 64 --context 131072 --kernels on --matmul pallas --what stream --steps 10 \
+      | tee $OUT/flash4_b64_128k_topk_$sel.log | grep -E "floor"
+  done
+  T 100 python3 benchmarks/decode_kernels_check.py --preset tiny --batch 2 --context 300 \
+    --steps 3 | tee $OUT/check_tiny.log | grep -E "median" ;;
 esac
 true
