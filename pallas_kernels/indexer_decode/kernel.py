@@ -2,15 +2,15 @@
 
 Entry points: indexer_scores (fp4 pool; run on the H100), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
 topk_from_scores (XLA top-k), indexer_topk (scores + XLA top-k, or select="kernel": the
-pallas_kernels.topk_select kernel, not yet run on a GPU). `nvfp4` has no kernel (reference.py only).
+pallas_kernels.topk_select kernel, the decode step's default since its H100 proof on
+2026-11-25). `nvfp4` has no kernel (reference.py only).
 
 For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
 K_i is read straight from the `fp4` indexer key pool (split-half packed e2m1 nibbles + one
 e8m0 exponent per 32 dims, see pallas_kernels/CACHE_LAYOUT.md) and dequantised in-kernel
-with integer arithmetic (Hopper has no e2m1 casts). The top-k runs in XLA (`lax.top_k`) on
-the kernel's score row: an in-kernel top-k over up to 32K entries per request is not worth
-it at this stage.
+with integer arithmetic (Hopper has no e2m1 casts). The top-k is a separate kernel
+(pallas_kernels/topk_select) reading this kernel's untrimmed score row, or XLA's lax.top_k.
 
 Kernel shape pipeline, per CTA (request b, a range of `cpc` chunks of 64 entries):
     codes u8 [64 e, 64 bytes]   (2 pool blocks, TMA)    scale u32 [64 e] (4 e8m0 bytes)

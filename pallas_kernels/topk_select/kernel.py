@@ -22,10 +22,14 @@ ids through, until one program holds a whole row. Candidates ascend with the ids
 still go to the lower id. Output contract (ascending ids, -1 padded):
 reference.topk_select_reference.
 
-History: the first version (2026-11-25) kept per-lane digit counts and re-read the row from
-L1/L2 every pass (8 passes of 4 bits over 512-key tiles). On the H100 it was exact but
-latency-bound: 77 us GPU busy at B = 1, N = 32800 against the XLA sort's 47 us
-(BENCHMARKS.md, session 17).
+On the H100 (2026-11-25, benchmarks/topk_select.py, exact at every shape): 7 / 17 / 26 /
+57 us GPU busy at B = 1 N = 1056 / B = 1 N = 8224 / B = 1 N = 32800 / B = 64 N = 32800,
+against lax.top_k's 14 / 56 / 47 / 242 us. It is the decode step's default
+(decode.TOPK_SELECT; DSV4_TOPK=xla for XLA's sort).
+
+History: the first version kept per-lane digit counts and re-read the row from L1/L2 every
+pass (8 passes of 4 bits over 512-key tiles). It was exact but latency-bound: 77 us GPU
+busy at B = 1, N = 32800 against the XLA sort's 47 us (BENCHMARKS.md, session 17).
 """
 import functools
 
