@@ -7,7 +7,8 @@ divided by N: host dispatch is amortised over N only, so ops under ~50 us read h
 bytes = cache bytes the op must read + outputs; % = of the copy bandwidth measured in the
 same run; speedup = jitted pure-JAX reference / kernel path, both end to end.
 Options: --cases idx:B:ctx:topk,csa:B:H:K,hca:B (single cases),
---sets N, --check-attn SPLITS (small attention check).
+--sets N, --check-attn SPLITS (small attention check), --dequant bits,e4m3 (the indexer's
+FP4 dequant paths, each timed; "+topk" is the topk_select kernel after the scores).
 """
 import argparse
 import json
@@ -56,12 +57,12 @@ def indexer_inputs(key, B, ctx):
     return q, w, codes, scale, bt, t
 
 
-def run_indexer(B, ctx, topk, bw, log):
+def run_indexer(B, ctx, topk, bw, log, dequant="bits"):
     n = ctx // 4
     cache_bytes = B * n * 68
     sets = [indexer_inputs(jax.random.key(100 * B + i), B, ctx)
             for i in range(n_sets_for(cache_bytes * 3))]
-    kern = jax.jit(lambda *a: IK.indexer_scores(*a))
+    kern = jax.jit(lambda *a: IK.indexer_scores(*a, dequant=dequant))
     ref = jax.jit(lambda q, w, c, s, bt, t: IR.indexer_scores_reference(
         q, w, {"idx_codes": c, "idx_scale": s}, bt, t))
     a = sets[0]
@@ -72,14 +73,14 @@ def run_indexer(B, ctx, topk, bw, log):
     ik = np.asarray(IK.topk_from_scores(jnp.asarray(sk), topk))
     ir = np.asarray(IR.topk_reference(jnp.asarray(sr), topk))
     overlap = float(np.mean([len(set(ik[b]) & set(ir[b])) / len(set(ir[b])) for b in range(B)]))
-    t_k = bench(lambda *x: IK.indexer_scores(*x), sets)
-    t_kt = bench(lambda *x: IK.indexer_topk(*x, topk), sets)
+    t_k = bench(lambda *x: IK.indexer_scores(*x, dequant=dequant), sets)
+    t_kt = bench(lambda *x: IK.indexer_topk(*x, topk, select="kernel", dequant=dequant), sets)
     ref_sets = sets[: max(2, min(len(sets), int(2e9 // (B * n * 128 * 4 * 2))))]
     t_r = bench(lambda q, w, c, s, bt, t: IR.indexer_topk_reference(
         q, w, {"idx_codes": c, "idx_scale": s}, bt, t, topk), ref_sets, reps=3)
     out_bytes = B * (n * 4)
     gbs = (cache_bytes + out_bytes) / t_k / 1e9
-    row = dict(op="indexer fp4", B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
+    row = dict(op=f"indexer fp4 ({dequant})", B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
                MB=(cache_bytes + out_bytes) / MB, GBs=gbs, pct=100 * gbs * 1e9 / bw,
                ref_us=t_r * 1e6, speedup=t_r / t_kt, rel_err=rel, mask_ok=ok_mask,
                topk_overlap=overlap)
@@ -121,6 +122,8 @@ def main():
     ap.add_argument("--cases", default="",
                     help="comma list: idx:B:ctx:topk, csa:B:H:K or hca:B")
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
+    ap.add_argument("--dequant", default="bits",
+                    help="comma list of the indexer's FP4 dequant paths to time (bits,e4m3)")
     ap.add_argument("--check-attn", type=int, default=0, metavar="SPLITS",
                     help="only a small attention correctness check with this many splits")
     args = ap.parse_args()
@@ -145,7 +148,10 @@ def main():
             v = [int(x) for x in v]
             try:
                 if kind == "idx":
-                    rows.append(run_indexer(v[0], v[1], v[2], bw, log))
+                    for dq in args.dequant.split(","):
+                        rows.append(run_indexer(v[0], v[1], v[2], bw, log, dequant=dq))
+                        print(rows[-1], flush=True)
+                    continue
                 elif kind == "csa":
                     rows.append(run_attn(v[0], v[1], 32768, v[2], "csa", bw, log))
                 else:

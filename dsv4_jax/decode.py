@@ -149,11 +149,12 @@ def _write_state(lc, slots, st, cfg, ratio):
 # compile on 2 x H200 went 69 -> 347 s when the cache kernels came on, most likely from the
 # per-call copies; not re-measured yet. The in-place scatters stay inline: their cache
 # buffers must alias the step's donated ones (see DEDUP_SCATTER).
-@functools.partial(jax.jit, static_argnames=("topk", "interpret", "select"))
-def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, select):
+@functools.partial(jax.jit, static_argnames=("topk", "interpret", "select", "dequant"))
+def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, select,
+                      dequant="bits"):
     from pallas_kernels.indexer_decode import indexer_topk
     return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret,
-                        select=select)
+                        select=select, dequant=dequant)
 
 
 # The indexer's top-k: "kernel" (pallas_kernels/topk_select, radix select: the same ids as
@@ -163,6 +164,12 @@ def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, se
 TOPK_SELECT = os.environ.get("DSV4_TOPK", "kernel")
 if TOPK_SELECT not in ("xla", "kernel"):
     raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
+# The indexer kernel's FP4 key dequant: "bits" (integer ops; H100-proven) or "e4m3" (the
+# nibble re-packed as e4m3 and converted by the hardware; same values, half the ALU
+# instructions in the PTX; not yet timed on a GPU). DSV4_IDX_DEQUANT=e4m3 turns it on.
+IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "bits")
+if IDX_DEQUANT not in ("bits", "e4m3"):
+    raise ValueError(f"DSV4_IDX_DEQUANT must be 'bits' or 'e4m3', got {IDX_DEQUANT!r}")
 
 
 # Attention kernel backend: "triton" (kernel_triton.py: rows gathered by vector loads, 64
@@ -259,7 +266,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
             idx = _indexer_topk_jit(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"],
                                     bt_rows, t, topk=cfg.index_topk, interpret=interp,
-                                    select=TOPK_SELECT)
+                                    select=TOPK_SELECT, dequant=IDX_DEQUANT)
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])

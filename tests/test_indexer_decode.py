@@ -76,11 +76,27 @@ def test_reference_matches_numpy():
         assert (ref[b, n:] == -np.inf).all()
 
 
-def test_kernel_matches_reference():
+@pytest.mark.parametrize("dequant", ["bits", "e4m3"])
+def test_kernel_matches_reference(dequant):
     # t = 50: 12 eligible (partial first chunk); t = 511: all 128 eligible.
     q, w, keys, bt, t = make_inputs(1, t=[50, 511])
-    out = run_kernel(q, w, keys, bt, t)
+    out = run_kernel(q, w, keys, bt, t, dequant=dequant)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+
+
+def test_kernel_dequants_agree_on_every_code():
+    """Raw random bytes (every e2m1 code pair, signs, zeros) under exponents across the
+    range: the two dequant paths give bit-identical scores, and match the reference."""
+    rng = np.random.default_rng()
+    q, w, keys, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=2, NB=8, MAXB=4)
+    codes = jnp.asarray(rng.integers(0, 256, (8, 32, 64)), jnp.uint8)
+    scale = jnp.asarray(rng.integers(100, 160, (8, 32, 4)), jnp.uint8)
+    keys = {"idx_codes": codes, "idx_scale": scale}
+    t = jnp.asarray([511, 300], jnp.int32)
+    a = run_kernel(q, w, keys, bt, t, dequant="bits")
+    b = run_kernel(q, w, keys, bt, t, dequant="e4m3")
+    assert np.array_equal(a, b)
+    check_scores(b, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
 def test_kernel_multi_chunk_cta_and_unused_blocks():
@@ -136,6 +152,8 @@ def test_cuda_lowering_flash_shapes():
     f = functools.partial(K.indexer_topk, topk=512)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+    f = functools.partial(K.indexer_scores, dequant="e4m3")
+    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # the fp8 key format shares this kernel
     args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
     lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
@@ -143,7 +161,9 @@ def test_cuda_lowering_flash_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_matches_reference():
+@pytest.mark.parametrize("dequant", ["bits", "e4m3"])
+def test_gpu_kernel_matches_reference(dequant):
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
-    out = np.asarray(jax.jit(K.indexer_scores)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
+    f = functools.partial(K.indexer_scores, dequant=dequant)
+    out = np.asarray(jax.jit(f)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
