@@ -164,12 +164,16 @@ def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, se
 TOPK_SELECT = os.environ.get("DSV4_TOPK", "kernel")
 if TOPK_SELECT not in ("xla", "kernel"):
     raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
-# The indexer kernel's FP4 key dequant: "bits" (integer ops; H100-proven) or "e4m3" (the
-# nibble re-packed as e4m3 and converted by the hardware; same values, half the ALU
-# instructions in the PTX; not yet timed on a GPU). DSV4_IDX_DEQUANT=e4m3 turns it on.
+# The indexer kernel's FP4 key dequant (pallas_kernels/indexer_decode): "bits" (integer
+# ops; H100-proven), "e4m3" (the nibble re-packed as e4m3, converted by the hardware; same
+# values) or "fp8mma" (e4m3 keys into an e4m3 wgmma per 32-dim group against q in e4m3;
+# needs FP4-simulated q, so only with Numerics.act_quant: "bits" otherwise). The last two
+# have half / a quarter of the ALU instructions in the sm_90a PTX and have not run on a GPU
+# yet (benchmarks/gpu_session18.sh). DSV4_IDX_DEQUANT=e4m3|fp8mma turns one on.
 IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "bits")
-if IDX_DEQUANT not in ("bits", "e4m3"):
-    raise ValueError(f"DSV4_IDX_DEQUANT must be 'bits' or 'e4m3', got {IDX_DEQUANT!r}")
+if IDX_DEQUANT not in ("bits", "e4m3", "fp8mma"):
+    raise ValueError(f"DSV4_IDX_DEQUANT must be 'bits', 'e4m3' or 'fp8mma', "
+                     f"got {IDX_DEQUANT!r}")
 
 
 # Attention kernel backend: "triton" (kernel_triton.py: rows gathered by vector loads, 64
@@ -266,7 +270,9 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
             idx = _indexer_topk_jit(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"],
                                     bt_rows, t, topk=cfg.index_topk, interpret=interp,
-                                    select=TOPK_SELECT, dequant=IDX_DEQUANT)
+                                    select=TOPK_SELECT,
+                                    dequant=("bits" if IDX_DEQUANT == "fp8mma"
+                                             and not nm.act_quant else IDX_DEQUANT))
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])

@@ -76,12 +76,36 @@ def test_reference_matches_numpy():
         assert (ref[b, n:] == -np.inf).all()
 
 
-@pytest.mark.parametrize("dequant", ["bits", "e4m3"])
+@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma"])
 def test_kernel_matches_reference(dequant):
     # t = 50: 12 eligible (partial first chunk); t = 511: all 128 eligible.
     q, w, keys, bt, t = make_inputs(1, t=[50, 511])
     out = run_kernel(q, w, keys, bt, t, dequant=dequant)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+
+
+def test_q_fp8_groups_is_exact():
+    """FP4-simulated q (any magnitude, zero groups) = its e4m3 groups * scales / 2^6."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 64, 128)).astype(np.float32)
+    x *= 2.0 ** rng.integers(-30, 30, (3, 64, 4)).repeat(32, axis=-1)
+    x[0, 5, 32:64] = 0.0
+    q = kvformat.fp4_block_sim(jnp.asarray(x))
+    q8, qs = K.q_fp8_groups(q)
+    assert q8.dtype == jnp.float8_e4m3fn and q8.shape == (3, 4, 64, 32) and qs.shape == (3, 4, 64)
+    back = (np.asarray(q8, np.float32) * np.asarray(qs)[..., None] / 64.0)
+    back = back.transpose(0, 2, 1, 3).reshape(3, 64, 128)
+    assert np.array_equal(back, np.asarray(q, np.float32))
+
+
+def test_kernel_fp8mma_multi_chunk_cta_and_unused_blocks():
+    q, w, keys, bt, _ = make_inputs(7, B=2, NB=12, MAXB=5)
+    bt = bt.at[1, 2:].set(-1)
+    t = jnp.asarray([4 * 32 * 5 - 1, 4 * 32 * 2 - 5], jnp.int32)
+    out = run_kernel(q, w, keys, bt, t, chunks_per_cta=2, dequant="fp8mma")
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+    with pytest.raises(ValueError, match="dequant"):
+        run_kernel(q, w, keys, bt, t, dequant="fp6")
 
 
 def test_kernel_dequants_agree_on_every_code():
@@ -152,8 +176,10 @@ def test_cuda_lowering_flash_shapes():
     f = functools.partial(K.indexer_topk, topk=512)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    f = functools.partial(K.indexer_scores, dequant="e4m3")
-    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for dq in ("e4m3", "fp8mma"):
+        f = functools.partial(K.indexer_scores, dequant=dq)
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
     # the fp8 key format shares this kernel
     args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
     lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
@@ -161,7 +187,7 @@ def test_cuda_lowering_flash_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", ["bits", "e4m3"])
+@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma"])
 def test_gpu_kernel_matches_reference(dequant):
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
     f = functools.partial(K.indexer_scores, dequant=dequant)

@@ -35,6 +35,7 @@ DIM = 128
 EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
 CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
 RATIO = 4
+DEQUANTS = ("bits", "e4m3", "fp8mma")
 
 
 def _check(q, w, codes, scale, block_table, t):
@@ -92,6 +93,21 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     return out[:, :n_max]
 
 
+def q_fp8_groups(q_BHD):
+    """FP4-simulated q [B, 64, 128] -> (e4m3 [B, 4, 64, 32], f32 scales [B, 4, 64] * 2^6) for
+    the "fp8mma" path: per 32-dim group, q / qs with qs = 2^(floor(log2 amax) - 2), exact
+    in e4m3 (e2m1 codes times 2^0..2^3, at most 6). The 2^6 undoes the keys' e4m3 packing
+    (e2m1 * 2^-6). Only for FP4-simulated q (Numerics.act_quant): other values would round.
+    """
+    B = q_BHD.shape[0]
+    qg = q_BHD.astype(jnp.float32).reshape(B, N_HEADS, 4, 32)
+    amax = jnp.max(jnp.abs(qg), axis=-1)                                     # [B, 64, 4]
+    _, e = jnp.frexp(amax)                                      # amax = m 2^e, m in [.5, 1)
+    qs = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), e - 3), 1.0)
+    q8 = (qg / qs[..., None]).astype(jnp.float8_e4m3fn)
+    return q8.transpose(0, 2, 1, 3), (qs * 64.0).transpose(0, 2, 1)
+
+
 def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", **kw):
     """Kernel scores from a pool given as its dict of fields (as in reference.py)."""
     if fmt == "fp4":
@@ -115,32 +131,40 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
     trim=False: the kernel's whole output [B, W >= MAXB*32], scores in the first MAXB*32
     columns (past them -inf), without the slice (a copy kernel in XLA).
-    dequant: "bits" (integer ops build the f32 bits; run on the H100) or "e4m3" (the
-    nibble re-packed as an e4m3 byte, converted by the hardware; same values; interpreter-
-    and compile-tested only, 2026-11-25).
+    dequant: "bits" (integer ops build the f32 bits; run on the H100), "e4m3" (the nibble
+    re-packed as an e4m3 byte, converted by the hardware; same values) or "fp8mma" (the
+    e4m3 bytes go to an e4m3 wgmma per 32-dim group against q as e4m3 (q_fp8_groups; q
+    must be FP4-simulated), scales applied to the group sums). "e4m3" and "fp8mma" are
+    interpreter- and compile-tested only (2026-11-25).
     """
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
+    if dequant not in DEQUANTS:
+        raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     B = q_BHD.shape[0]
     bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
-    # Split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble).
-    qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
+    q_scale = None
+    if dequant == "fp8mma":
+        qh, q_scale = q_fp8_groups(q_BHD)
+    else:   # split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble)
+        qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, scale_u32, bt, n_elig,
                                fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant)
+                               dequant=dequant, q_scale=q_scale)
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
-                         dequant="bits"):
+                         dequant="bits", q_scale=None):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scale u32 [NB, 32] (4 e8m0 bytes per
     entry). fmt "fp8": codes e4m3 [NB, 32, 128], scale f32 [NB, 32] (applied to the scores:
     relu(q . k * s) = s * relu(q . k) for s >= 0). dequant (fp4): "bits" builds each
     value's f32 bits with integer ops; "e4m3" re-packs the nibble as an e4m3 byte and lets
     the hardware convert it (same values)."""
-    if dequant not in ("bits", "e4m3"):
-        raise ValueError(f"dequant must be 'bits' or 'e4m3', got {dequant!r}")
+    if dequant not in DEQUANTS:
+        raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
+    mma8 = fmt == "fp4" and dequant == "fp8mma"
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
@@ -148,8 +172,11 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
     span = cpc * CHUNK
     span_s = -(-span // 128) * 128
 
-    def kernel(q_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g,
-               q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar):
+    def kernel(*refs, q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar, qs_s=None):
+        if mma8:
+            q_g, qs_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g = refs
+        else:
+            q_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g = refs
         b = lax.axis_index("b")
         cta = lax.axis_index("c")
         ne = ne_g[b]
@@ -169,6 +196,8 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
             issue(0, 0)
             plgpu.copy_gmem_to_smem(q_g.at[b], q_s, qbar)
             plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
+            if mma8:
+                plgpu.copy_gmem_to_smem(qs_g.at[b], qs_s, qbar)
 
         o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
 
@@ -189,7 +218,7 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
                 for half in range(2):   # e4m3 -> bf16 is exact
                     x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
                     k_s[half] = x.astype(jnp.float32).astype(jnp.bfloat16)
-            else:
+            elif not mma8:
                 byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
                 first_block = col < 32
@@ -211,6 +240,38 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
                                 lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
                 v = (e8.astype(jnp.float16) * jnp.float16(64.0)).astype(jnp.bfloat16)
                 k_s[half] = v * blk.astype(jnp.bfloat16)
+            if mma8:
+                # Per 32-dim group g (the key scale's block; dims g*32.. : byte columns
+                # (g % 2) * 32.., low nibbles for g < 2, high for g >= 2): the nibbles as
+                # e4m3 bytes (= e2m1 * 2^-6, exact) straight into SMEM, no conversion; the
+                # wgmma in e4m3 against q's group as e4m3 (q / qs, exact for FP4-simulated
+                # q) sums 32 products exactly in f32; the scales join after:
+                # S += (acc_g * 2^(E_g - 127)) * (qs_g * 2^6).
+                s = None
+                wv = plgpu.load(w_s, layout=COL)
+                for g in range(4):
+                    half, part = divmod(g, 2)
+                    bg = plgpu.load(c_s.at[slot, :, pl.ds(part * 32, 32)],
+                                    layout=WG).astype(jnp.uint32)               # [64 e, 32]
+                    code = (((bg & 8) << 4) | ((bg & 7) << 2) if half == 0 else
+                            (bg & 0x80) | ((bg & 0x70) >> 2))
+                    k_s[g] = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
+                plgpu.commit_smem()
+                for g in range(4):
+                    def mma(acc_ref, g=g):
+                        plgpu.wgmma(acc_ref, k_s.at[g], q_s.at[g].T)
+                        return acc_ref[...]
+                    acc = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))
+                    sk = lax.bitcast_convert_type(((sc >> (8 * g)) & 0xFF) << 23, jnp.float32)
+                    qsv = plgpu.load(qs_s.at[g], layout=COL)
+                    t = (acc * lax.broadcast_in_dim(sk, acc.shape, [0])) * \
+                        lax.broadcast_in_dim(qsv, acc.shape, [1])
+                    s = t if s is None else s + t
+                score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
+                ids = (plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW)
+                       + (first + j) * CHUNK)
+                o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
+                return carry
             for half in range(2 if fmt == "fp4" and dequant == "bits" else 0):
                 # low nibbles: dims 0..63, high: 64..127
                 e0 = lax.broadcast_in_dim((sc >> (16 * half)) & 0xFF, (CHUNK, 64), [0])
@@ -244,22 +305,32 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
         plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, span)], o_g.at[b, pl.ds(first * CHUNK, span)])
         plgpu.wait_smem_to_gmem(0)
 
+    if mma8:   # q as e4m3 groups [B, 4, 64 h, 32] + their scales [B, 4, 64 h]
+        tr8 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))
+        scratch = dict(q_s=plgpu.SMEM((4, N_HEADS, 32), jnp.float8_e4m3fn, transforms=tr8),
+                       qs_s=plgpu.SMEM((4, N_HEADS), jnp.float32))
+        k_type = plgpu.SMEM((4, CHUNK, 32), jnp.float8_e4m3fn, transforms=tr8)
+        ins = (qh, q_scale, w)
+    else:
+        scratch = dict(q_s=plgpu.SMEM((2, N_HEADS, 64), jnp.bfloat16, transforms=tr))
+        k_type = plgpu.SMEM((2, CHUNK, 64), jnp.bfloat16, transforms=tr)
+        ins = (qh, w)
+    scratch.update(
+        w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
+        c_s=plgpu.SMEM((2, CHUNK) + codes.shape[2:], codes.dtype),
+        sc_s=plgpu.SMEM((2, CHUNK), scale.dtype),
+        k_s=k_type,
+        o_s=plgpu.SMEM((span_s,), jnp.float32),
+        qbar=plgpu.Barrier(num_arrivals=3 if mma8 else 2),
+        bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
+    )
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((B, n_ctas * span), jnp.float32),
         grid=(B, n_ctas), grid_names=("b", "c"),
-        scratch_types=dict(
-            q_s=plgpu.SMEM((2, N_HEADS, 64), jnp.bfloat16, transforms=tr),
-            w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
-            c_s=plgpu.SMEM((2, CHUNK) + codes.shape[2:], codes.dtype),
-            sc_s=plgpu.SMEM((2, CHUNK), scale.dtype),
-            k_s=plgpu.SMEM((2, CHUNK, 64), jnp.bfloat16, transforms=tr),
-            o_s=plgpu.SMEM((span_s,), jnp.float32),
-            qbar=plgpu.Barrier(num_arrivals=2),
-            bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
-        ),
+        scratch_types=scratch,
         interpret=interpret,
-    )(qh, w, codes, scale, bt, n_elig)
+    )(*ins, codes, scale, bt, n_elig)
 
 
 def topk_from_scores(scores_BN, topk):
