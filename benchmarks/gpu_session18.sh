@@ -2,10 +2,10 @@
 # Next session's GPU proof (two H100 calls, ~6 min each): the indexer scoring kernel's two new
 # FP4-key paths (pallas_kernels/indexer_decode, built 2026-11-25 without device time):
 #   dequant="e4m3": the nibble re-packed as an e4m3 byte, converted by cvt.rn.f16x2.e4m3x2,
-#     scaled in f16 / bf16; ~470 ALU instructions a thread per 64-entry chunk in the sm_90a
-#     PTX against ~920 for "bits"; 92 registers.
+#     scaled in f16 / bf16; in the sm_90a PTX a thread per 64-entry chunk: ~300 integer +
+#     ~140 float ops + 128 conversions, against ~810 + ~80 + 64 for "bits"; 92 registers.
 #   dequant="fp8mma": the e4m3 bytes straight into SMEM, one e4m3 wgmma per 32-dim group
-#     against q as e4m3 groups, scales on the group sums; ~210 integer + ~290 f32 ops, no
+#     against q as e4m3 groups, scales on the group sums; ~230 integer + ~330 f32 ops, no
 #     conversions; 177 registers (2 CTAs an SM instead of 5: watch the latency hiding).
 # Run from the repo root: PART=N bash $0
 #  PART=1: GPU tests of the indexer (all three dequants); the scoring kernel alone with each

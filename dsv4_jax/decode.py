@@ -168,7 +168,7 @@ if TOPK_SELECT not in ("xla", "kernel"):
 # ops; H100-proven), "e4m3" (the nibble re-packed as e4m3, converted by the hardware; same
 # values) or "fp8mma" (e4m3 keys into an e4m3 wgmma per 32-dim group against q in e4m3;
 # needs FP4-simulated q, so only with Numerics.act_quant: "bits" otherwise). The last two
-# have half / a quarter of the ALU instructions in the sm_90a PTX and have not run on a GPU
+# have ~0.4x / ~0.3x the integer instructions of "bits" in the sm_90a PTX; not run on a GPU
 # yet (benchmarks/gpu_session18.sh). DSV4_IDX_DEQUANT=e4m3|fp8mma turns one on.
 IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "bits")
 if IDX_DEQUANT not in ("bits", "e4m3", "fp8mma"):
