@@ -68,14 +68,13 @@ def test_read_only_kernels_lowered_once_per_shape(monkeypatch, backend):
     layers share one lowered (and one compiled) copy per shape: the CUDA lowering of the
     5-layer tiny step (SWA, 2 CSA, 2 HCA) defines attention once per layer kind and calls
     it from every layer. Without it the 43-layer Flash step compiled ~5x slower."""
-    import contextlib
     import re
     from jax._src.mesh import AbstractDevice, AbstractMesh
     monkeypatch.setattr(D, "ATTN_BACKEND", backend)
-    # the Triton lowering asks for the GPU's model: an abstract H100
+    # the Triton lowerings (attention's default backend, and the top-k kernel with either
+    # backend) ask for the GPU's model: an abstract H100
     dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
-    ctx = (jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev))
-           if backend == "triton" else contextlib.nullcontext())
+    ctx = jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev))
     cfg = config.tiny()
     nm = Numerics(True, "bfloat16")
     cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2, kernels="on")
