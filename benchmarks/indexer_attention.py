@@ -7,7 +7,7 @@ divided by N: host dispatch is amortised over N only, so ops under ~50 us read h
 bytes = cache bytes the op must read + outputs; % = of the copy bandwidth measured in the
 same run; speedup = jitted pure-JAX reference / kernel path, both end to end.
 Options: --cases idx:B:ctx:topk,csa:B:H:K,hca:B (single cases),
---sets N, --check-attn SPLITS (small attention check), --dequant bits,e4m3 (the indexer's
+--sets N, --check-attn SPLITS (small attention check), --dequant bits,e4m3,fp8mma (the indexer's
 FP4 dequant paths, each timed; "+topk" is the topk_select kernel after the scores).
 """
 import argparse
@@ -123,7 +123,7 @@ def main():
                     help="comma list: idx:B:ctx:topk, csa:B:H:K or hca:B")
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
     ap.add_argument("--dequant", default="bits",
-                    help="comma list of the indexer's FP4 dequant paths to time (bits,e4m3)")
+                    help="comma list of the indexer's FP4 dequant paths to time (bits,e4m3,fp8mma)")
     ap.add_argument("--check-attn", type=int, default=0, metavar="SPLITS",
                     help="only a small attention correctness check with this many splits")
     args = ap.parse_args()

@@ -171,6 +171,7 @@ if TOPK_SELECT not in ("xla", "kernel"):
 # have ~0.4x / ~0.3x the integer instructions of "bits" in the sm_90a PTX; not run on a GPU
 # yet (benchmarks/gpu_session18.sh). DSV4_IDX_DEQUANT=e4m3|fp8mma turns one on.
 IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "bits")
+# (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
 if IDX_DEQUANT not in ("bits", "e4m3", "fp8mma"):
     raise ValueError(f"DSV4_IDX_DEQUANT must be 'bits', 'e4m3' or 'fp8mma', "
                      f"got {IDX_DEQUANT!r}")
