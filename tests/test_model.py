@@ -146,22 +146,52 @@ def test_hc_collapse_expand_equal_float64_einsum():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _hc_weights_f64(X, fn, scale, base, cfg):
+    """hc_weights restated in float64 numpy (ARCHITECTURE.md, mHC): an independent reference."""
+    N, e = cfg.hc_mult, cfg.hc_eps
+    flat = X.astype(np.float64).reshape(*X.shape[:-2], -1)
+    m = (flat @ fn.astype(np.float64).T) / np.sqrt(
+        (flat ** 2).mean(-1, keepdims=True) + cfg.rms_norm_eps)
+    pre = 1 / (1 + np.exp(-(m[..., :N] * scale[0] + base[:N]))) + e
+    post = 2 / (1 + np.exp(-(m[..., N:2 * N] * scale[1] + base[N:2 * N])))
+    lg = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
+    C = np.exp(lg - lg.max(-1, keepdims=True))
+    C = C / C.sum(-1, keepdims=True) + e
+    C = C / (C.sum(-2, keepdims=True) + e)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        C = C / (C.sum(-1, keepdims=True) + e)
+        C = C / (C.sum(-2, keepdims=True) + e)
+    return pre, post, C
+
+
 def test_sinkhorn_doubly_stochastic():
-    """20 iterations (the reference's count) end on a column normalisation: columns sum to 1
-    to 1e-5, rows to <6e-4 (measured) on unit-scale logits; by 60 iterations both to 1e-5."""
+    """hc_weights against a float64 restatement (measured: within 1.3e-6 over 600 random
+    draws), at the reference's 20 iterations and at 60. Sinkhorn ends on a column
+    normalisation, so columns sum to 1 up to eps/colsum whatever the input; rows converge
+    at an input-dependent rate (after 60 iterations a draw was still 8.7e-5 off), so the row
+    property asserted is Sinkhorn's: the L1 row error (summed over a matrix's rows; the max
+    row error can grow) does not grow with more iterations."""
     rng = np.random.default_rng()
-    for iters, row_tol in ((20, 5e-3), (60, 1e-5)):
-        cfg = config.tiny().replace(hc_sinkhorn_iters=iters)
-        X = jnp.asarray(rng.standard_normal((3, 5, 4, cfg.hidden_size)), jnp.float32)
-        fn = jnp.asarray(rng.standard_normal((24, 4 * cfg.hidden_size))
-                         / np.sqrt(4 * cfg.hidden_size), jnp.float32)
-        pre, post, C = L.hc_weights(X, fn, jnp.asarray([0.5, 0.5, 1.0]),
-                                    jnp.asarray(rng.standard_normal(24), jnp.float32), cfg)
+    scale = np.asarray([0.5, 0.5, 2.0], np.float32)  # skewed C: slow Sinkhorn
+    cfg = config.tiny()
+    X = rng.standard_normal((3, 5, 4, cfg.hidden_size)).astype(np.float32)
+    fn = (rng.standard_normal((24, 4 * cfg.hidden_size))
+          / np.sqrt(4 * cfg.hidden_size)).astype(np.float32)
+    base = rng.standard_normal(24).astype(np.float32)
+    row_err = []
+    for iters in (20, 60):
+        c = cfg.replace(hc_sinkhorn_iters=iters)
+        got = [np.asarray(a) for a in L.hc_weights(jnp.asarray(X), jnp.asarray(fn),
+                                                   jnp.asarray(scale), jnp.asarray(base), c)]
+        for g, r in zip(got, _hc_weights_f64(X, fn, scale, base, c)):
+            np.testing.assert_allclose(g, r, rtol=0, atol=5e-6)
+        pre, post, C = got
         np.testing.assert_allclose(C.sum(-2), 1, atol=1e-5)
-        np.testing.assert_allclose(C.sum(-1), 1, atol=row_tol)
-        assert (np.asarray(C) > 0).all()
-    assert (np.asarray(post) > 0).all() and (np.asarray(post) < 2).all()
-    assert (np.asarray(pre) > cfg.hc_eps).all()
+        assert (C > 0).all()
+        row_err.append(np.abs(C.sum(-1) - 1).sum(-1))
+    assert (row_err[1] <= row_err[0] + 2e-6).all()
+    assert (post > 0).all() and (post < 2).all()
+    assert (pre > cfg.hc_eps).all()
 
 
 @pytest.mark.parametrize("ratio", [0, 4])
