@@ -8,7 +8,9 @@ Main KV entry (window ring and compressed pools), 512 dims -> 584 bytes:
 Indexer keys (128 dims), three formats (`fmt`):
   "fp4"   idx_codes uint8 [..., 64] (e2m1, split-half packed), idx_scale uint8 [..., 4]
           (e8m0 per 32 dims, amax floor 6 * 2^-126)          -- the reference numerics
-  "nvfp4" idx_codes uint8 [..., 64], idx_scale float8_e4m3fn [..., 8] (e4m3(amax / 6) per 16;
+  "nvfp4" idx_codes uint8 [..., 64], idx_scale_lo / idx_scale_hi float8_e4m3fn [..., 4]
+          (e4m3(amax / 6) per 16 dims: lo for dims 0..63, the low nibbles; hi for 64..127;
+          two fields so that a kernel reads each half's four scales as one word per key;
           with no per-tensor scale its range is about |x| in [6 * 2^-10, 6 * 448 = 2688]:
           blocks below underflow to zero, values above clip)
   "fp8"   idx_keys float8_e4m3fn [..., 128], idx_scale float32 [..., 1] (amax / 448 per key)
@@ -194,7 +196,8 @@ def index_key_fields(fmt):
     if fmt == "fp4":
         return {"idx_codes": ((64,), jnp.uint8), "idx_scale": ((4,), jnp.uint8)}
     if fmt == "nvfp4":
-        return {"idx_codes": ((64,), jnp.uint8), "idx_scale": ((8,), E4M3)}
+        return {"idx_codes": ((64,), jnp.uint8), "idx_scale_lo": ((4,), E4M3),
+                "idx_scale_hi": ((4,), E4M3)}
     if fmt == "fp8":
         return {"idx_keys": ((128,), E4M3), "idx_scale": ((1,), jnp.float32)}
     raise ValueError(f"unknown indexer key format {fmt!r}; expected one of {INDEX_FORMATS}")
@@ -226,7 +229,8 @@ def quantize_index_key(k, fmt="fp4"):
         return {"idx_codes": pack_split_half(codes), "idx_scale": e.astype(jnp.uint8)}
     if fmt == "nvfp4":
         codes, s = nvfp4_quantize(k, 16)
-        return {"idx_codes": pack_split_half(codes), "idx_scale": s}
+        return {"idx_codes": pack_split_half(codes), "idx_scale_lo": s[..., :4],
+                "idx_scale_hi": s[..., 4:]}
     if fmt == "fp8":
         amax = jnp.max(jnp.abs(k), axis=-1, keepdims=True)
         scale = amax * INV_E4M3_MAX
@@ -242,7 +246,8 @@ def dequantize_index_key(fields, fmt="fp4"):
         return fp4_block_dequantize(unpack_split_half(fields["idx_codes"]),
                                     fields["idx_scale"].astype(jnp.int32), 32)
     if fmt == "nvfp4":
-        return nvfp4_dequantize(unpack_split_half(fields["idx_codes"]), fields["idx_scale"], 16)
+        s = jnp.concatenate([fields["idx_scale_lo"], fields["idx_scale_hi"]], axis=-1)
+        return nvfp4_dequantize(unpack_split_half(fields["idx_codes"]), s, 16)
     if fmt == "fp8":
         return fields["idx_keys"].astype(jnp.float32) * fields["idx_scale"]
     index_key_fields(fmt)

@@ -140,6 +140,79 @@ def test_kernel_fp8_format_matches_reference():
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="fp8")))
 
 
+def _nvfp4_keys(rng, NB):
+    """nvfp4 pool from keys whose 16-dim blocks span 2^-6..2^5 (different e4m3 scales)."""
+    k = rng.standard_normal((NB, 32, 128)) * 2.0 ** rng.integers(-6, 6, (NB, 32, 8)).repeat(16, -1)
+    return kvformat.quantize_index_key(jnp.asarray(k, jnp.float32), "nvfp4")
+
+
+def run_keys(q, w, keys, bt, t, fmt, **kw):
+    f = functools.partial(K.score_keys, fmt=fmt, interpret=plgpu.InterpretGPUParams(), **kw)
+    return np.asarray(jax.jit(f)(q, w, keys, bt, t))
+
+
+def test_e4m3_bits_decode_every_byte():
+    """The nvfp4 path's scale decode (integer ops on the stored bytes) on all 254 non-NaN
+    e4m3 bytes, against ml_dtypes."""
+    import ml_dtypes
+    b = np.array([v for v in range(256) if v & 0x7F != 0x7F], np.uint8)
+    want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(K._e4m3_bits_to_f32(jnp.asarray(b.astype(np.uint32) | 0xABCD00)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_kernel_nvfp4_matches_reference():
+    """nvfp4 keys (split scale fields), a partial first chunk / all eligible, then two chunks
+    per CTA with unused (-1) blocks."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), NB=12, MAXB=5)
+    keys = _nvfp4_keys(rng, 12)
+    t = jnp.asarray([50, 4 * 32 * 5 - 1], jnp.int32)
+    out = run_keys(q, w, keys, bt, t, "nvfp4")
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="nvfp4")))
+    bt = bt.at[0, 3:].set(-1)
+    t = jnp.asarray([4 * 32 * 3 - 3, 4 * 32 * 5 - 1], jnp.int32)
+    out = run_keys(q, w, keys, bt, t, "nvfp4", chunks_per_cta=2)
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="nvfp4")))
+    with pytest.raises(ValueError, match="fp4 keys"):
+        run_keys(q, w, keys, bt, t, "nvfp4", dequant="e4m3")
+
+
+def test_kernel_nvfp4_every_code_and_scale():
+    """Raw random bytes: every e2m1 code pair and every non-NaN e4m3 scale (subnormals, 448,
+    zero, negative), each half's scales in its own field."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=2, NB=8, MAXB=4)
+    sc = rng.integers(0, 256, (2, 8, 32, 4)).astype(np.uint8)
+    sc[(sc & 0x7F) == 0x7F] = 0x38      # no NaN (never stored: the scale clamps to 448)
+    sc = jax.lax.bitcast_convert_type(jnp.asarray(sc), jnp.float8_e4m3fn)
+    keys = {"idx_codes": jnp.asarray(rng.integers(0, 256, (8, 32, 64)), jnp.uint8),
+            "idx_scale_lo": sc[0], "idx_scale_hi": sc[1]}
+    t = jnp.asarray([511, 300], jnp.int32)
+    out = run_keys(q, w, keys, bt, t, "nvfp4")
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="nvfp4")))
+
+
+def test_topk_keys_all_formats_match_reference():
+    """topk_keys (the decode step's call) over each key format, both selections: the same
+    set of ids as the reference's top-k on the kernel's own scores, -1 padded."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), NB=10, MAXB=4)
+    t = jnp.asarray([90, 511], jnp.int32)
+    k = jnp.asarray(rng.standard_normal((10, 32, 128)), jnp.float32)
+    for fmt in ("fp4", "nvfp4", "fp8"):
+        keys = kvformat.quantize_index_key(k, fmt)
+        scores = run_keys(q, w, keys, bt, t, fmt)
+        check_scores(scores, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
+        want = np.asarray(R.topk_reference(jnp.asarray(scores), 32))
+        for select in ("xla", "kernel"):
+            f = functools.partial(K.topk_keys, topk=32, fmt=fmt, select=select,
+                                  interpret=plgpu.InterpretGPUParams())
+            got = np.asarray(jax.jit(f)(q, w, keys, bt, t))
+            for b in range(2):
+                assert set(got[b]) == set(want[b]), (fmt, select, b)
+
+
 def test_topk_matches_reference():
     q, w, keys, bt, t = make_inputs(3, t=[37, 500])
     out = run_kernel(q, w, keys, bt, t)
@@ -180,9 +253,12 @@ def test_cuda_lowering_flash_shapes():
         f = functools.partial(K.indexer_scores, dequant=dq)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
-    # the fp8 key format shares this kernel
+    # the fp8 and nvfp4 key formats share this kernel
     args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
     lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
+    lowered = jax.jit(K.indexer_scores_nvfp4).trace(*argsn).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -193,3 +269,14 @@ def test_gpu_kernel_matches_reference(dequant):
     f = functools.partial(K.indexer_scores, dequant=dequant)
     out = np.asarray(jax.jit(f)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_gpu_other_key_formats_match_reference(fmt):
+    rng = np.random.default_rng()
+    q, w, _, bt, t = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=64)
+    keys = (_nvfp4_keys(rng, 256) if fmt == "nvfp4" else kvformat.quantize_index_key(
+        jnp.asarray(rng.standard_normal((256, 32, 128)), jnp.float32), "fp8"))
+    out = np.asarray(jax.jit(functools.partial(K.score_keys, fmt=fmt))(q, w, keys, bt, t))
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))

@@ -70,7 +70,7 @@ def _pools(key, NB, EPB, fmt):
     if fmt is None:
         return pool, None
     idx = {nm: _garbage(k, (NB, EPB, *suf), dt) for k, (nm, (suf, dt)) in
-           zip(jax.random.split(ks[3], 2), kf.index_key_fields(fmt).items())}
+           zip(jax.random.split(ks[3], 3), kf.index_key_fields(fmt).items())}
     return pool, idx
 
 

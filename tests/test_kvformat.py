@@ -150,7 +150,9 @@ def test_index_key_nvfp4():
     with np.errstate(divide="ignore", invalid="ignore"):
         v = np.clip(kb / sf, -6, 6)
     codes = np.where(sf > 0, v.astype(E2M1).view(np.uint8) & 0xF, 0).reshape(50, 128)
-    np.testing.assert_array_equal(np.asarray(f["idx_scale"]).view(np.uint8), s.view(np.uint8))
+    assert set(f) == {"idx_codes", "idx_scale_lo", "idx_scale_hi"}  # one scale field per half
+    np.testing.assert_array_equal(np.asarray(f["idx_scale_lo"]).view(np.uint8), s[:, :4].view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(f["idx_scale_hi"]).view(np.uint8), s[:, 4:].view(np.uint8))
     np.testing.assert_array_equal(np.asarray(f["idx_codes"]), _np_pack(codes.astype(np.uint8)))
     dec = np.asarray(kf.dequantize_index_key(f, "nvfp4"))
     ref = (codes.astype(np.uint8).view(E2M1).astype(np.float32).reshape(50, 8, 16) * sf).reshape(50, 128)

@@ -1,9 +1,10 @@
 """Lightning-indexer scoring at decode as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
 
-Entry points: indexer_scores (fp4 pool; run on the H100), indexer_scores_fp8 (fp8 pool; not yet run on a GPU), score_keys (dict dispatch),
-topk_from_scores (XLA top-k), indexer_topk (scores + XLA top-k, or select="kernel": the
-pallas_kernels.topk_select kernel, the decode step's default since its H100 proof on
-2026-11-25). `nvfp4` has no kernel (reference.py only).
+Entry points: indexer_scores (fp4 pool; run on the H100), indexer_scores_nvfp4 and
+indexer_scores_fp8 (nvfp4 / fp8 pools; not yet run on a GPU), score_keys (dict dispatch over
+the three formats), topk_from_scores (XLA top-k), topk_keys / indexer_topk (scores + XLA
+top-k, or select="kernel": the pallas_kernels.topk_select kernel, the decode step's default
+since its H100 proof on 2026-11-25).
 
 For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
@@ -75,7 +76,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
-                       chunks_per_cta=None, interpret=None):
+                       chunks_per_cta=None, interpret=None, trim=True):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). Interpreter- and lowering-tested only."""
     B = q_BHD.shape[0]
@@ -88,9 +89,48 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
-                               idx_scale[..., 0].astype(jnp.float32), bt, n_elig, fmt="fp8",
+                               (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret)
-    return out[:, :n_max]
+    return out[:, :n_max] if trim else out
+
+
+def _e4m3_bits_to_f32(x_u32):
+    """e4m3 value of the low byte of each u32 (f32, exact; the NaN byte 0x7f reads 480).
+    Normal: 2^(e-7) (1 + m/8), built from bits; e = 0: the e = 1 value minus 2^-6."""
+    b = x_u32 & 0xFF
+    e, m = (b >> 3) & 15, b & 7
+    sub = e == 0
+    v = lax.bitcast_convert_type(((jnp.where(sub, jnp.uint32(1), e) + 120) << 23) | (m << 20),
+                                 jnp.float32)
+    v = jnp.where(sub, v - 2.0 ** -6, v)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) | ((b & 0x80) << 24),
+                                    jnp.float32)
+
+
+def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
+                         *, chunks_per_cta=None, interpret=None, trim=True):
+    """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
+    (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
+    0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
+    significant bits). Interpreter- and lowering-tested (2026-11-25); not yet run on a GPU."""
+    B = q_BHD.shape[0]
+    if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
+        raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
+    if idx_codes.dtype != jnp.uint8 or idx_codes.shape[1:] != (EPB, 64):
+        raise ValueError(f"idx_codes must be uint8 [NB, {EPB}, 64], got {idx_codes.dtype} {idx_codes.shape}")
+    for nm, a in (("idx_scale_lo", idx_scale_lo), ("idx_scale_hi", idx_scale_hi)):
+        if a.dtype != jnp.float8_e4m3fn or a.shape != idx_codes.shape[:2] + (4,):
+            raise ValueError(f"nvfp4 {nm} must be float8_e4m3fn [NB, {EPB}, 4], got {a.dtype} {a.shape}")
+    if block_table.ndim != 2 or block_table.shape[0] < B or t_B.shape != (B,):
+        raise ValueError(f"block_table must be [R >= B, MAXB] and t [B], got "
+                         f"{block_table.shape}, {t_B.shape} for B={B}")
+    bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    words = tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8), jnp.uint32)
+                  for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
+    qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
+    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
+                               fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret)
+    return out[:, :n_max] if trim else out
 
 
 def q_fp8_groups(q_BHD):
@@ -108,15 +148,22 @@ def q_fp8_groups(q_BHD):
     return q8.transpose(0, 2, 1, 3), (qs * 64.0).transpose(0, 2, 1)
 
 
-def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", **kw):
-    """Kernel scores from a pool given as its dict of fields (as in reference.py)."""
+def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant="bits", **kw):
+    """Kernel scores from a pool given as its dict of fields (as in reference.py), any of
+    the three key formats. dequant: the fp4 paths (indexer_scores); the other formats have
+    one ("bits", the default, stands for it)."""
     if fmt == "fp4":
         return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
-                              t_B, **kw)
+                              t_B, dequant=dequant, **kw)
+    if dequant != "bits":
+        raise ValueError(f"dequant={dequant!r} is for fp4 keys; format {fmt!r} has one path")
+    if fmt == "nvfp4":
+        return indexer_scores_nvfp4(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale_lo"],
+                                    keys["idx_scale_hi"], block_table, t_B, **kw)
     if fmt == "fp8":
         return indexer_scores_fp8(q_BHD, w_BH, keys["idx_keys"], keys["idx_scale"], block_table,
                                   t_B, **kw)
-    raise NotImplementedError(f"no indexer kernel for key format {fmt!r} (use the reference)")
+    raise ValueError(f"unknown indexer key format {fmt!r}; expected fp4, nvfp4 or fp8")
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
@@ -148,35 +195,39 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
         qh, q_scale = q_fp8_groups(q_BHD)
     else:   # split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble)
         qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
-    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, scale_u32, bt, n_elig,
-                               fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
+    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
+                               n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale)
     return out[:, :n_max] if trim else out
 
 
-def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
+def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
-    64..127). fmt "fp4": codes uint8 [NB, 32, 64], scale u32 [NB, 32] (4 e8m0 bytes per
-    entry). fmt "fp8": codes e4m3 [NB, 32, 128], scale f32 [NB, 32] (applied to the scores:
-    relu(q . k * s) = s * relu(q . k) for s >= 0). dequant (fp4): "bits" builds each
+    64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
+    entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
+    and half, dims 16q.. of the half in byte q). fmt "fp8": codes e4m3 [NB, 32, 128], scales
+    (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0). dequant (fp4): "bits" builds each
     value's f32 bits with integer ops; "e4m3" re-packs the nibble as an e4m3 byte and lets
     the hardware convert it (same values)."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
+    if len(scales) != (2 if fmt == "nvfp4" else 1):
+        raise ValueError(f"format {fmt!r}: got {len(scales)} scale arrays")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    n_sc = len(scales)
     span = cpc * CHUNK
     span_s = -(-span // 128) * 128
 
     def kernel(*refs, q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar, qs_s=None):
         if mma8:
-            q_g, qs_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g = refs
+            q_g, qs_g, w_g, codes_g, *scale_gs, bt_g, ne_g, o_g = refs
         else:
-            q_g, w_g, codes_g, scale_g, bt_g, ne_g, o_g = refs
+            q_g, w_g, codes_g, *scale_gs, bt_g, ne_g, o_g = refs
         b = lax.axis_index("b")
         cta = lax.axis_index("c")
         ne = ne_g[b]
@@ -189,7 +240,9 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
                 blk = bt_g[b, 2 * chunk + half]
                 rows = pl.ds(half * EPB, EPB)
                 plgpu.copy_gmem_to_smem(codes_g.at[blk], c_s.at[slot, rows], bar.at[slot])
-                plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, rows], bar.at[slot])
+                for i, scale_g in enumerate(scale_gs):
+                    plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, i, rows],
+                                            bar.at[slot])
 
         @pl.when(n_load > 0)
         def _():
@@ -213,7 +266,7 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
                 issue(j + 1, 1 - slot)
             plgpu.barrier_wait(bar.at[slot])
 
-            sc = plgpu.load(sc_s.at[slot], layout=ROW)                      # [64]
+            sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)                   # [64]
             if fmt == "fp8":
                 for half in range(2):   # e4m3 -> bf16 is exact
                     x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
@@ -222,6 +275,24 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
                 byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
                 first_block = col < 32
+            for half in range(2 if fmt == "nvfp4" else 0):
+                # As "e4m3" below: the nibble as an e4m3 byte (= e2m1 * 2^-6, exact),
+                # converted by the hardware to f16. The half's four e4m3 scales (one u32 per
+                # entry: idx_scale_lo / _hi) are decoded from their bits on [64] vectors, *64
+                # (undoing the 2^-6), and the product e2m1 * s (at most 6 significant bits,
+                # 2^-10..2688) is exact in f16 and then in bf16.
+                if half == 0:
+                    code = ((byte & 8) << 4) | ((byte & 7) << 2)
+                else:
+                    code = (byte & 0x80) | ((byte & 0x70) >> 2)
+                e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
+                word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1], layout=ROW)
+                blk = None
+                for part in range(3, -1, -1):
+                    s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * 64.0,
+                                               (CHUNK, 64), [0]).astype(jnp.float16)
+                    blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
+                k_s[half] = (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
             for half in range(2 if fmt == "fp4" and dequant == "e4m3" else 0):
                 # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
                 # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
@@ -318,11 +389,11 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
     scratch.update(
         w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
         c_s=plgpu.SMEM((2, CHUNK) + codes.shape[2:], codes.dtype),
-        sc_s=plgpu.SMEM((2, CHUNK), scale.dtype),
+        sc_s=plgpu.SMEM((2, n_sc, CHUNK), scales[0].dtype),
         k_s=k_type,
         o_s=plgpu.SMEM((span_s,), jnp.float32),
         qbar=plgpu.Barrier(num_arrivals=3 if mma8 else 2),
-        bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=2),
     )
     return plgpu.kernel(
         kernel,
@@ -330,7 +401,7 @@ def _indexer_call_blocks(qh, w, codes, scale, bt, n_elig, *, fmt, cpc, n_ctas, i
         grid=(B, n_ctas), grid_names=("b", "c"),
         scratch_types=scratch,
         interpret=interpret,
-    )(*ins, codes, scale, bt, n_elig)
+    )(*ins, codes, *scales, bt, n_elig)
 
 
 def topk_from_scores(scores_BN, topk):
@@ -342,17 +413,23 @@ def topk_from_scores(scores_BN, topk):
     return jnp.where(vals == -jnp.inf, -1, ids).astype(jnp.int32)
 
 
-def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, *,
-                 chunks_per_cta=None, interpret=None, select="xla", dequant="bits"):
-    """Kernel scores + top-k: entry ids [B, topk] int32, -1 padded. select "xla":
-    lax.top_k (a sort of each row in XLA-GPU), ids by descending score; "kernel": the
-    pallas_kernels.topk_select radix-select kernel on the untrimmed scores, the same set
-    of ids in ascending order. dequant: as indexer_scores."""
+def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw):
+    """topk_keys for an `fp4` pool given as its two arrays."""
+    return topk_keys(q_BHD, w_BH, {"idx_codes": idx_codes, "idx_scale": idx_scale},
+                     block_table, t_B, topk, fmt="fp4", **kw)
+
+
+def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
+              interpret=None, select="xla", dequant="bits"):
+    """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
+    entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
+    XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
+    kernel on the untrimmed scores, the same set of ids in ascending order. dequant: as
+    indexer_scores (fp4 only)."""
     if select not in ("xla", "kernel"):
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
-    s = indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B,
-                       chunks_per_cta=chunks_per_cta, interpret=interpret,
-                       trim=select == "xla", dequant=dequant)
+    s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
+                   chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla")
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,

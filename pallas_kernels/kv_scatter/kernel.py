@@ -243,13 +243,16 @@ def _store_key(kscr, idx_refs, r, major, minor, fmt):
         plgpu.copy_smem_to_gmem(kscr[1].at[pl.ds(8 * r, 8)], keys_g.at[major, minor])
         sc_g[major, minor, 0] = kscr[2][8 * r]
         return
-    codes_g, sc_g = idx_refs
+    codes_g, *sc_g = idx_refs   # fp4: idx_scale [.., 4]; nvfp4: idx_scale_lo / _hi [.., 4]
     n = 64 // _KEY_W[fmt]
     plgpu.copy_smem_to_gmem(kscr[2].at[pl.ds(n * r, n)], codes_g.at[major, minor])
     for h in range(2):
         for q in range(n):
             v = kscr[3][32 * h + n * r + q]
-            sc_g[major, minor, n * h + q] = v.astype(jnp.uint8) if fmt == "fp4" else v
+            if fmt == "fp4":
+                sc_g[0][major, minor, n * h + q] = v.astype(jnp.uint8)
+            else:
+                sc_g[h][major, minor, q] = v
 
 
 # ---------------------------------------------------------------- public entry points
@@ -322,6 +325,9 @@ def flush_compressed(pool, idx_pool, entry_BD, key_BK, flush_B, entry_idx_B, blo
         _check_rows(key_BK, kf.INDEX_DIM, "flush_compressed key_BK")
         fields = kf.index_key_fields(fmt)
         names = tuple(fields)
+        if set(idx_pool) != set(names):
+            raise ValueError(f"flush_compressed: idx_pool has fields {sorted(idx_pool)}, "
+                             f"format {fmt!r} stores {sorted(names)}")
         for nm, (suffix, dt) in fields.items():
             a = idx_pool[nm]
             if a.shape != (NB, EPB, *suffix) or a.dtype != dt:
