@@ -92,8 +92,12 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
             slots = jnp.arange(a.shape[1])
             p = ctx - 1 - ((ctx - 1 - slots) % a.shape[1])  # latest position of each slot
             out.append(jnp.where(p >= 0, p, -1)[None].repeat(a.shape[0], 0).astype(a.dtype))
+        elif a.dtype == jnp.float8_e4m3fn and "scale" in name:   # nvfp4 key scales
+            out.append(jax.random.uniform(kk, a.shape, jnp.float32, 0.5, 4).astype(a.dtype))
         elif a.dtype == jnp.float8_e4m3fn:
             out.append(jnp.clip(jax.random.normal(kk, a.shape) * 64, -448, 448).astype(a.dtype))
+        elif a.dtype == jnp.float32 and "idx_scale" in name:      # fp8 key scales (>= 0)
+            out.append(jax.random.uniform(kk, a.shape, jnp.float32, 0.01, 0.1))
         elif a.dtype == jnp.uint8 and "scale" in name:
             out.append(jnp.full(a.shape, 120, jnp.uint8))
         elif a.dtype == jnp.uint8:
@@ -108,7 +112,7 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
 
 def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,
           matmul: str = "xla", mesh=None, loop: bool = False,
-          what=("step", "stream")) -> dict:
+          what=("step", "stream"), index_format: str = "fp4") -> dict:
     """ms per decode step, for what = "step" (the plain step program) three ways:
     ms        one step at a time, waiting for each (a latency figure: host launch + GPU);
     ms_pipe   `steps` steps enqueued back to back, one wait at the end (host launch overlaps
@@ -123,7 +127,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
     mb = -(-(ctx + 3 * steps + 4) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
-                                kernels=kernels)
+                                kernels=kernels, index_format=index_format)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     if mesh is not None:
@@ -241,7 +245,7 @@ def main(args):
     for mm, B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
         fl = floor_bytes(cfg, B, ctx, mesh)
         r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh,
-                  loop=args.loop, what=args.what)
+                  loop=args.loop, what=args.what, index_format=args.index_format)
         floor_ms = 1e3 * fl["total"] / bw
         parts = []
         for key, label in (("ms", f"model({n}L) matmul={mm}, one step at a time"),
@@ -295,6 +299,8 @@ def register(sub):
     d.add_argument("--unmerged", action="store_true",
                    help="keep each CSA block's five x-projection weights apart (the checkpoint "
                         "form) instead of the decode form params.merge_x_proj")
+    d.add_argument("--index-format", choices=["fp4", "nvfp4", "fp8"], default="fp4",
+                   help="cached indexer keys (the floor counts fp4's bytes)")
     d.add_argument("--what", nargs="+", choices=["step", "stream"], default=["step", "stream"],
                    help="time the plain step program (sync / pipelined) and/or the stream "
                         "step of Engine.stream (each is its own compilation)")

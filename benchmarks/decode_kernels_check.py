@@ -24,13 +24,15 @@ from dsv4_jax.quant import Numerics
 
 
 def run(cfg, params, B, ctx, steps, kernels, chunk=128, seed=0, timing=False,
-        random_cache=False, matmul="xla", act_quant=True, mesh=None, per_row=False):
+        random_cache=False, matmul="xla", act_quant=True, mesh=None, per_row=False,
+        index_format="fp4"):
     """Pure-JAX step vs the step with cache kernels `kernels` ("on" | "interpret" | "off")
     and quantised matmuls `matmul` ("xla" | "pallas" | "interpret"), sharded over `mesh`
     when given."""
     nm = Numerics(act_quant=act_quant, dtype="bfloat16")
     mb = -(-(ctx + steps + 1) // 128)
-    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb)
+    cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
+                                **({"index_format": index_format} if act_quant else {}))
     base = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=chunk)
     rng = np.random.default_rng(seed)
     if random_cache:  # valid random FP8/FP4 contents at `ctx` tokens (full width: no prefill)
@@ -93,6 +95,8 @@ if __name__ == "__main__":
     ap.add_argument("--combo", nargs="+", default=None, metavar="KERNELS:MATMUL",
                     help="tested sides to run in turn, e.g. off:pallas on:xla on:pallas "
                          "(overrides --kernels/--matmul; which part makes a difference)")
+    ap.add_argument("--index-format", choices=["fp4", "nvfp4", "fp8"], default="fp4",
+                    help="cached indexer keys (with act_quant on)")
     ap.add_argument("--per-row", action="store_true",
                     help="print the rel. L2 of every (step, request) row")
     ap.add_argument("--devices", type=int, default=0,
@@ -120,8 +124,9 @@ if __name__ == "__main__":
         mm = "interpret" if a.interpret and m != "xla" else m
         r = run(cfg, params, B, ctx, a.steps, kern, chunk=a.chunk, timing=not a.interpret,
                 random_cache=a.random_cache, matmul=mm, act_quant=aq == "on", mesh=mesh,
-                per_row=a.per_row)
+                per_row=a.per_row, index_format=a.index_format)
         print(f"{cfg.name} L={cfg.num_hidden_layers} kernels={kern} matmul={mm} "
+              f"index={a.index_format if aq == 'on' else 'raw'} "
               f"devices={a.devices or 1} "
               f"act_quant={aq} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
                                             f"{k}={v}" for k, v in r.items()), flush=True)

@@ -8,7 +8,8 @@ bytes = cache bytes the op must read + outputs; % = of the copy bandwidth measur
 same run; speedup = jitted pure-JAX reference / kernel path, both end to end.
 Options: --cases idx:B:ctx:topk,csa:B:H:K,hca:B (single cases),
 --sets N, --check-attn SPLITS (small attention check), --dequant bits,e4m3,fp8mma (the indexer's
-FP4 dequant paths, each timed; "+topk" is the topk_select kernel after the scores).
+FP4 dequant paths, each timed; "+topk" is the topk_select kernel after the scores),
+--formats fp4,nvfp4,fp8 (the indexer key formats for --cases idx).
 """
 import argparse
 import json
@@ -43,44 +44,62 @@ def n_sets_for(footprint_bytes, cap=6, budget=300 * MB):
 
 
 # ------------------------------------------------------------------------ indexer
-def indexer_inputs(key, B, ctx):
-    """Random valid fp4 cache contents: random code bytes and exponent bytes near 127."""
+KEY_BYTES = {"fp4": 68, "nvfp4": 72, "fp8": 132}   # stored bytes per indexer key
+
+
+def indexer_inputs(key, B, ctx, fmt="fp4"):
+    """Random valid cache contents in key format fmt -> (q, w, keys dict, bt, t): random
+    code bytes with scales near 1 (fp4: exponent bytes 120..129; nvfp4: e4m3 scale bytes
+    0x30..0x47, 0.5..3.75; fp8: finite e4m3 keys, f32 scales 0.01..0.1)."""
     MAXB = ctx // 128
     NB = B * MAXB
-    ks = jax.random.split(key, 6)
+    ks = jax.random.split(key, 7)
     q = kvformat.fp4_block_sim(jax.random.normal(ks[0], (B, 64, 128))).astype(jnp.bfloat16)
     w = jax.random.normal(ks[1], (B, 64), jnp.float32) * 0.05
-    codes = jax.random.bits(ks[2], (NB, 32, 64), jnp.uint8)
-    scale = jax.random.randint(ks[5], (NB, 32, 4), 120, 130).astype(jnp.uint8)
+    if fmt == "fp8":
+        keys = {"idx_keys": random_e4m3(ks[2], (NB, 32, 128)),
+                "idx_scale": jax.random.uniform(ks[5], (NB, 32, 1), jnp.float32, 0.01, 0.1)}
+    else:
+        keys = {"idx_codes": jax.random.bits(ks[2], (NB, 32, 64), jnp.uint8)}
+        if fmt == "fp4":
+            keys["idx_scale"] = jax.random.randint(ks[5], (NB, 32, 4), 120, 130).astype(jnp.uint8)
+        else:
+            for nm, k in (("idx_scale_lo", ks[5]), ("idx_scale_hi", ks[6])):
+                keys[nm] = jax.lax.bitcast_convert_type(
+                    jax.random.randint(k, (NB, 32, 4), 0x30, 0x48).astype(jnp.uint8),
+                    jnp.float8_e4m3fn)
     bt = jax.random.permutation(ks[3], NB).reshape(B, MAXB).astype(jnp.int32)
     t = (ctx - 1 - jax.random.randint(ks[4], (B,), 0, 64)).astype(jnp.int32)
-    return q, w, codes, scale, bt, t
+    return q, w, keys, bt, t
 
 
-def run_indexer(B, ctx, topk, bw, log, dequant="bits"):
+def run_indexer(B, ctx, topk, bw, log, dequant="bits", fmt="fp4"):
+    """The scoring kernel (key format fmt; dequant: fp4's path) vs the pure-JAX path."""
     n = ctx // 4
-    cache_bytes = B * n * 68
-    sets = [indexer_inputs(jax.random.key(100 * B + i), B, ctx)
+    cache_bytes = B * n * KEY_BYTES[fmt]
+    sets = [indexer_inputs(jax.random.key(100 * B + i), B, ctx, fmt)
             for i in range(n_sets_for(cache_bytes * 3))]
-    kern = jax.jit(lambda *a: IK.indexer_scores(*a, dequant=dequant))
-    ref = jax.jit(lambda q, w, c, s, bt, t: IR.indexer_scores_reference(
-        q, w, {"idx_codes": c, "idx_scale": s}, bt, t))
+    score = lambda q, w, k, bt, t: IK.score_keys(q, w, k, bt, t, fmt=fmt, dequant=dequant)
     a = sets[0]
-    sk, sr = np.asarray(kern(*a)), np.asarray(ref(*a))
+    sk = np.asarray(jax.jit(score)(*a))
+    sr = np.asarray(jax.jit(lambda q, w, k, bt, t: IR.indexer_scores_reference(
+        q, w, k, bt, t, fmt=fmt))(*a))
     fin = np.isfinite(sr)
     ok_mask = bool((np.isfinite(sk) == fin).all())
     rel = float(np.linalg.norm(sk[fin] - sr[fin]) / np.linalg.norm(sr[fin]))
     ik = np.asarray(IK.topk_from_scores(jnp.asarray(sk), topk))
     ir = np.asarray(IR.topk_reference(jnp.asarray(sr), topk))
     overlap = float(np.mean([len(set(ik[b]) & set(ir[b])) / len(set(ir[b])) for b in range(B)]))
-    t_k = bench(lambda *x: IK.indexer_scores(*x, dequant=dequant), sets)
-    t_kt = bench(lambda *x: IK.indexer_topk(*x, topk, select="kernel", dequant=dequant), sets)
+    t_k = bench(score, sets)
+    t_kt = bench(lambda q, w, k, bt, t: IK.topk_keys(q, w, k, bt, t, topk, fmt=fmt,
+                                                     select="kernel", dequant=dequant), sets)
     ref_sets = sets[: max(2, min(len(sets), int(2e9 // (B * n * 128 * 4 * 2))))]
-    t_r = bench(lambda q, w, c, s, bt, t: IR.indexer_topk_reference(
-        q, w, {"idx_codes": c, "idx_scale": s}, bt, t, topk), ref_sets, reps=3)
+    t_r = bench(lambda q, w, k, bt, t: IR.indexer_topk_reference(q, w, k, bt, t, topk, fmt=fmt),
+                ref_sets, reps=3)
     out_bytes = B * (n * 4)
     gbs = (cache_bytes + out_bytes) / t_k / 1e9
-    row = dict(op=f"indexer fp4 ({dequant})", B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
+    name = f"indexer fp4 ({dequant})" if fmt == "fp4" else f"indexer {fmt}"
+    row = dict(op=name, B=B, ctx=ctx, topk=topk, us=t_k * 1e6, us_topk=t_kt * 1e6,
                MB=(cache_bytes + out_bytes) / MB, GBs=gbs, pct=100 * gbs * 1e9 / bw,
                ref_us=t_r * 1e6, speedup=t_r / t_kt, rel_err=rel, mask_ok=ok_mask,
                topk_overlap=overlap)
@@ -124,6 +143,9 @@ def main():
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
     ap.add_argument("--dequant", default="bits",
                     help="comma list of the indexer's FP4 dequant paths to time (bits,e4m3,fp8mma)")
+    ap.add_argument("--formats", default="fp4",
+                    help="comma list of indexer key formats for --cases idx (fp4 timed once "
+                         "per --dequant path; nvfp4, fp8)")
     ap.add_argument("--check-attn", type=int, default=0, metavar="SPLITS",
                     help="only a small attention correctness check with this many splits")
     args = ap.parse_args()
@@ -148,8 +170,10 @@ def main():
             v = [int(x) for x in v]
             try:
                 if kind == "idx":
-                    for dq in args.dequant.split(","):
-                        rows.append(run_indexer(v[0], v[1], v[2], bw, log, dequant=dq))
+                    runs = [("fp4", dq) for dq in args.dequant.split(",") if dq]
+                    runs += [(f, "bits") for f in args.formats.split(",") if f and f != "fp4"]
+                    for fmt, dq in runs:
+                        rows.append(run_indexer(v[0], v[1], v[2], bw, log, dequant=dq, fmt=fmt))
                         print(rows[-1], flush=True)
                     continue
                 elif kind == "csa":

@@ -46,9 +46,11 @@ class CacheSpec:
         if self.kernels not in ("off", "on", "interpret"):
             raise ValueError(f"CacheSpec.kernels must be 'off', 'on' or 'interpret', got "
                              f"{self.kernels!r}")
-        if self.kernels != "off" and (self.kv_format, self.index_format) != ("fp8", "fp4"):
-            raise ValueError("the kernels read the FP8 KV cache with fp4 indexer keys: use "
-                             "kv_format='fp8', index_format='fp4' (act_quant on)")
+        if self.kernels != "off" and (self.kv_format != "fp8"
+                                      or self.index_format not in KF.INDEX_FORMATS):
+            raise ValueError("the kernels read the FP8 KV cache with quantised indexer keys: "
+                             f"use kv_format='fp8' and index_format one of {KF.INDEX_FORMATS} "
+                             f"(act_quant on), got {self.kv_format!r} / {self.index_format!r}")
         if self.index_format not in KF.INDEX_FORMATS + ("raw",):
             raise ValueError(f"CacheSpec.index_format must be one of "
                              f"{KF.INDEX_FORMATS + ('raw',)}, got {self.index_format!r}")

@@ -23,6 +23,9 @@ def _add_model_args(ap):
     ap.add_argument("--num-blocks", type=int, default=64, help="blocks (128 tokens) in the pool")
     ap.add_argument("--max-blocks", type=int, default=16,
                     help="blocks per request (capacity = 128 x this)")
+    ap.add_argument("--index-format", choices=["fp4", "nvfp4", "fp8"], default="fp4",
+                    help="cached indexer keys with --act-quant on (fp4: the reference's e2m1 "
+                         "with a power-of-two scale per 32 dims; nvfp4: e4m3 scale per 16)")
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="directory for compiled programs ('off' to disable; default "
@@ -98,7 +101,8 @@ def _engine(args, cfg, params):
                          f"this run has {_device_name()}")
     nm = Numerics(act_quant=args.act_quant == "on", dtype=args.dtype, matmul=matmul)
     cs = CacheSpec.for_numerics(nm, max_requests=args.max_requests, num_blocks=args.num_blocks,
-                                max_blocks=args.max_blocks, kernels=kernels)
+                                max_blocks=args.max_blocks, kernels=kernels,
+                                **({"index_format": args.index_format} if nm.act_quant else {}))
     return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=args.prefill_chunk,
                   mesh=mesh)
 

@@ -149,12 +149,12 @@ def _write_state(lc, slots, st, cfg, ratio):
 # compile on 2 x H200 went 69 -> 347 s when the cache kernels came on, most likely from the
 # per-call copies; not re-measured yet. The in-place scatters stay inline: their cache
 # buffers must alias the step's donated ones (see DEDUP_SCATTER).
-@functools.partial(jax.jit, static_argnames=("topk", "interpret", "select", "dequant"))
-def _indexer_topk_jit(q, w, codes, scale, block_table, t, *, topk, interpret, select,
+@functools.partial(jax.jit, static_argnames=("fmt", "topk", "interpret", "select", "dequant"))
+def _indexer_topk_jit(q, w, keys, block_table, t, *, fmt, topk, interpret, select,
                       dequant="bits"):
-    from pallas_kernels.indexer_decode import indexer_topk
-    return indexer_topk(q, w, codes, scale, block_table, t, topk, interpret=interpret,
-                        select=select, dequant=dequant)
+    from pallas_kernels.indexer_decode import topk_keys
+    return topk_keys(q, w, keys, block_table, t, topk, fmt=fmt, interpret=interpret,
+                     select=select, dequant=dequant)
 
 
 # The indexer's top-k: "kernel" (pallas_kernels/topk_select, radix select: the same ids as
@@ -269,11 +269,11 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            idx = _indexer_topk_jit(qI, wI, lc["idx"]["idx_codes"], lc["idx"]["idx_scale"],
-                                    bt_rows, t, topk=cfg.index_topk, interpret=interp,
-                                    select=TOPK_SELECT,
-                                    dequant=("bits" if IDX_DEQUANT == "fp8mma"
-                                             and not nm.act_quant else IDX_DEQUANT))
+            dq = IDX_DEQUANT if cs.index_format == "fp4" else "bits"  # fp4's paths only
+            idx = _indexer_topk_jit(qI, wI, lc["idx"], bt_rows, t, fmt=cs.index_format,
+                                    topk=cfg.index_topk, interpret=interp, select=TOPK_SELECT,
+                                    dequant="bits" if dq == "fp8mma" and not nm.act_quant
+                                    else dq)
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])

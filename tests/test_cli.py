@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dsv4_jax import cli, config, params as P
+from dsv4_jax import cli, config, kvformat, params as P
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
 
@@ -57,6 +57,22 @@ def test_kernel_flags_need_hopper(capsys):
     except SystemExit as e:
         msg = str(e.code)
     assert msg and "Hopper" in msg and "cpu" in msg
+
+
+def test_index_format_flag():
+    """--index-format picks the cached indexer keys' format (with --act-quant on; raw rows
+    otherwise); a bad value is refused by the parser."""
+    cfg = config.tiny()
+    params = P.init_params(cfg, 0)
+    for argv, want in ((["--index-format", "nvfp4"], "nvfp4"), ([], "fp4"),
+                       (["--index-format", "fp8", "--act-quant", "off"], "raw")):
+        args = cli.build_parser().parse_args(["generate", "--prompt", "hi", *argv])
+        args.mesh = None
+        eng = cli._engine(args, cfg, params)
+        assert eng.cs.index_format == want, argv
+        if want != "raw":
+            assert set(eng.cache["L1"]["idx"]) == set(kvformat.index_key_fields(want))
+    assert run(["generate", "--prompt", "hi", "--index-format", "fp6"]) == 2
 
 
 def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):

@@ -21,15 +21,18 @@ def _bits(a):
 
 
 # the default (Triton attention, top-k kernel) and the other backend with the other top-k:
-# both of each are covered; ("triton", "xla") added ~150 s of CI for no new path
-@pytest.mark.parametrize("backend,select", [("triton", "kernel"), ("mosaic", "xla")])
-def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select):
+# both of each are covered; ("triton", "xla") added ~150 s of CI for no new path. The other
+# indexer key formats (their scoring kernels) run in the CSA layers with the defaults.
+@pytest.mark.parametrize("backend,select,index_format", [
+    ("triton", "kernel", "fp4"), ("mosaic", "xla", "fp4"), ("triton", "kernel", "nvfp4"),
+    ("triton", "kernel", "fp8")])
+def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index_format):
     monkeypatch.setattr(D, "ATTN_BACKEND", backend)   # the attention kernel's backend
     monkeypatch.setattr(D, "TOPK_SELECT", select)     # the indexer's top-k
     cfg = config.tiny()
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
     nm = Numerics(True, "bfloat16")
-    eng, cs, x, args = two_prefilled_requests(cfg, params, nm)
+    eng, cs, x, args = two_prefilled_requests(cfg, params, nm, index_format=index_format)
     def attend(i, kernels):
         """One layer's attention_cached as one jitted program, waited for. (Run op by op,
         the interpreted kernels' callbacks, which run jax ops themselves, could deadlock
@@ -104,3 +107,12 @@ def test_read_only_kernels_lowered_once_per_shape(monkeypatch, backend):
             lowering_platforms=("cuda",)).as_text())
     assert count("_append_window_jit") == 1, defs  # the ring has one shape in every layer
     assert count("_flush_compressed_jit") == 2, defs  # CSA (with indexer keys), HCA
+
+
+def test_kernel_cache_spec_formats():
+    """The kernels need the FP8 KV cache and quantised indexer keys (any of the three)."""
+    for fmt in ("fp4", "nvfp4", "fp8"):
+        assert CacheSpec(kernels="interpret", index_format=fmt).index_format == fmt
+    for bad in (dict(kv_format="raw"), dict(index_format="raw")):
+        with pytest.raises(ValueError, match="kv_format='fp8' and index_format one of"):
+            CacheSpec(kernels="on", **bad)
