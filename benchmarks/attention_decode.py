@@ -74,6 +74,9 @@ VARIANTS = {   # name -> kernel keyword arguments
     # less: two programs per tile, one per output column half; q re-read per block
     "triton64c2": dict(backend="triton", head_tile=64, num_warps=8, col_split=2),
     "triton64q": dict(backend="triton", head_tile=64, num_warps=8, q_in_loop=True),
+    # K / output as whole [.., 512] tiles: 2 dots a key block (sm_90a SASS: 3 barriers and
+    # 2 wgmma waits a block instead of 23 and 16; ~28 spilled registers a block)
+    "triton64j": dict(backend="triton", head_tile=64, num_warps=8, joined=True),
 }
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Next session's GPU proof (three H100 calls, ~6-9 min each): the indexer scoring kernel's two new
+# Next session's GPU proof (four H100 calls, ~6-9 min each): the indexer scoring kernel's two new
 # FP4-key paths (pallas_kernels/indexer_decode, built 2026-11-25 without device time):
 #   dequant="e4m3": the nibble re-packed as an e4m3 byte, converted by cvt.rn.f16x2.e4m3x2,
 #     scaled in f16 / bf16; in the sm_90a PTX a thread per 64-entry chunk: ~300 integer +
@@ -18,6 +18,11 @@
 #    the scoring and scatter kernels, the scoring kernel alone at the same three shapes, and
 #    the decode step with kernels vs pure JAX for each format (tiny preset; 4 Flash layers
 #    on a random cache, B = 1 / 8 at 32K).
+#  PART=4: the Triton attention's joined form (kernel_triton joined=True, built 2026-11-25
+#    session 18 without device time; sm_90a SASS a key block: 3 CTA barriers + 2 wgmma waits
+#    instead of 23 + 16, ~28 spilled registers): GPU tests, triton64 vs triton64j at the
+#    four benchmark cases, and the 4-layer Flash step at B = 64, 32K with and without it.
+#    If it wins: ATTN_JOINED on by default (dsv4_jax/decode.py).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -48,5 +53,20 @@ case "${PART:-1}" in
       --matmul pallas --batch 1 8 --context 32768 --steps 3 --index-format $fmt \
       | tee $OUT/check_flash4_$fmt.log | grep -E "median"
   done ;;
+4)
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k triton -rA | tee $OUT/gpu_tests_attn.log | grep -E "passed|failed|PASSED|FAILED"
+  T 240 python3 benchmarks/attention_decode.py --out $OUT --budget 200 --all-variants \
+    --variants triton64,triton64j --trusted triton64,triton64j \
+    --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768 \
+    2>&1 | grep -v "^{" | grep -E "smoke|^\| (flash|pro)"
+  for j in 0 1; do
+    DSV4_ATTN_JOINED=$j T 100 python3 -m benchmarks.decode_bench decode --preset flash \
+      --layers 4 --batch 64 --context 32768 --kernels on --matmul pallas --what stream \
+      --steps 10 | tee $OUT/flash4_b64_32k_joined_$j.log | grep -E "floor"
+  done
+  DSV4_ATTN_JOINED=1 T 100 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 \
+    --random-cache --matmul pallas --batch 8 --context 32768 --steps 3 \
+    | tee $OUT/check_flash4_joined.log | grep -E "median" ;;
 esac
 true

@@ -2,7 +2,7 @@
 without a GPU.
 
     PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py [--head-tile 64 --num-warps 8]
-        [--q-in-loop] [--col-split 2] [--B 64 --H 64 --ctx 32768 --topk 512]
+        [--q-in-loop] [--col-split 2] [--joined] [--B 64 --H 64 --ctx 32768 --topk 512]
     PYTHONPATH=.:/opt/jax-cuda python benchmarks/triton_regs.py --kernel topk [--B 64
         --ctx 131072 --topk 512 --tile 4096 --bits 2 --num-warps 8]
 
@@ -33,6 +33,7 @@ def main():
                     help="attention: 8 by default; topk: the kernel's rule by default")
     ap.add_argument("--q-in-loop", action="store_true")
     ap.add_argument("--col-split", type=int, default=1)
+    ap.add_argument("--joined", action="store_true", help="attention: K / output as whole tiles")
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=32768)
@@ -70,11 +71,12 @@ def main():
     shapes = jax.eval_shape(lambda: make_case(jax.random.key(0), a.B, a.H, a.ctx, a.topk, "csa"))
     absd = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes)
     f = functools.partial(AK.sparse_decode_attention, backend="triton", head_tile=a.head_tile,
-                          num_warps=a.num_warps or 8, q_in_loop=a.q_in_loop, col_split=a.col_split)
+                          num_warps=a.num_warps or 8, q_in_loop=a.q_in_loop, col_split=a.col_split,
+                          joined=a.joined)
     with _tracing_for_gpu(dev.device_kind):
         jax.jit(f).lower(*absd).compile()
     print(f"OK head_tile={a.head_tile} num_warps={a.num_warps} q_in_loop={a.q_in_loop} "
-          f"col_split={a.col_split}")
+          f"col_split={a.col_split} joined={a.joined}")
 
 
 if __name__ == "__main__":

@@ -186,14 +186,21 @@ if IDX_DEQUANT not in ("bits", "e4m3", "fp8mma"):
 ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "triton")
 if ATTN_BACKEND not in ("triton", "mosaic"):
     raise ValueError(f"DSV4_ATTN_BACKEND must be 'triton' or 'mosaic', got {ATTN_BACKEND!r}")
+# The Triton kernel's joined form (K and the output as whole [.., 512] tiles, q permuted in
+# XLA: 2 dots a key block instead of 16; its sm_90a SASS has 3 CTA barriers and 2 wgmma
+# waits a block instead of 23 and 16; built 2026-11-25 without device time, so off until
+# benchmarks/gpu_session18.sh PART=4 times it). DSV4_ATTN_JOINED=1 turns it on.
+ATTN_JOINED = os.environ.get("DSV4_ATTN_JOINED", "0") == "1"
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "backend"))
-def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend):
+@functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined"))
+def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend,
+                          joined=False):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
     if backend == "triton":
         return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
-                                       backend="triton", interpret=interpret is not None)
+                                       backend="triton", interpret=interpret is not None,
+                                       joined=joined)
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, interpret=interpret)
 
 
@@ -282,7 +289,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         idx = np.full((B, 64), -1, np.int32)
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
-                              interpret=interp, backend=ATTN_BACKEND)
+                              interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED)
     return o[:, None].astype(F32)
 
 

@@ -22,12 +22,15 @@ def _bits(a):
 
 # the default (Triton attention, top-k kernel) and the other backend with the other top-k:
 # both of each are covered; ("triton", "xla") added ~150 s of CI for no new path. The other
-# indexer key formats (their scoring kernels) run in the CSA layers with the defaults.
-@pytest.mark.parametrize("backend,select,index_format", [
-    ("triton", "kernel", "fp4"), ("mosaic", "xla", "fp4"), ("triton", "kernel", "nvfp4"),
-    ("triton", "kernel", "fp8")])
-def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index_format):
+# indexer key formats (their scoring kernels) run in the CSA layers with the defaults, one
+# of them with the Triton attention's joined form.
+@pytest.mark.parametrize("backend,select,index_format,joined", [
+    ("triton", "kernel", "fp4", False), ("mosaic", "xla", "fp4", False),
+    ("triton", "kernel", "nvfp4", False), ("triton", "kernel", "fp8", True)])
+def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index_format,
+                                             joined):
     monkeypatch.setattr(D, "ATTN_BACKEND", backend)   # the attention kernel's backend
+    monkeypatch.setattr(D, "ATTN_JOINED", joined)
     monkeypatch.setattr(D, "TOPK_SELECT", select)     # the indexer's top-k
     cfg = config.tiny()
     params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))

@@ -162,7 +162,7 @@ def run_triton(args, **kw):
 
 @pytest.mark.parametrize("splits,head_tile,opts", [
     (1, 64, {}), (2, 16, {}), (3, 32, {}), (2, 64, dict(col_split=2)),
-    (1, 64, dict(q_in_loop=True))])
+    (1, 64, dict(q_in_loop=True)), (2, 64, dict(joined=True)), (1, 16, dict(joined=True))])
 def test_triton_matches_reference(splits, head_tile, opts):
     args = make_inputs(11 + splits)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
@@ -206,6 +206,8 @@ def test_triton_bad_arguments_raise():
         run_triton(args, head_tile=48)
     with pytest.raises(ValueError, match="col_split"):
         run_triton(args, col_split=3)
+    with pytest.raises(ValueError, match="joined"):
+        run_triton(args, joined=True, col_split=2)
 
 
 @pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])
@@ -222,17 +224,20 @@ def test_triton_cuda_lowering_flash_pro_shapes(H, topk):
             S((H,), jnp.float32))
     dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
-        for splits in (1, 3):
-            f = functools.partial(K.sparse_decode_attention, splits=splits, backend="triton")
+        for splits, joined in ((1, False), (3, False), (3, True)):
+            f = functools.partial(K.sparse_decode_attention, splits=splits, backend="triton",
+                                  joined=joined)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             assert "triton" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,splits", [(64, None), (128, 3)])
-def test_gpu_triton_matches_reference(H, splits):
+@pytest.mark.parametrize("H,splits,joined", [(64, None, False), (128, 3, False), (64, None, True),
+                                             (128, 3, True)])
+def test_gpu_triton_matches_reference(H, splits, joined):
     args = make_inputs(17, B=2, H=H, NB=64, MAXB=32, n_idx=512, t=(4000, 4095), n_valid=(300, 512))
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    f = functools.partial(K.sparse_decode_attention, backend="triton", splits=splits)
+    f = functools.partial(K.sparse_decode_attention, backend="triton", splits=splits,
+                          joined=joined)
     out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
     assert rel_err(out, ref) < 5e-3

@@ -114,7 +114,7 @@ def triton_ctas_per_sm(head_tile):
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
-                            q_in_loop=False, col_split=1, interpret=None):
+                            q_in_loop=False, col_split=1, joined=False, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -126,8 +126,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     dequantise every row.
     backend="triton": kernel_triton (rows gathered by vector loads, head_tile heads per
     program, num_warps, num_stages, q_in_loop (re-read q per key block instead of holding
-    it), col_split (2: two programs per tile, one per output column half); gather must be
-    "direct"); interpret then only needs to be truthy."""
+    it), col_split (2: two programs per tile, one per output column half), joined (K and
+    the output accumulator as whole [.., 512] tiles: 2 dots per key block instead of 16);
+    gather must be "direct"); interpret then only needs to be truthy."""
     H = q_BHD.shape[1]
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -141,7 +142,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                                   ctas_per_sm=triton_ctas_per_sm(head_tile))
         o, lse = T.attention_call(*args, NS=NS, HT=head_tile, num_warps=num_warps,
                                   num_stages=num_stages, q_in_loop=q_in_loop,
-                                  col_split=col_split, interpret=bool(interpret))
+                                  col_split=col_split, joined=joined,
+                                  interpret=bool(interpret))
     else:
         args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                                   splits=splits, gather=gather,
