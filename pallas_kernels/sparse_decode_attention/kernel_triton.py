@@ -17,6 +17,15 @@ exponents + validity byte), same split merge. One program per (head tile, split,
 HT heads per program (16 by default: the [HT, 512] f32 accumulator stays in registers);
 the head tiles of one request are neighbours in the launch order, so the 2nd..nth reads of
 a row hit L2.
+
+joined=True: the same math with K as ONE [64, 512] tile and the output as ONE [HT, 512]
+accumulator (chunks joined by a tree of tt.join, the only concatenation Pallas Triton
+lowers, which interleaves columns: q is permuted the same way in XLA, the output split
+back in the epilogue). The sm_90a SASS of the chunked form (compile-only, 2026-11-25) has,
+per 64-key block, 23 CTA barriers and 16 wgmma waits (each of the 16 dots stores its
+operand to SMEM, syncs, runs, waits); the joined form has 3 and 2, with q read by the
+wgmma from SMEM (a plain load, not a register join: a register q serialised every wgmma
+for lack of registers). ~28 registers a block still spill. Not yet timed on a GPU.
 """
 import functools
 import math
