@@ -51,6 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.sparse_decode_attention import kernel as AK
 from pallas_kernels.sparse_decode_attention import reference as AR
+from benchmarks.common import hbm_bandwidth
 
 MB = 1 << 20
 MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
@@ -148,21 +149,6 @@ def profile_times(progs, n=3):
                          span=sum(max(e[1] for e in c) - c[0][0] for c in group) / n * 1e-9,
                          top=[(k[:80], v / n * 1e-9) for k, v in per.most_common(3)],
                          events=sum(len(c) for c in group) / n)
-    return out
-
-
-def copy_bandwidth(nbytes=1 << 30):
-    """Bytes read + written per second of a device copy and of an elementwise pass."""
-    x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
-    out = {}
-    for name, f in (("copy", jax.jit(lambda a: jnp.copy(a))), ("a+1", jax.jit(lambda a: a + 1.0))):
-        jax.block_until_ready(f(x))
-        ts = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t0)
-        out[name] = 2 * x.nbytes / statistics.median(ts)
     return out
 
 
@@ -475,8 +461,8 @@ def main():
                          timeout=600 if args.tiny else 90, tiny=args.tiny) + trusted
     print(f"smoke done in {time.time() - t_start:.0f} s; variants: {variants}", flush=True)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
-    bws = copy_bandwidth(16 * MB if args.tiny else 1 << 30)
-    bw = max(bws.values())
+    bws = hbm_bandwidth(16 * MB if args.tiny else 1 << 30)
+    bw = bws["ceiling"]
     print("copy bandwidth (read+write) GB/s:", {k: round(v / 1e9) for k, v in bws.items()}, flush=True)
     log = open(os.path.join(args.out, "attention_decode.jsonl"), "w")
     rows, skipped = [], []

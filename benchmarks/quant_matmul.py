@@ -36,6 +36,7 @@ from dsv4_jax.quant import Fp4Weight, Fp8Weight
 from pallas_kernels.quant_matmul import grouped_matmul
 from pallas_kernels.quant_matmul import kernel as K
 from pallas_kernels.quant_matmul.reference import _gather, grouped_matmul_reference
+from benchmarks.common import copy_bandwidth
 
 FP8_DENSE = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096),
              ("wo_b", 4096, 8192), ("shared w1/w3", 2048, 4096), ("shared w2", 4096, 2048),
@@ -112,14 +113,6 @@ def cupti_median(fn, arg_list):
     k = len(t) // n
     per = [sum(ms for _, ms in t[i * k:(i + 1) * k]) for i in range(n)]
     return statistics.median(per) * 1e-3, [name for name, _ in t[:k]]
-
-
-def copy_bandwidth():
-    a = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    f = jax.jit(lambda a: a + 1.0)
-    t, _ = cupti_median(f, [(a,)] * 10)
-    del a
-    return 2 * 1024 ** 3 / t
 
 
 def rand_fp8_bank(key, E, N, Kd):
@@ -300,7 +293,7 @@ def main():
 
 
 def table(results, bw, device):
-    out = [f"device: {device}; copy bandwidth (1 GiB D2D, read+write): {bw / 1e9:.0f} GB/s", "",
+    out = [f"device: {device}; HBM ceiling (hbm_bandwidth: best of copy, a+1, read): {bw / 1e9:.0f} GB/s", "",
            "| matrix | fmt | G | M | N x K | weight MB | kernel us | GB/s | % copy BW | "
            "f32 path us (x) | bf16 path us (x) | fp8 dot us (x) | rel err | empty=0 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

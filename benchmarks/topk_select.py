@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.attention_decode import copy_bandwidth, profile_times, wall_time  # noqa: E402
+from benchmarks.attention_decode import profile_times, wall_time  # noqa: E402
+from benchmarks.common import copy_bandwidth  # noqa: E402
 from pallas_kernels.indexer_decode import topk_from_scores  # noqa: E402
 from pallas_kernels.topk_select import topk_select, topk_select_reference  # noqa: E402
 
@@ -51,9 +52,9 @@ def main():
     ap.add_argument("--json", help="append one JSON line per case here")
     ap.add_argument("--interpret", action="store_true", help="CPU check of this script")
     a = ap.parse_args()
-    bw = copy_bandwidth()["a+1"] if not a.interpret else 1e12
+    bw = copy_bandwidth() if not a.interpret else 1e12
     dev = jax.devices()[0].device_kind
-    print(f"device {dev}; copy bandwidth (a+1) {bw / 1e9:.0f} GB/s")
+    print(f"device {dev}; HBM ceiling (hbm_bandwidth) {bw / 1e9:.0f} GB/s")
     for case in a.cases:
         B, N, k = map(int, case.split(":"))
         sets = [scores(jax.random.key(1000 * B + i), B, N)

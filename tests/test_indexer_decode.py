@@ -151,6 +151,31 @@ def run_keys(q, w, keys, bt, t, fmt, **kw):
     return np.asarray(jax.jit(f)(q, w, keys, bt, t))
 
 
+PIPELINES = [("fp4", "bits", 3, True), ("fp4", "e4m3", 4, True), ("nvfp4", "bits", 3, True),
+             ("fp8", "bits", 3, False), ("fp8", "bits", 2, True)]
+
+
+def _keys(rng, fmt, NB):
+    if fmt == "nvfp4":
+        return _nvfp4_keys(rng, NB)
+    k = rng.standard_normal((NB, 32, 128)) * 2.0 ** rng.integers(-6, 6, (NB, 32, 4)).repeat(32, -1)
+    return kvformat.quantize_index_key(jnp.asarray(k, jnp.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt,dequant,stages,overlap", PIPELINES)
+def test_kernel_pipeline_variants(fmt, dequant, stages, overlap):
+    """Deeper TMA rings (stages) and the overlapped second-half dequant: 5 chunks per CTA
+    (more than the ring holds, so slots are reused), a partial last chunk, unused blocks."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=2, NB=24, MAXB=11)
+    keys = _keys(rng, fmt, 24)
+    bt = bt.at[0, 7:].set(-1)
+    t = jnp.asarray([4 * 32 * 7 - 5, 4 * 32 * 11 - 1], jnp.int32)
+    out = run_keys(q, w, keys, bt, t, fmt, dequant=dequant, chunks_per_cta=5, stages=stages,
+                   overlap=overlap)
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
+
+
 def test_e4m3_bits_decode_every_byte():
     """The nvfp4 path's scale decode (integer ops on the stored bytes) on all 254 non-NaN
     e4m3 bytes, against ml_dtypes."""
@@ -249,8 +274,8 @@ def test_cuda_lowering_flash_shapes():
     f = functools.partial(K.indexer_topk, topk=512)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    for dq in ("e4m3", "fp8mma"):
-        f = functools.partial(K.indexer_scores, dequant=dq)
+    for dq, st, ov in (("e4m3", 2, False), ("fp8mma", 2, False), ("e4m3", 4, True)):
+        f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
     # the fp8 and nvfp4 key formats share this kernel
@@ -269,6 +294,17 @@ def test_gpu_kernel_matches_reference(dequant):
     f = functools.partial(K.indexer_scores, dequant=dequant)
     out = np.asarray(jax.jit(f)(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant,stages,overlap", PIPELINES)
+def test_gpu_pipeline_variants(fmt, dequant, stages, overlap):
+    rng = np.random.default_rng()
+    q, w, _, bt, t = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=64)
+    keys = _keys(rng, fmt, 256)
+    f = functools.partial(K.score_keys, fmt=fmt, dequant=dequant, stages=stages, overlap=overlap)
+    out = np.asarray(jax.jit(f)(q, w, keys, bt, t))
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
 
 
 @pytest.mark.gpu

@@ -60,6 +60,16 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
 
 
+# The kernels' software pipeline (see _indexer_call_blocks); None in a call means these.
+STAGES = 2
+OVERLAP = False
+
+
+def _pipeline(stages, overlap):
+    return dict(stages=STAGES if stages is None else stages,
+                overlap=OVERLAP if overlap is None else overlap)
+
+
 def _grid(B, block_table, t_B, chunks_per_cta):
     """Padded block table, eligible counts and the CTA split (chunks of 64 entries)."""
     bt = block_table[:B].astype(jnp.int32)
@@ -76,7 +86,8 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
-                       chunks_per_cta=None, interpret=None, trim=True):
+                       chunks_per_cta=None, interpret=None, trim=True, stages=None,
+                       overlap=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). Interpreter- and lowering-tested only."""
     B = q_BHD.shape[0]
@@ -90,7 +101,8 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
-                               cpc=cpc, n_ctas=n_ctas, interpret=interpret)
+                               cpc=cpc, n_ctas=n_ctas, interpret=interpret,
+                               **_pipeline(stages, overlap))
     return out[:, :n_max] if trim else out
 
 
@@ -108,7 +120,8 @@ def _e4m3_bits_to_f32(x_u32):
 
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
-                         *, chunks_per_cta=None, interpret=None, trim=True):
+                         *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
+                         overlap=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -129,7 +142,8 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
                   for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
-                               fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret)
+                               fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
+                               **_pipeline(stages, overlap))
     return out[:, :n_max] if trim else out
 
 
@@ -167,7 +181,8 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant="bits", *
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
-                   chunks_per_cta=None, interpret=None, trim=True, dequant="bits"):
+                   chunks_per_cta=None, interpret=None, trim=True, dequant="bits",
+                   stages=None, overlap=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -197,23 +212,28 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
         qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant, q_scale=q_scale)
+                               dequant=dequant, q_scale=q_scale, **_pipeline(stages, overlap))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
-                         dequant="bits", q_scale=None):
+                         dequant="bits", q_scale=None, stages=2, overlap=False):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
     entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
     and half, dims 16q.. of the half in byte q). fmt "fp8": codes e4m3 [NB, 32, 128], scales
-    (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0). dequant (fp4): "bits" builds each
-    value's f32 bits with integer ops; "e4m3" re-packs the nibble as an e4m3 byte and lets
-    the hardware convert it (same values)."""
+    (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
+    dequant (fp4): "bits" builds each value's f32 bits with integer ops; "e4m3" re-packs the
+    nibble as an e4m3 byte and lets the hardware convert it (same values).
+    stages: depth of the TMA ring of code blocks (chunks in flight + the one in use).
+    overlap: the second half's dequant runs while the first half's wgmma is in flight (the
+    tensor cores and the ALUs overlap within one warpgroup; no extra SMEM)."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
         raise ValueError(f"format {fmt!r}: got {len(scales)} scale arrays")
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
@@ -244,9 +264,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, i, rows],
                                             bar.at[slot])
 
+        for j0 in range(stages - 1):
+            @pl.when(j0 < n_load)
+            def _():
+                issue(j0, j0)
         @pl.when(n_load > 0)
         def _():
-            issue(0, 0)
             plgpu.copy_gmem_to_smem(q_g.at[b], q_s, qbar)
             plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
             if mma8:
@@ -258,59 +281,22 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         def _():
             plgpu.barrier_wait(qbar)
 
-        def body(j, carry):
-            slot = lax.rem(j, 2)
+        def epilogue(j, s):
+            wv = plgpu.load(w_s, layout=COL)
+            score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
+            ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
+            o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
 
-            @pl.when(j + 1 < n_load)
+        def body(j, carry):
+            slot = lax.rem(j, stages)
+            ahead = j + stages - 1
+
+            @pl.when(ahead < n_load)
             def _():
-                issue(j + 1, 1 - slot)
+                issue(ahead, lax.rem(ahead, stages))
             plgpu.barrier_wait(bar.at[slot])
 
             sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)                   # [64]
-            if fmt == "fp8":
-                for half in range(2):   # e4m3 -> bf16 is exact
-                    x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
-                    k_s[half] = x.astype(jnp.float32).astype(jnp.bfloat16)
-            elif not mma8:
-                byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
-                col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
-                first_block = col < 32
-            for half in range(2 if fmt == "nvfp4" else 0):
-                # As "e4m3" below: the nibble as an e4m3 byte (= e2m1 * 2^-6, exact),
-                # converted by the hardware to f16. The half's four e4m3 scales (one u32 per
-                # entry: idx_scale_lo / _hi) are decoded from their bits on [64] vectors, *64
-                # (undoing the 2^-6), and the product e2m1 * s (at most 6 significant bits,
-                # 2^-10..2688) is exact in f16 and then in bf16.
-                if half == 0:
-                    code = ((byte & 8) << 4) | ((byte & 7) << 2)
-                else:
-                    code = (byte & 0x80) | ((byte & 0x70) >> 2)
-                e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
-                word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1], layout=ROW)
-                blk = None
-                for part in range(3, -1, -1):
-                    s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * 64.0,
-                                               (CHUNK, 64), [0]).astype(jnp.float16)
-                    blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
-                k_s[half] = (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
-            for half in range(2 if fmt == "fp4" and dequant == "e4m3" else 0):
-                # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
-                # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
-                # hardware converts pairs to f16 (cvt.rn.f16x2.e4m3x2); * 64 in f16 and the
-                # block scale 2^(E-127) in bf16 are exact. Compiled for sm_90a (PTX,
-                # 2026-11-25), a thread per 64-entry chunk: ~300 integer + ~140 float ops
-                # + 128 conversions, against ~810 + ~80 + 64 for "bits".
-                if half == 0:
-                    code = ((byte & 8) << 4) | ((byte & 7) << 2)
-                else:
-                    code = (byte & 0x80) | ((byte & 0x70) >> 2)
-                e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
-                s0, s1 = ((lax.bitcast_convert_type(((sc >> (16 * half + 8 * i)) & 0xFF) << 23,
-                                                     jnp.float32)) for i in range(2))
-                blk = jnp.where(first_block, lax.broadcast_in_dim(s0, (CHUNK, 64), [0]),
-                                lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
-                v = (e8.astype(jnp.float16) * jnp.float16(64.0)).astype(jnp.bfloat16)
-                k_s[half] = v * blk.astype(jnp.bfloat16)
             if mma8:
                 # Per 32-dim group g (the key scale's block; dims g*32.. : byte columns
                 # (g % 2) * 32.., low nibbles for g < 2, high for g >= 2): the nibbles as
@@ -319,7 +305,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 # q) sums 32 products exactly in f32; the scales join after:
                 # S += (acc_g * 2^(E_g - 127)) * (qs_g * 2^6).
                 s = None
-                wv = plgpu.load(w_s, layout=COL)
                 for g in range(4):
                     half, part = divmod(g, 2)
                     bg = plgpu.load(c_s.at[slot, :, pl.ds(part * 32, 32)],
@@ -338,37 +323,78 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     t = (acc * lax.broadcast_in_dim(sk, acc.shape, [0])) * \
                         lax.broadcast_in_dim(qsv, acc.shape, [1])
                     s = t if s is None else s + t
-                score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
-                ids = (plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW)
-                       + (first + j) * CHUNK)
-                o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
+                epilogue(j, s)
                 return carry
-            for half in range(2 if fmt == "fp4" and dequant == "bits" else 0):
-                # low nibbles: dims 0..63, high: 64..127
-                e0 = lax.broadcast_in_dim((sc >> (16 * half)) & 0xFF, (CHUNK, 64), [0])
-                e1 = lax.broadcast_in_dim((sc >> (16 * half + 8)) & 0xFF, (CHUNK, 64), [0])
-                exp_bits = (jnp.where(first_block, e0, e1) - 1) << 23
-                nib = (byte >> (4 * half)) & 15
-                mag = nib & 7
-                sign = (nib & 8) << 28
-                # e2m1 magnitude m * 2^(e-127) as f32 bits: normal codes (m >= 2) put m's
-                # bits right under the exponent; m == 1 is half the scale; m == 0 is zero.
-                bits = exp_bits + (jnp.where(mag >= 2, mag, 0) << 22)
-                bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
-                k_s[half] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+            if fmt != "fp8":
+                byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
+                col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
+
+            def to_smem(half):
+                """Keys of dims half*64.. of this chunk -> k_s[half] as bf16 [64 e, 64]."""
+                if fmt == "fp8":   # e4m3 -> bf16 is exact
+                    x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
+                    k_s[half] = x.astype(jnp.float32).astype(jnp.bfloat16)
+                    return
+                if fmt == "nvfp4" or dequant == "e4m3":
+                    # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
+                    # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
+                    # hardware converts pairs to f16 (cvt.rn.f16x2.e4m3x2).
+                    if half == 0:
+                        code = ((byte & 8) << 4) | ((byte & 7) << 2)
+                    else:
+                        code = (byte & 0x80) | ((byte & 0x70) >> 2)
+                    e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
+                if fmt == "nvfp4":
+                    # The half's four e4m3 scales (one u32 per entry: idx_scale_lo / _hi)
+                    # decoded from their bits on [64] vectors, *64 (undoing the 2^-6); the
+                    # product e2m1 * s (at most 6 significant bits, 2^-10..2688) is exact in
+                    # f16 and then in bf16.
+                    word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1], layout=ROW)
+                    blk = None
+                    for part in range(3, -1, -1):
+                        s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * 64.0,
+                                                   (CHUNK, 64), [0]).astype(jnp.float16)
+                        blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
+                    k_s[half] = (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
+                elif dequant == "e4m3":
+                    # * 64 in f16 and the block scale 2^(E-127) in bf16 are exact. sm_90a
+                    # PTX (2026-11-25), a thread per 64-entry chunk: ~300 integer + ~140
+                    # float ops + 128 conversions, against ~810 + ~80 + 64 for "bits".
+                    s0, s1 = ((lax.bitcast_convert_type(((sc >> (16 * half + 8 * i)) & 0xFF) << 23,
+                                                         jnp.float32)) for i in range(2))
+                    blk = jnp.where(col < 32, lax.broadcast_in_dim(s0, (CHUNK, 64), [0]),
+                                    lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
+                    v = (e8.astype(jnp.float16) * jnp.float16(64.0)).astype(jnp.bfloat16)
+                    k_s[half] = v * blk.astype(jnp.bfloat16)
+                else:   # "bits": low nibbles are dims 0..63, high 64..127
+                    e0 = lax.broadcast_in_dim((sc >> (16 * half)) & 0xFF, (CHUNK, 64), [0])
+                    e1 = lax.broadcast_in_dim((sc >> (16 * half + 8)) & 0xFF, (CHUNK, 64), [0])
+                    exp_bits = (jnp.where(col < 32, e0, e1) - 1) << 23
+                    nib = (byte >> (4 * half)) & 15
+                    mag = nib & 7
+                    sign = (nib & 8) << 28
+                    # e2m1 magnitude m * 2^(e-127) as f32 bits: normal codes (m >= 2) put m's
+                    # bits right under the exponent; m == 1 is half the scale; m == 0 is zero.
+                    bits = exp_bits + (jnp.where(mag >= 2, mag, 0) << 22)
+                    bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
+                    k_s[half] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+
+            to_smem(0)
+            if not overlap:
+                to_smem(1)
             plgpu.commit_smem()
 
             def mma(acc_ref):
-                for half in range(2):
-                    plgpu.wgmma(acc_ref, k_s.at[half], q_s.at[half].T)
+                plgpu.wgmma(acc_ref, k_s.at[0], q_s.at[0].T)
+                if overlap:   # runs while the first half's wgmma is in flight
+                    to_smem(1)
+                    plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, k_s.at[1], q_s.at[1].T)
                 return acc_ref[...]
             s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
             if fmt == "fp8":
                 s = s * lax.broadcast_in_dim(sc, s.shape, [0])
-            wv = plgpu.load(w_s, layout=COL)
-            score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
-            ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
-            o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
+            epilogue(j, s)
             return carry
 
         lax.fori_loop(0, n_load, body, 0)
@@ -388,12 +414,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         ins = (qh, w)
     scratch.update(
         w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
-        c_s=plgpu.SMEM((2, CHUNK) + codes.shape[2:], codes.dtype),
-        sc_s=plgpu.SMEM((2, n_sc, CHUNK), scales[0].dtype),
+        c_s=plgpu.SMEM((stages, CHUNK) + codes.shape[2:], codes.dtype),
+        sc_s=plgpu.SMEM((stages, n_sc, CHUNK), scales[0].dtype),
         k_s=k_type,
         o_s=plgpu.SMEM((span_s,), jnp.float32),
         qbar=plgpu.Barrier(num_arrivals=3 if mma8 else 2),
-        bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=stages),
     )
     return plgpu.kernel(
         kernel,
@@ -420,7 +446,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
-              interpret=None, select="xla", dequant="bits"):
+              interpret=None, select="xla", dequant="bits", stages=None, overlap=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -429,7 +455,8 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
     if select not in ("xla", "kernel"):
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
-                   chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla")
+                   chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
+                   stages=stages, overlap=overlap)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,

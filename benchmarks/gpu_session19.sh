@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 19 (2026-11-26) GPU runs. PART=N bash $0 from the repo root (one call each).
+#  PART=1: the HBM ceiling re-measured (benchmarks/bandwidth.py, two processes: the old
+#    measurement read 2.2-3.4 TB/s on one H200 in one session); the indexer pipeline knobs
+#    (stages = TMA ring depth, overlap = second half's dequant under the first half's wgmma)
+#    GPU-tested, then swept at B = 64 / 8, 128K; Nsight Compute on the default fp4 kernel
+#    and the fp8 one at B = 64, 128K (occupancy, warp stall reasons, memory throughput).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+case "${PART:-1}" in
+1)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv
+  for i in 1 2; do T 60 python3 benchmarks/bandwidth.py --repeat 2 | tee -a $OUT/bandwidth.log; done
+  T 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -k pipeline \
+    -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|PASSED|FAILED"
+  V=fp4:bits:0:2:0,fp4:e4m3:0:2:0,fp4:e4m3:0:3:0,fp4:e4m3:0:4:0,fp4:e4m3:0:2:1,fp4:e4m3:0:4:1
+  V=$V,fp4:e4m3:4:4:1,fp4:e4m3:16:4:1,fp8:bits:0:2:0,fp8:bits:0:4:1,nvfp4:bits:0:2:0,nvfp4:bits:0:4:1
+  T 260 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 --variants $V \
+    --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
+  for v in fp4:e4m3:0:2:0 fp8:bits:0:2:0; do
+    T 90 ncu --clock-control none --kernel-name regex:mosaic_gpu --launch-skip 1 --launch-count 1 \
+      $S python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants $v \
+      > $OUT/ncu_${v//:/_}.txt 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Block Limit|Stall|Issued Ipc|No Eligible|Warp Cycles Per Issued|One or More" $OUT/ncu_${v//:/_}.txt | head -40
+  done ;;
+esac
+true
