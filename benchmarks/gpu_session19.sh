@@ -25,5 +25,19 @@ case "${PART:-1}" in
       > $OUT/ncu_${v//:/_}.txt 2>&1
     grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Block Limit|Stall|Issued Ipc|No Eligible|Warp Cycles Per Issued|One or More" $OUT/ncu_${v//:/_}.txt | head -40
   done ;;
+2)
+  # The sweep again, timed from profiler traces (PART=1's synchronised wall times swung
+  # 2.6x between neighbouring variants); ncu without JAX's memory preallocation (PART=1:
+  # "Failed to profile": kernel replay saves device memory, 90% of it was taken).
+  V=fp4:bits:0:2:0,fp4:e4m3:0:2:0,fp4:e4m3:0:3:0,fp4:e4m3:0:4:0,fp4:e4m3:0:2:1,fp4:e4m3:0:3:1
+  V=$V,fp4:e4m3:0:4:1,fp4:e4m3:16:4:1,fp8:bits:0:2:0,fp8:bits:0:3:0,fp8:bits:0:4:1
+  V=$V,nvfp4:bits:0:2:0,nvfp4:bits:0:3:1
+  T 300 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 --variants $V \
+    --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false T 150 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+    --launch-skip 1 --launch-count 1 $S python3 benchmarks/indexer_probe.py run --cases 64:131072 \
+    --variants fp4:e4m3:0:2:0 > $OUT/ncu.txt 2>&1
+  grep -v "^I0000\|^WARNING: All" $OUT/ncu.txt | grep -v "^ *---" | head -120 ;;
 esac
 true

@@ -7,11 +7,13 @@ plain run of one variant for Nsight Compute.
       python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants fp4:e4m3:8:2:0
 
 A variant is fmt:dequant:chunks_per_cta:stages:overlap (chunks_per_cta 0: the default).
-sweep: per case and variant, the kernel's time (one jitted program over 2 distinct input
-sets, median of 10, divided by 2), GB/s of key bytes + scores read/written, % of the HBM
-ceiling measured in the same run (benchmarks.common.hbm_bandwidth), and the scores'
-largest difference from the first variant (all variants must agree bit for bit up to the
-f32 sum order; printed, not assumed).
+sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
+calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
+.profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls
+each, the rounds interleaved over the variants (drift shows as a wide min-max); also the
+synchronised wall time; GB/s of key bytes + scores, % of the HBM ceiling measured in the
+same run (benchmarks.common.hbm_bandwidth), and the scores' largest difference from the
+format's first variant (printed, not assumed: the same sums in the same order give 0).
 """
 import argparse
 import json
@@ -20,6 +22,7 @@ import os
 import numpy as np
 import jax
 
+from benchmarks.attention_decode import profile_times
 from benchmarks.common import hbm_bandwidth, median_seconds
 from benchmarks.indexer_attention import KEY_BYTES, indexer_inputs
 from pallas_kernels.indexer_decode import kernel as IK
@@ -31,10 +34,13 @@ def parse_variant(v):
                 overlap=ov == "1")
 
 
-def scorer(var):
+def scorer(var, interpret=False):
     kw = dict(var)
+    if interpret:   # CPU check of this script (the Mosaic GPU interpreter)
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        kw["interpret"] = plgpu.InterpretGPUParams()
     fmt = kw.pop("fmt")
-    return jax.jit(lambda q, w, k, bt, t: IK.score_keys(q, w, k, bt, t, fmt=fmt, **kw))
+    return jax.jit(lambda q, w, k, bt, t: IK.score_keys(q, w, k, bt, t, fmt=fmt, trim=False, **kw))
 
 
 def main():
@@ -43,6 +49,8 @@ def main():
     ap.add_argument("--cases", default="64:131072")
     ap.add_argument("--variants", default="fp4:e4m3:0:2:0")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interpret", action="store_true")
     a = ap.parse_args()
     cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
     variants = [(v, parse_variant(v)) for v in a.variants.split(",")]
@@ -58,34 +66,39 @@ def main():
     print("device", jax.devices()[0].device_kind, "HBM ceiling (GB/s):",
           {k: round(v / 1e9) for k, v in bw.items()}, flush=True)
     log = open(os.path.join(a.out, "indexer_probe.jsonl"), "a")
-    print("| B | ctx | variant (fmt:dequant:cpc:stages:overlap) | us | GB/s | % ceiling | max diff |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | ctx | variant (fmt:dequant:cpc:stages:overlap) | GPU us (median of rounds; "
+          "min-max) | GB/s | % ceiling | wall us | max diff |")
+    print("|---|---|---|---|---|---|---|---|")
     for B, ctx in cases:
-        by_fmt = {}
+        inputs, first, progs, wall, diffs = {}, {}, [], {}, {}
         for name, var in variants:
             fmt = var["fmt"]
-            if fmt not in by_fmt:
-                by_fmt[fmt] = ([indexer_inputs(jax.random.key(100 * B + i), B, ctx, fmt)
-                                for i in range(2)], None)
-            sets, first = by_fmt[fmt]
-            f = scorer(var)
-            many = jax.jit(lambda ss, f=f: [f(*s) for s in ss])
-            out = np.asarray(jax.block_until_ready(many(sets))[0])
-            t = median_seconds(lambda: many(sets), 10) / len(sets)
-            if first is None:
-                by_fmt[fmt] = (sets, out)
-                diff = 0.0
-            else:
-                fin = np.isfinite(first)
-                diff = float(np.abs(out[fin] - first[fin]).max()) if (
-                    np.isfinite(out) == fin).all() else float("nan")
-            nbytes = B * (ctx // 4) * (KEY_BYTES[fmt] + 4)
-            row = dict(B=B, ctx=ctx, variant=name, us=t * 1e6, GBs=nbytes / t / 1e9,
-                       pct=100 * nbytes / t / bw["ceiling"], max_diff=diff,
-                       device=jax.devices()[0].device_kind, ceiling_GBs=bw["ceiling"] / 1e9)
+            if fmt not in inputs:
+                inputs[fmt] = indexer_inputs(jax.random.key(100 * B), B, ctx, fmt)
+            f = scorer(var, a.interpret)
+            out = np.asarray(jax.block_until_ready(f(*inputs[fmt])))
+            if fmt not in first:
+                first[fmt] = out
+            fin = np.isfinite(first[fmt])
+            diffs[name] = float(np.abs(out[fin] - first[fmt][fin]).max()) if (
+                np.isfinite(out) == fin).all() else float("nan")
+            g = lambda inp, f=f: f(*inp)
+            wall[name] = median_seconds(lambda: g(inputs[fmt]), 10)
+            progs.append((name, g, inputs[fmt]))
+        rounds = [profile_times(progs, n=3) for _ in range(a.rounds)]
+        for name, var in variants:
+            ts = sorted(r[name]["busy"] for r in rounds)
+            t = ts[len(ts) // 2]
+            nbytes = B * (ctx // 4) * (KEY_BYTES[var["fmt"]] + 4)
+            row = dict(B=B, ctx=ctx, variant=name, gpu_us=t * 1e6, gpu_us_all=[x * 1e6 for x in ts],
+                       wall_us=wall[name] * 1e6, GBs=nbytes / t / 1e9,
+                       pct=100 * nbytes / t / bw["ceiling"], max_diff=diffs[name],
+                       top=rounds[0][name]["top"], device=jax.devices()[0].device_kind,
+                       ceiling_GBs=bw["ceiling"] / 1e9)
             log.write(json.dumps(row) + "\n"); log.flush()
-            print(f"| {B} | {ctx} | {name} | {t * 1e6:.1f} | {row['GBs']:.0f} | {row['pct']:.1f} "
-                  f"| {diff:.2e} |", flush=True)
+            print(f"| {B} | {ctx} | {name} | {t * 1e6:.1f} ({ts[0] * 1e6:.0f}-{ts[-1] * 1e6:.0f}) "
+                  f"| {row['GBs']:.0f} | {row['pct']:.1f} | {wall[name] * 1e6:.0f} "
+                  f"| {diffs[name]:.2e} |", flush=True)
 
 
 if __name__ == "__main__":
