@@ -6,7 +6,7 @@ plain run of one variant for Nsight Compute.
   ncu --clock-control none --kernel-name regex:mosaic_gpu --launch-skip 1 --launch-count 1 \
       python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants fp4:e4m3:8:2:0
 
-A variant is fmt:dequant:chunks_per_cta:stages:overlap (chunks_per_cta 0: the default).
+A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg] (chunks_per_cta 0: the default).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
 .profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls
@@ -29,9 +29,9 @@ from pallas_kernels.indexer_decode import kernel as IK
 
 
 def parse_variant(v):
-    fmt, dq, cpc, st, ov = v.split(":")
+    fmt, dq, cpc, st, ov, *kr = v.split(":")
     return dict(fmt=fmt, dequant=dq, chunks_per_cta=int(cpc) or None, stages=int(st),
-                overlap=ov == "1")
+                overlap=ov == "1", kreg=kr == ["1"])
 
 
 def scorer(var, interpret=False):
@@ -66,7 +66,7 @@ def main():
     print("device", jax.devices()[0].device_kind, "HBM ceiling (GB/s):",
           {k: round(v / 1e9) for k, v in bw.items()}, flush=True)
     log = open(os.path.join(a.out, "indexer_probe.jsonl"), "a")
-    print("| B | ctx | variant (fmt:dequant:cpc:stages:overlap) | GPU us (median of rounds; "
+    print("| B | ctx | variant (fmt:dequant:cpc:stages:overlap:kreg) | GPU us (median of rounds; "
           "min-max) | GB/s | % ceiling | wall us | max diff |")
     print("|---|---|---|---|---|---|---|---|")
     for B, ctx in cases:

@@ -63,11 +63,13 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 # The kernels' software pipeline (see _indexer_call_blocks); None in a call means these.
 STAGES = 2
 OVERLAP = False
+KREG = False
 
 
-def _pipeline(stages, overlap):
+def _pipeline(stages, overlap, kreg=None):
     return dict(stages=STAGES if stages is None else stages,
-                overlap=OVERLAP if overlap is None else overlap)
+                overlap=OVERLAP if overlap is None else overlap,
+                kreg=KREG if kreg is None else kreg)
 
 
 def _grid(B, block_table, t_B, chunks_per_cta):
@@ -87,7 +89,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                       overlap=None):
+                       overlap=None, kreg=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). Interpreter- and lowering-tested only."""
     B = q_BHD.shape[0]
@@ -102,7 +104,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap))
+                               **_pipeline(stages, overlap, kreg))
     return out[:, :n_max] if trim else out
 
 
@@ -121,7 +123,7 @@ def _e4m3_bits_to_f32(x_u32):
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                         overlap=None):
+                         overlap=None, kreg=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -143,7 +145,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap))
+                               **_pipeline(stages, overlap, kreg))
     return out[:, :n_max] if trim else out
 
 
@@ -182,7 +184,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant="bits", *
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant="bits",
-                   stages=None, overlap=None):
+                   stages=None, overlap=None, kreg=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -212,12 +214,13 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
         qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant, q_scale=q_scale, **_pipeline(stages, overlap))
+                               dequant=dequant, q_scale=q_scale,
+                               **_pipeline(stages, overlap, kreg))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
-                         dequant="bits", q_scale=None, stages=2, overlap=False):
+                         dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
     entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
@@ -227,7 +230,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     nibble as an e4m3 byte and lets the hardware convert it (same values).
     stages: depth of the TMA ring of code blocks (chunks in flight + the one in use).
     overlap: the second half's dequant runs while the first half's wgmma is in flight (the
-    tensor cores and the ALUs overlap within one warpgroup; no extra SMEM)."""
+    tensor cores and the ALUs overlap within one warpgroup; no extra SMEM).
+    kreg: the dequantised keys go to the wgmma from registers (no k_s in SMEM: 16 KB less a
+    CTA, more CTAs an SM); overlap is then implied. Not for "fp8mma"."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -235,6 +240,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
+    kreg = kreg and not mma8
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
@@ -243,7 +249,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     span = cpc * CHUNK
     span_s = -(-span // 128) * 128
 
-    def kernel(*refs, q_s, w_s, c_s, sc_s, k_s, o_s, qbar, bar, qs_s=None):
+    def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None):
         if mma8:
             q_g, qs_g, w_g, codes_g, *scale_gs, bt_g, ne_g, o_g = refs
         else:
@@ -329,12 +335,11 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
 
-            def to_smem(half):
-                """Keys of dims half*64.. of this chunk -> k_s[half] as bf16 [64 e, 64]."""
+            def keys(half):
+                """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
                 if fmt == "fp8":   # e4m3 -> bf16 is exact
                     x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
-                    k_s[half] = x.astype(jnp.float32).astype(jnp.bfloat16)
-                    return
+                    return x.astype(jnp.float32).astype(jnp.bfloat16)
                 if fmt == "nvfp4" or dequant == "e4m3":
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
                     # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
@@ -355,7 +360,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                         s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * 64.0,
                                                    (CHUNK, 64), [0]).astype(jnp.float16)
                         blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
-                    k_s[half] = (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
+                    return (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
                 elif dequant == "e4m3":
                     # * 64 in f16 and the block scale 2^(E-127) in bf16 are exact. sm_90a
                     # PTX (2026-11-25), a thread per 64-entry chunk: ~300 integer + ~140
@@ -365,7 +370,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     blk = jnp.where(col < 32, lax.broadcast_in_dim(s0, (CHUNK, 64), [0]),
                                     lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
                     v = (e8.astype(jnp.float16) * jnp.float16(64.0)).astype(jnp.bfloat16)
-                    k_s[half] = v * blk.astype(jnp.bfloat16)
+                    return v * blk.astype(jnp.bfloat16)
                 else:   # "bits": low nibbles are dims 0..63, high 64..127
                     e0 = lax.broadcast_in_dim((sc >> (16 * half)) & 0xFF, (CHUNK, 64), [0])
                     e1 = lax.broadcast_in_dim((sc >> (16 * half + 8)) & 0xFF, (CHUNK, 64), [0])
@@ -377,20 +382,28 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     # bits right under the exponent; m == 1 is half the scale; m == 0 is zero.
                     bits = exp_bits + (jnp.where(mag >= 2, mag, 0) << 22)
                     bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
-                    k_s[half] = lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+                    return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
-            to_smem(0)
-            if not overlap:
-                to_smem(1)
-            plgpu.commit_smem()
+            if kreg:
+                # The keys stay in registers as the wgmma's A operand: no SMEM round trip,
+                # no fence; the second half's dequant runs under the first half's wgmma.
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, keys(0), q_s.at[0].T)
+                    plgpu.wgmma(acc_ref, keys(1), q_s.at[1].T)
+                    return acc_ref[...]
+            else:
+                k_s[0] = keys(0)
+                if not overlap:
+                    k_s[1] = keys(1)
+                plgpu.commit_smem()
 
-            def mma(acc_ref):
-                plgpu.wgmma(acc_ref, k_s.at[0], q_s.at[0].T)
-                if overlap:   # runs while the first half's wgmma is in flight
-                    to_smem(1)
-                    plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, k_s.at[1], q_s.at[1].T)
-                return acc_ref[...]
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, k_s.at[0], q_s.at[0].T)
+                    if overlap:   # runs while the first half's wgmma is in flight
+                        k_s[1] = keys(1)
+                        plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, k_s.at[1], q_s.at[1].T)
+                    return acc_ref[...]
             s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
             if fmt == "fp8":
                 s = s * lax.broadcast_in_dim(sc, s.shape, [0])
@@ -416,11 +429,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
         c_s=plgpu.SMEM((stages, CHUNK) + codes.shape[2:], codes.dtype),
         sc_s=plgpu.SMEM((stages, n_sc, CHUNK), scales[0].dtype),
-        k_s=k_type,
         o_s=plgpu.SMEM((span_s,), jnp.float32),
         qbar=plgpu.Barrier(num_arrivals=3 if mma8 else 2),
         bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=stages),
     )
+    if not kreg:
+        scratch["k_s"] = k_type
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((B, n_ctas * span), jnp.float32),
@@ -446,7 +460,8 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
-              interpret=None, select="xla", dequant="bits", stages=None, overlap=None):
+              interpret=None, select="xla", dequant="bits", stages=None, overlap=None,
+              kreg=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -456,7 +471,7 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
-                   stages=stages, overlap=overlap)
+                   stages=stages, overlap=overlap, kreg=kreg)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
