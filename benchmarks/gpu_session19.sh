@@ -39,5 +39,20 @@ case "${PART:-1}" in
     --launch-skip 1 --launch-count 1 $S python3 benchmarks/indexer_probe.py run --cases 64:131072 \
     --variants fp4:e4m3:0:2:0 > $OUT/ncu.txt 2>&1
   grep -v "^I0000\|^WARNING: All" $OUT/ncu.txt | grep -v "^ *---" | head -120 ;;
+3)
+  # kreg: the dequantised keys as the wgmma's register A operand (no k_s in SMEM: 30 KB a
+  # CTA instead of 47; PART=2's ncu: occupancy 4 CTAs an SM, limited by SMEM; issue-bound).
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|PASSED|FAILED"
+  V=fp4:bits:0:2:0:0,fp4:e4m3:0:2:1:0,fp4:e4m3:0:2:0:1,fp4:e4m3:0:3:0:1,fp4:e4m3:0:4:0:1
+  V=$V,fp4:bits:0:2:0:1,fp4:fp8mma:0:2:0:0,fp8:bits:0:2:0:0,fp8:bits:0:2:0:1,fp8:bits:0:3:0:1
+  V=$V,nvfp4:bits:0:2:0:0,nvfp4:bits:0:2:0:1,nvfp4:bits:0:3:0:1
+  T 330 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
+    --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false T 100 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+    --launch-skip 1 --launch-count 1 $S python3 benchmarks/indexer_probe.py run --cases 64:131072 \
+    --variants fp4:e4m3:0:2:0:1 > $OUT/ncu.txt 2>&1
+  grep -v "^I0000\|^WARNING: All" $OUT/ncu.txt | grep -v "^ *---" | grep -v "^ *$" | head -90 ;;
 esac
 true
