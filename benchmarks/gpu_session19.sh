@@ -54,5 +54,28 @@ case "${PART:-1}" in
     --launch-skip 1 --launch-count 1 $S python3 benchmarks/indexer_probe.py run --cases 64:131072 \
     --variants fp4:e4m3:0:2:0:1 > $OUT/ncu.txt 2>&1
   grep -v "^I0000\|^WARNING: All" $OUT/ncu.txt | grep -v "^ *---" | grep -v "^ *$" | head -90 ;;
+4)
+  # The new defaults (kreg on, fp4 dequant e4m3): GPU tests, the indexer table with GPU
+  # times and the re-measured ceiling, decode step vs pure JAX (tiny preset; 4 Flash layers).
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    tests/test_kernel_decode.py -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|PASSED|FAILED"
+  T 240 python3 benchmarks/indexer_attention.py --out $OUT --dequant e4m3,bits --formats nvfp4,fp8 \
+    --cases idx:64:131072:512,idx:8:131072:512,idx:1:4096:512 | tee $OUT/indexer.log \
+    | grep -E "^\| indexer|ceiling|GPU time"
+  T 150 python3 benchmarks/decode_kernels_check.py --preset tiny --batch 2 --context 300 \
+    --steps 3 | tee $OUT/check_tiny.log | grep -v "^{" | tail -4
+  T 130 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check_flash4.log | grep -E "median" ;;
+5)
+  # The step and the attention kernel against the re-measured ceiling.
+  for ctx in 32768 131072; do
+    T 130 python3 -m benchmarks.decode_bench decode --preset flash --layers 4 --batch 64 \
+      --context $ctx --kernels on --matmul pallas --what stream --steps 10 \
+      | tee $OUT/flash4_b64_$ctx.log | grep -E "floor|bandwidth"
+  done
+  T 260 python3 benchmarks/attention_decode.py --out $OUT --budget 220 --all-variants \
+    --variants triton64 --trusted triton64 \
+    --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768 \
+    2>&1 | grep -v "^{" | grep -E "smoke|^\| (flash|pro)|ceiling|bandwidth" ;;
 esac
 true

@@ -1,7 +1,7 @@
 """Lightning-indexer scoring at decode as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
 
-Entry points: indexer_scores (fp4 pool; run on the H100), indexer_scores_nvfp4 and
-indexer_scores_fp8 (nvfp4 / fp8 pools; not yet run on a GPU), score_keys (dict dispatch over
+Entry points: indexer_scores (fp4 pool), indexer_scores_nvfp4 and indexer_scores_fp8
+(nvfp4 / fp8 pools; all three GPU-tested on an H200, 2026-11-26), score_keys (dict dispatch over
 the three formats), topk_from_scores (XLA top-k), topk_keys / indexer_topk (scores + XLA
 top-k, or select="kernel": the pallas_kernels.topk_select kernel, the decode step's default
 since its H100 proof on 2026-11-25).
@@ -61,9 +61,16 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 
 
 # The kernels' software pipeline (see _indexer_call_blocks); None in a call means these.
+# Chosen on an H200 on 2026-11-26 (benchmarks/indexer_probe.py, GPU time from profiler
+# traces, B = 64 / 8 at 128K and B = 1 at 32K): kreg won in every format and case (fp4
+# e4m3 at B = 64: 169 us against 176 with overlap and 180 without either; fp8: 109 against
+# 134); deeper rings (3, 4) gained nothing once kreg was on.
 STAGES = 2
 OVERLAP = False
-KREG = False
+KREG = True
+# The fp4 keys' dequant when a call names none: "e4m3" measured 169 us against "bits" 207
+# and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where it applies).
+DEQUANT = "e4m3"
 
 
 def _pipeline(stages, overlap, kreg=None):
@@ -91,7 +98,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
                        overlap=None, kreg=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
-    idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). Interpreter- and lowering-tested only."""
+    idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
     if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
         raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
@@ -127,7 +134,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
-    significant bits). Interpreter- and lowering-tested (2026-11-25); not yet run on a GPU."""
+    significant bits). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
     if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
         raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
@@ -164,14 +171,14 @@ def q_fp8_groups(q_BHD):
     return q8.transpose(0, 2, 1, 3), (qs * 64.0).transpose(0, 2, 1)
 
 
-def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant="bits", **kw):
+def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **kw):
     """Kernel scores from a pool given as its dict of fields (as in reference.py), any of
-    the three key formats. dequant: the fp4 paths (indexer_scores); the other formats have
-    one ("bits", the default, stands for it)."""
+    the three key formats. dequant: the fp4 paths (indexer_scores; None: DEQUANT); the
+    other formats have one (None or "bits" stands for it)."""
     if fmt == "fp4":
         return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
                               t_B, dequant=dequant, **kw)
-    if dequant != "bits":
+    if dequant not in (None, "bits"):
         raise ValueError(f"dequant={dequant!r} is for fp4 keys; format {fmt!r} has one path")
     if fmt == "nvfp4":
         return indexer_scores_nvfp4(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale_lo"],
@@ -183,7 +190,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant="bits", *
 
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
-                   chunks_per_cta=None, interpret=None, trim=True, dequant="bits",
+                   chunks_per_cta=None, interpret=None, trim=True, dequant=None,
                    stages=None, overlap=None, kreg=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
@@ -195,13 +202,15 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
     trim=False: the kernel's whole output [B, W >= MAXB*32], scores in the first MAXB*32
     columns (past them -inf), without the slice (a copy kernel in XLA).
-    dequant: "bits" (integer ops build the f32 bits; run on the H100), "e4m3" (the nibble
-    re-packed as an e4m3 byte, converted by the hardware; same values) or "fp8mma" (the
-    e4m3 bytes go to an e4m3 wgmma per 32-dim group against q as e4m3 (q_fp8_groups; q
-    must be FP4-simulated), scales applied to the group sums). "e4m3" and "fp8mma" are
-    interpreter- and compile-tested only (2026-11-25).
+    dequant: "bits" (integer ops build the f32 bits), "e4m3" (the nibble re-packed as an
+    e4m3 byte, converted by the hardware; same values; the default, DEQUANT) or "fp8mma"
+    (the e4m3 bytes go to an e4m3 wgmma per 32-dim group against q as e4m3 (q_fp8_groups;
+    q must be FP4-simulated), scales applied to the group sums). All three GPU-tested on
+    an H200 (2026-11-26). stages / overlap / kreg: the software pipeline
+    (_indexer_call_blocks; None: STAGES, OVERLAP, KREG).
     """
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
+    dequant = DEQUANT if dequant is None else dequant
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     B = q_BHD.shape[0]
@@ -240,7 +249,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
-    kreg = kreg and not mma8
+    # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
+    # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
+    kreg = kreg and not mma8 and interpret is None
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
@@ -460,7 +471,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
-              interpret=None, select="xla", dequant="bits", stages=None, overlap=None,
+              interpret=None, select="xla", dequant=None, stages=None, overlap=None,
               kreg=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
