@@ -77,5 +77,13 @@ case "${PART:-1}" in
     --variants triton64 --trusted triton64 \
     --only flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768 \
     2>&1 | grep -v "^{" | grep -E "smoke|^\| (flash|pro)|ceiling|bandwidth" ;;
+6)
+  # e4m3g: fp4 keys as four 32-dim wgmma operands (one scale each: no per-column select;
+  # the 2^-6 folded into w), against the default e4m3 (two 64-dim operands).
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -k "e4m3g or kernel_matches" \
+    -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|PASSED|FAILED"
+  V=fp4:e4m3:0:2:0:1,fp4:e4m3g:0:2:0:1,fp4:e4m3g:0:3:0:1,fp4:e4m3g:0:2:1:0,fp4:bits:0:2:0:1
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
+    --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{" ;;
 esac
 true
