@@ -36,7 +36,7 @@ DIM = 128
 EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
 CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
 RATIO = 4
-DEQUANTS = ("bits", "e4m3", "fp8mma", "e4m3g")
+DEQUANTS = ("bits", "e4m3", "fp8mma")
 
 
 def _check(q, w, codes, scale, block_table, t):
@@ -217,16 +217,13 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     q_scale = None
-    w = w_BH.astype(jnp.float32)
     if dequant == "fp8mma":
         qh, q_scale = q_fp8_groups(q_BHD)
-    elif dequant == "e4m3g":   # dims 32g.. as group g; the keys' 2^-6 undone on w
-        qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 4, 32).transpose(0, 2, 1, 3)
-        w = w * 64.0
     else:   # split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble)
         qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
-    out = _indexer_call_blocks(qh, w, idx_codes, (scale_u32,), bt, n_elig, fmt="fp4", cpc=cpc,
-                               n_ctas=n_ctas, interpret=interpret, dequant=dequant, q_scale=q_scale,
+    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
+                               n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
+                               dequant=dequant, q_scale=q_scale,
                                **_pipeline(stages, overlap, kreg))
     return out[:, :n_max] if trim else out
 
@@ -252,8 +249,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
-    g4 = fmt == "fp4" and dequant == "e4m3g"   # 4 wgmma operands of 32 dims (one scale each)
-    n_op = 4 if g4 else 2
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
     kreg = kreg and not mma8 and interpret is None
@@ -347,7 +342,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     s = t if s is None else s + t
                 epilogue(j, s)
                 return carry
-            if fmt != "fp8" and not g4:
+            if fmt != "fp8":
                 byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
 
@@ -400,41 +395,25 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
                     return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
-            def key_group(g):
-                """e4m3g: dims 32g.. (byte columns (g % 2) * 32.., low nibbles for g < 2, high
-                for g >= 2) as bf16 [64 e, 32] = e2m1 * 2^-6 * 2^(E_g - 127): one scale per
-                operand, so no per-column select; the 2^-6 is undone on w (kernel input w * 64:
-                relu(s / 64) * 64 w = relu(s) w, powers of two, exact)."""
-                half, part = divmod(g, 2)
-                bg = plgpu.load(c_s.at[slot, :, pl.ds(part * 32, 32)],
-                                layout=WG).astype(jnp.uint32)                   # [64 e, 32]
-                code = (((bg & 8) << 4) | ((bg & 7) << 2) if half == 0 else
-                        (bg & 0x80) | ((bg & 0x70) >> 2))
-                e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
-                sg = lax.bitcast_convert_type(((sc >> (8 * g)) & 0xFF) << 23, jnp.float32)
-                return e8.astype(jnp.float16).astype(jnp.bfloat16) * lax.broadcast_in_dim(
-                    sg.astype(jnp.bfloat16), (CHUNK, 32), [0])
-
-            operand = key_group if g4 else keys
             if kreg:
                 # The keys stay in registers as the wgmma's A operand: no SMEM round trip,
-                # no fence; each operand's dequant runs under the previous one's wgmma.
+                # no fence; the second half's dequant runs under the first half's wgmma.
                 def mma(acc_ref):
-                    for i in range(n_op):
-                        plgpu.wgmma(acc_ref, operand(i), q_s.at[i].T)
+                    plgpu.wgmma(acc_ref, keys(0), q_s.at[0].T)
+                    plgpu.wgmma(acc_ref, keys(1), q_s.at[1].T)
                     return acc_ref[...]
             else:
-                k_s[0] = operand(0)
-                for i in range(1, n_op if not overlap else 1):
-                    k_s[i] = operand(i)
+                k_s[0] = keys(0)
+                if not overlap:
+                    k_s[1] = keys(1)
                 plgpu.commit_smem()
 
                 def mma(acc_ref):
-                    for i in range(n_op):
-                        if overlap and i:   # runs while the previous operand's wgmma is in flight
-                            k_s[i] = operand(i)
-                            plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, k_s.at[i], q_s.at[i].T)
+                    plgpu.wgmma(acc_ref, k_s.at[0], q_s.at[0].T)
+                    if overlap:   # runs while the first half's wgmma is in flight
+                        k_s[1] = keys(1)
+                        plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, k_s.at[1], q_s.at[1].T)
                     return acc_ref[...]
             s = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))   # [64 e, 64 h]
             if fmt == "fp8":
@@ -453,11 +432,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                        qs_s=plgpu.SMEM((4, N_HEADS), jnp.float32))
         k_type = plgpu.SMEM((4, CHUNK, 32), jnp.float8_e4m3fn, transforms=tr8)
         ins = (qh, q_scale, w)
-    elif g4:   # q as bf16 groups [B, 4, 64 h, 32]
-        tr32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
-        scratch = dict(q_s=plgpu.SMEM((4, N_HEADS, 32), jnp.bfloat16, transforms=tr32))
-        k_type = plgpu.SMEM((4, CHUNK, 32), jnp.bfloat16, transforms=tr32)
-        ins = (qh, w)
     else:
         scratch = dict(q_s=plgpu.SMEM((2, N_HEADS, 64), jnp.bfloat16, transforms=tr))
         k_type = plgpu.SMEM((2, CHUNK, 64), jnp.bfloat16, transforms=tr)
