@@ -87,5 +87,11 @@ case "${PART:-1}" in
   V=fp4:e4m3:0:2:0:1,fp4:e4m3g:0:2:0:1,fp4:e4m3g:0:3:0:1,fp4:e4m3g:0:2:1:0,fp4:bits:0:2:0:1
   T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
     --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{" ;;
+7)
+  # kernel.U8: the e4m3 / nvfp4 nibble re-packing on the uint8 bytes as loaded (no u32
+  # widening); max diff against the first variant of each format must read 0.
+  V=fp4:e4m3:0:2:0:1:0,fp4:e4m3:0:2:0:1:1,nvfp4:bits:0:2:0:1:0,nvfp4:bits:0:2:0:1:1
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
+    --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{" ;;
 esac
 true
