@@ -68,8 +68,9 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 STAGES = 2
 OVERLAP = False
 KREG = True
-# The e4m3 / nvfp4 nibble re-packing on the uint8 bytes as loaded instead of widened to
-# u32 (read at trace time; an experiment: benchmarks/indexer_probe.py variant field 7).
+# The e4m3 / nvfp4 nibble re-packing on the bytes widened to u16 instead of u32 (Mosaic
+# has no shifts on 8-bit types; read at trace time; an experiment:
+# benchmarks/indexer_probe.py variant field 7).
 U8 = False
 # The fp4 keys' dequant when a call names none: "e4m3" measured 169 us against "bits" 207
 # and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where it applies).
@@ -359,7 +360,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
                     # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
                     # hardware converts pairs to f16 (cvt.rn.f16x2.e4m3x2).
-                    x = byte8 if U8 else byte   # U8: the bit ops on the bytes as loaded
+                    x = byte8.astype(jnp.uint16) if U8 else byte   # U8: 16-bit ops (Mosaic: no 8-bit shifts)
                     if half == 0:
                         code = ((x & 8) << 4) | ((x & 7) << 2)
                     else:
