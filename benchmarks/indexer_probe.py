@@ -6,8 +6,7 @@ plain run of one variant for Nsight Compute.
   ncu --clock-control none --kernel-name regex:mosaic_gpu --launch-skip 1 --launch-count 1 \
       python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants fp4:e4m3:8:2:0
 
-A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:u8]] (chunks_per_cta 0: the
-default; u8: kernel.U8, the nibble re-packing on the bytes as loaded).
+A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg] (chunks_per_cta 0: the default).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
 .profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls
@@ -30,16 +29,16 @@ from pallas_kernels.indexer_decode import kernel as IK
 
 
 def parse_variant(v):
-    fmt, dq, cpc, st, ov, *rest = v.split(":") + ["0", "0"]
+    fields = v.split(":")
+    if len(fields) not in (5, 6):
+        raise SystemExit(f"variant {v!r}: expected fmt:dequant:cpc:stages:overlap[:kreg]")
+    fmt, dq, cpc, st, ov, *kr = fields
     return dict(fmt=fmt, dequant=dq, chunks_per_cta=int(cpc) or None, stages=int(st),
-                overlap=ov == "1", kreg=rest[0] == "1", u8=rest[1] == "1")
+                overlap=ov == "1", kreg=kr == ["1"])
 
 
 def scorer(var, interpret=False):
-    """A jitted scorer for the variant; call it once before the next scorer(): kernel.U8 is
-    read when it traces."""
     kw = dict(var)
-    IK.U8 = kw.pop("u8")
     if interpret:   # CPU check of this script (the Mosaic GPU interpreter)
         from jax.experimental.pallas import mosaic_gpu as plgpu
         kw["interpret"] = plgpu.InterpretGPUParams()

@@ -121,10 +121,6 @@ def test_kernel_dequants_agree_on_every_code():
     b = run_kernel(q, w, keys, bt, t, dequant="e4m3")
     assert np.array_equal(a, b)
     check_scores(b, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
-    # kernel.U8: the same re-packing on the uint8 bytes as loaded (read at trace time)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "U8", True)
-        assert np.array_equal(run_kernel(q, w, keys, bt, t, dequant="e4m3"), a)
 
 
 def test_kernel_multi_chunk_cta_and_unused_blocks():

@@ -68,10 +68,6 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 STAGES = 2
 OVERLAP = False
 KREG = True
-# The e4m3 / nvfp4 nibble re-packing on the bytes widened to u16 instead of u32 (Mosaic
-# has no shifts on 8-bit types; read at trace time; an experiment:
-# benchmarks/indexer_probe.py variant field 7).
-U8 = False
 # The fp4 keys' dequant when a call names none: "e4m3" measured 169 us against "bits" 207
 # and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where it applies).
 DEQUANT = "e4m3"
@@ -347,8 +343,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 epilogue(j, s)
                 return carry
             if fmt != "fp8":
-                byte8 = plgpu.load(c_s.at[slot], layout=WG)                     # [64 e, 64]
-                byte = byte8.astype(jnp.uint32)
+                # (the bit ops below on u16 instead of u32 measured the same: 169.0 vs
+                # 168.8 us at B=64, 128K, H200; Mosaic has no shifts on 8-bit types)
+                byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
 
             def keys(half):
@@ -360,11 +357,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
                     # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
                     # hardware converts pairs to f16 (cvt.rn.f16x2.e4m3x2).
-                    x = byte8.astype(jnp.uint16) if U8 else byte   # U8: 16-bit ops (Mosaic: no 8-bit shifts)
                     if half == 0:
-                        code = ((x & 8) << 4) | ((x & 7) << 2)
+                        code = ((byte & 8) << 4) | ((byte & 7) << 2)
                     else:
-                        code = (x & 0x80) | ((x & 0x70) >> 2)
+                        code = (byte & 0x80) | ((byte & 0x70) >> 2)
                     e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
                 if fmt == "nvfp4":
                     # The half's four e4m3 scales (one u32 per entry: idx_scale_lo / _hi)
