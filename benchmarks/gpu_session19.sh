@@ -96,5 +96,13 @@ case "${PART:-1}" in
   V=fp4:e4m3:0:2:0:1:0,fp4:e4m3:0:2:0:1:1,nvfp4:bits:0:2:0:1:0,nvfp4:bits:0:2:0:1:1
   T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
     --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{" ;;
+8)
+  # "lut": e2m1 -> e4m3 by prmt lookup tables on whole registers (inline Mosaic GPU code;
+  # ~9 integer ops per two code bytes instead of ~28), against e4m3.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    -k "lut or kernel_matches" -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|PASSED|FAILED|Error"
+  V=fp4:e4m3:0:2:0:1,fp4:lut:0:2:0:1,fp4:lut:0:2:0:0,fp4:lut:0:2:1:0
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
+    --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{" ;;
 esac
 true

@@ -281,7 +281,8 @@ def test_cuda_lowering_flash_shapes():
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     for dq, st, ov, kr in (("e4m3", 2, False, False), ("fp8mma", 2, False, False),
-                           ("e4m3", 4, True, False), ("e4m3", 2, False, True)):
+                           ("e4m3", 4, True, False), ("e4m3", 2, False, True),
+                           ("lut", 2, False, True)):
         f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
@@ -295,7 +296,27 @@ def test_cuda_lowering_flash_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma"])
+def test_gpu_lut_dequant_every_code():
+    """"lut" (prmt lookup tables in inline Mosaic GPU code: no interpreter) on raw random
+    bytes (every e2m1 code pair, signs, zeros) under exponents across the range: the
+    same scores, bit for bit, as "bits" and "e4m3"; both with keys from SMEM and from
+    registers."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=64)
+    keys = {"idx_codes": jnp.asarray(rng.integers(0, 256, (256, 32, 64)), jnp.uint8),
+            "idx_scale": jnp.asarray(rng.integers(100, 160, (256, 32, 4)), jnp.uint8)}
+    t = jnp.asarray(rng.integers(0, 4 * 32 * 64, 4), jnp.int32)
+    run = lambda dq, kreg: np.asarray(jax.jit(functools.partial(
+        K.indexer_scores, dequant=dq, kreg=kreg))(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
+    a = run("bits", False)
+    check_scores(a, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+    for kreg in (False, True):
+        assert np.array_equal(run("lut", kreg), a)
+        assert np.array_equal(run("e4m3", kreg), a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma", "lut"])
 def test_gpu_kernel_matches_reference(dequant):
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
     f = functools.partial(K.indexer_scores, dequant=dequant)

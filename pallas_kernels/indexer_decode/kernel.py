@@ -25,6 +25,8 @@ into a pass over the whole pool, and it measured 435 us vs 333 us at B=64 / 128K
 import functools
 import math
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,7 +38,7 @@ DIM = 128
 EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
 CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
 RATIO = 4
-DEQUANTS = ("bits", "e4m3", "fp8mma")
+DEQUANTS = ("bits", "e4m3", "fp8mma", "lut")
 
 
 def _check(q, w, codes, scale, block_table, t):
@@ -113,6 +115,58 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                **_pipeline(stages, overlap, kreg))
     return out[:, :n_max] if trim else out
+
+
+# e4m3 bytes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (codes 0..7), four per word
+# (byte k of the word = code k), and the same with the sign bit: prmt lookup tables.
+_E2M1_E4M3 = (0x3C383000, 0x4C484440, 0xBCB8B080, 0xCCC8C4C0)
+
+
+def _e2m1_to_e4m3_lut(byte_WG):
+    """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): e4m3 [64, n] of the low / high
+    nibbles' e2m1 values, exact. Byte-parallel on the registers (Mosaic's int4 -> e4m3
+    conversion, with e2m1 tables): per register of two code bytes, two masks, a shift, an
+    or and five prmt give four e4m3 bytes. Mosaic GPU only (no interpreter)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    out = plgpu.ShapeDtypeStruct(byte_WG.shape, jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
+    def convert(ctx, x):
+        del ctx
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        f8 = ir.Float8E4M3FNType.get()
+        pair = ir.VectorType.get((2,), f8)
+        lo_regs, hi_regs = np.empty_like(x.registers), np.empty_like(x.registers)
+        t = _E2M1_E4M3
+        for idx, reg in np.ndenumerate(x.registers):
+            w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
+            res = llvm.inline_asm(
+                llvm.StructType.get_literal([i32, i32]), [w],
+                f"""{{
+                .reg .b32 idx, sgn, pos, neg, r;
+                and.b32 idx, $2, 0x7777;
+                and.b32 sgn, $2, 0x8888;
+                shr.u32 sgn, sgn, 1;
+                or.b32 sgn, sgn, 0x3210;
+                prmt.b32 pos, {t[0]}, {t[1]}, idx;
+                prmt.b32 neg, {t[2]}, {t[3]}, idx;
+                prmt.b32 r, pos, neg, sgn;
+                prmt.b32 $0, r, 0, 0x5520;
+                prmt.b32 $1, r, 0, 0x5531;
+                }}""",
+                "=r,=r,r")
+            for k, regs in enumerate((lo_regs, hi_regs)):
+                v = arith.trunci(i16, llvm.extractvalue(i32, res, [k]))
+                i8x2 = ir.VectorType.get((2,), ir.IntegerType.get_signless(8))
+                regs[idx] = mu.bitcast(mu.bitcast(v, i8x2), pair)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=x.layout, _is_signed=None)
+                     for r in (lo_regs, hi_regs))
+
+    return convert(byte_WG)
 
 
 def _e4m3_bits_to_f32(x_u32):
@@ -249,6 +303,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
+    if dequant == "lut" and interpret is not None:
+        dequant = "e4m3"   # inline Mosaic GPU code has no interpreter; the same key values
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
     kreg = kreg and not mma8 and interpret is None
@@ -345,14 +401,26 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
             if fmt != "fp8":
                 # (the bit ops below on u16 instead of u32 measured the same: 169.0 vs
                 # 168.8 us at B=64, 128K, H200; Mosaic has no shifts on 8-bit types)
-                byte = plgpu.load(c_s.at[slot], layout=WG).astype(jnp.uint32)   # [64 e, 64]
+                byte8 = plgpu.load(c_s.at[slot], layout=WG)                     # [64 e, 64]
+                byte = byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
+                if dequant == "lut":
+                    e8_halves = _e2m1_to_e4m3_lut(byte8)
 
             def keys(half):
                 """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
                 if fmt == "fp8":   # e4m3 -> bf16 is exact
                     x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
                     return x.astype(jnp.float32).astype(jnp.bfloat16)
+                if fmt == "fp4" and dequant == "lut":
+                    # e2m1 values as e4m3 from the prmt tables; exact in f16 and bf16; the
+                    # block scale 2^(E-127) in bf16 is exact.
+                    s0, s1 = ((lax.bitcast_convert_type(((sc >> (16 * half + 8 * i)) & 0xFF) << 23,
+                                                         jnp.float32)) for i in range(2))
+                    blk = jnp.where(col < 32, lax.broadcast_in_dim(s0, (CHUNK, 64), [0]),
+                                    lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
+                    v = e8_halves[half].astype(jnp.float16).astype(jnp.bfloat16)
+                    return v * blk.astype(jnp.bfloat16)
                 if fmt == "nvfp4" or dequant == "e4m3":
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
                     # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
