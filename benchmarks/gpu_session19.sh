@@ -104,5 +104,20 @@ case "${PART:-1}" in
   V=fp4:e4m3:0:2:0:1,fp4:lut:0:2:0:1,fp4:lut:0:2:0:0,fp4:lut:0:2:1:0
   T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 \
     --variants $V --out $OUT | tee $OUT/sweep.log | grep -v "^{" ;;
+9)
+  # "lut" the default for fp4 and nvfp4 keys: GPU tests, nvfp4 lut vs e4m3, the indexer
+  # table, and the decode step vs pure JAX with fp4 / nvfp4 keys.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 120 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 \
+    --variants nvfp4:e4m3:0:2:0:1,nvfp4:lut:0:2:0:1 --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  T 200 python3 benchmarks/indexer_attention.py --out $OUT --dequant lut --formats nvfp4 \
+    --cases idx:64:131072:512,idx:8:131072:512,idx:1:4096:512 | tee $OUT/indexer.log \
+    | grep -E "^\| indexer|ceiling"
+  for fmt in fp4 nvfp4; do
+    T 120 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+      --matmul pallas --batch 1 8 --context 32768 --steps 3 --index-format $fmt \
+      | tee $OUT/check_flash4_$fmt.log | grep -E "median"
+  done ;;
 esac
 true

@@ -75,7 +75,7 @@ def indexer_inputs(key, B, ctx, fmt="fp4"):
     return q, w, keys, bt, t
 
 
-def run_indexer(B, ctx, topk, bw, log, dequant="e4m3", fmt="fp4"):
+def run_indexer(B, ctx, topk, bw, log, dequant=None, fmt="fp4"):
     """The scoring kernel (key format fmt; dequant: fp4's path) vs the pure-JAX path."""
     n = ctx // 4
     cache_bytes = B * n * KEY_BYTES[fmt]
@@ -151,7 +151,7 @@ def main():
     ap.add_argument("--cases", default="",
                     help="comma list: idx:B:ctx:topk, csa:B:H:K or hca:B")
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
-    ap.add_argument("--dequant", default="e4m3",
+    ap.add_argument("--dequant", default="lut",
                     help="comma list of the indexer's FP4 dequant paths to time (bits,e4m3,fp8mma)")
     ap.add_argument("--formats", default="fp4",
                     help="comma list of indexer key formats for --cases idx (fp4 timed once "
@@ -181,7 +181,7 @@ def main():
             try:
                 if kind == "idx":
                     runs = [("fp4", dq) for dq in args.dequant.split(",") if dq]
-                    runs += [(f, "bits") for f in args.formats.split(",") if f and f != "fp4"]
+                    runs += [(f, None) for f in args.formats.split(",") if f and f != "fp4"]
                     for fmt, dq in runs:
                         rows.append(run_indexer(v[0], v[1], v[2], bw, log, dequant=dq, fmt=fmt))
                         print(rows[-1], flush=True)

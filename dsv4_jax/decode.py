@@ -164,16 +164,17 @@ def _indexer_topk_jit(q, w, keys, block_table, t, *, fmt, topk, interpret, selec
 TOPK_SELECT = os.environ.get("DSV4_TOPK", "kernel")
 if TOPK_SELECT not in ("xla", "kernel"):
     raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
-# The indexer kernel's FP4 key dequant (pallas_kernels/indexer_decode): "bits" (integer
-# ops), "e4m3" (the nibble re-packed as e4m3, converted by the hardware; same values) or
-# "fp8mma" (e4m3 keys into an e4m3 wgmma per 32-dim group against q in e4m3; needs
-# FP4-simulated q, so only with Numerics.act_quant: "bits" otherwise). All GPU-tested; on
-# an H200 (2026-11-26, B = 64, 128K, GPU time) the scoring kernel took 169 / 207 / 212 us
-# with e4m3 / bits / fp8mma: e4m3 is the default. DSV4_IDX_DEQUANT=bits|fp8mma picks another.
-IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "e4m3")
+# The indexer kernel's FP4 key dequant (pallas_kernels/indexer_decode): "lut" (e2m1 ->
+# e4m3 by prmt lookup tables on whole registers), "e4m3" (the nibble re-packed as e4m3,
+# converted by the hardware), "bits" (integer ops) or "fp8mma" (e4m3 keys into an e4m3
+# wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
+# Numerics.act_quant). All give the same values and are GPU-tested; on an H200 (2026-11-26,
+# B = 64, 128K, GPU time) the scoring kernel took 132 / 168 / 207 / 212 us: "lut" is the
+# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "lut" or "e4m3").
+IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "lut")
 # (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
-if IDX_DEQUANT not in ("bits", "e4m3", "fp8mma"):
-    raise ValueError(f"DSV4_IDX_DEQUANT must be 'bits', 'e4m3' or 'fp8mma', "
+if IDX_DEQUANT not in ("lut", "e4m3", "bits", "fp8mma"):
+    raise ValueError(f"DSV4_IDX_DEQUANT must be 'lut', 'e4m3', 'bits' or 'fp8mma', "
                      f"got {IDX_DEQUANT!r}")
 
 
@@ -276,10 +277,11 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            dq = IDX_DEQUANT if cs.index_format == "fp4" else "bits"  # fp4's paths only
+            dq = {"fp4": IDX_DEQUANT, "nvfp4": IDX_DEQUANT if IDX_DEQUANT in ("lut", "e4m3")
+                  else None}.get(cs.index_format)   # fp8 keys: one path
             idx = _indexer_topk_jit(qI, wI, lc["idx"], bt_rows, t, fmt=cs.index_format,
                                     topk=cfg.index_topk, interpret=interp, select=TOPK_SELECT,
-                                    dequant="e4m3" if dq == "fp8mma" and not nm.act_quant
+                                    dequant="lut" if dq == "fp8mma" and not nm.act_quant
                                     else dq)
         else:
             idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)

@@ -152,10 +152,11 @@ def run_keys(q, w, keys, bt, t, fmt, **kw):
 
 
 PIPELINES = [("fp4", "bits", 3, True, False), ("fp4", "e4m3", 4, True, False),
-             ("nvfp4", "bits", 3, True, False), ("fp8", "bits", 3, False, False),
+             ("nvfp4", "e4m3", 3, True, False), ("fp8", "bits", 3, False, False),
              ("fp8", "bits", 2, True, False), ("fp4", "e4m3", 2, False, True),
-             ("fp4", "bits", 3, False, True), ("nvfp4", "bits", 2, False, True),
-             ("fp8", "bits", 3, False, True)]
+             ("fp4", "bits", 3, False, True), ("nvfp4", "lut", 2, False, True),
+             ("fp8", "bits", 3, False, True), ("nvfp4", "e4m3", 2, False, True),
+             ("fp4", "lut", 3, True, False)]
 
 
 def _keys(rng, fmt, NB):
@@ -205,8 +206,8 @@ def test_kernel_nvfp4_matches_reference():
     t = jnp.asarray([4 * 32 * 3 - 3, 4 * 32 * 5 - 1], jnp.int32)
     out = run_keys(q, w, keys, bt, t, "nvfp4", chunks_per_cta=2)
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="nvfp4")))
-    with pytest.raises(ValueError, match="fp4 keys"):
-        run_keys(q, w, keys, bt, t, "nvfp4", dequant="e4m3")
+    with pytest.raises(ValueError, match="nvfp4 keys take"):
+        run_keys(q, w, keys, bt, t, "nvfp4", dequant="bits")
 
 
 def test_kernel_nvfp4_every_code_and_scale():

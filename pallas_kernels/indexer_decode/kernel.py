@@ -70,9 +70,10 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 STAGES = 2
 OVERLAP = False
 KREG = True
-# The fp4 keys' dequant when a call names none: "e4m3" measured 169 us against "bits" 207
-# and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where it applies).
-DEQUANT = "e4m3"
+# The fp4 keys' dequant when a call names none: "lut" measured 132 us against "e4m3" 168,
+# "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where it applies).
+DEQUANT = "lut"
+NVFP4_DEQUANT = "lut"
 
 
 def _pipeline(stages, overlap, kreg=None):
@@ -184,11 +185,15 @@ def _e4m3_bits_to_f32(x_u32):
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                         overlap=None, kreg=None):
+                         overlap=None, kreg=None, dequant=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
-    significant bits). GPU-tested on an H200 (2026-11-26)."""
+    significant bits). GPU-tested on an H200 (2026-11-26). dequant: "lut" (the prmt tables,
+    as indexer_scores) or "e4m3" (the nibble re-packed); None: NVFP4_DEQUANT."""
+    dequant = NVFP4_DEQUANT if dequant is None else dequant
+    if dequant not in ("lut", "e4m3"):
+        raise ValueError(f"nvfp4 keys take dequant 'lut' or 'e4m3', got {dequant!r}")
     B = q_BHD.shape[0]
     if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
         raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
@@ -206,7 +211,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap, kreg))
+                               dequant=dequant, **_pipeline(stages, overlap, kreg))
     return out[:, :n_max] if trim else out
 
 
@@ -227,16 +232,19 @@ def q_fp8_groups(q_BHD):
 
 def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **kw):
     """Kernel scores from a pool given as its dict of fields (as in reference.py), any of
-    the three key formats. dequant: the fp4 paths (indexer_scores; None: DEQUANT); the
-    other formats have one (None or "bits" stands for it)."""
+    the three key formats. dequant: how e2m1 codes become values (indexer_scores; None:
+    DEQUANT); nvfp4 takes "lut" or "e4m3" (None: NVFP4_DEQUANT); fp8 has one path (None or
+    "bits" stands for it)."""
     if fmt == "fp4":
         return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
                               t_B, dequant=dequant, **kw)
-    if dequant not in (None, "bits"):
-        raise ValueError(f"dequant={dequant!r} is for fp4 keys; format {fmt!r} has one path")
     if fmt == "nvfp4":
         return indexer_scores_nvfp4(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale_lo"],
-                                    keys["idx_scale_hi"], block_table, t_B, **kw)
+                                    keys["idx_scale_hi"], block_table, t_B, dequant=dequant,
+                                    **kw)
+    if dequant not in (None, "bits"):
+        raise ValueError(f"dequant={dequant!r} is for fp4 / nvfp4 keys; format {fmt!r} has "
+                         "one path")
     if fmt == "fp8":
         return indexer_scores_fp8(q_BHD, w_BH, keys["idx_keys"], keys["idx_scale"], block_table,
                                   t_B, **kw)
@@ -256,8 +264,10 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
     trim=False: the kernel's whole output [B, W >= MAXB*32], scores in the first MAXB*32
     columns (past them -inf), without the slice (a copy kernel in XLA).
-    dequant: "bits" (integer ops build the f32 bits), "e4m3" (the nibble re-packed as an
-    e4m3 byte, converted by the hardware; same values; the default, DEQUANT) or "fp8mma"
+    dequant: "lut" (e2m1 -> e4m3 by prmt lookup tables on whole registers, inline Mosaic
+    GPU code; the default, DEQUANT; interpreted calls take "e4m3"), "bits" (integer ops
+    build the f32 bits), "e4m3" (the nibble re-packed as an e4m3 byte, converted by the
+    hardware; same values) or "fp8mma"
     (the e4m3 bytes go to an e4m3 wgmma per 32-dim group against q as e4m3 (q_fp8_groups;
     q must be FP4-simulated), scales applied to the group sums). All three GPU-tested on
     an H200 (2026-11-26). stages / overlap / kreg: the software pipeline
@@ -289,8 +299,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
     and half, dims 16q.. of the half in byte q). fmt "fp8": codes e4m3 [NB, 32, 128], scales
     (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
-    dequant (fp4): "bits" builds each value's f32 bits with integer ops; "e4m3" re-packs the
-    nibble as an e4m3 byte and lets the hardware convert it (same values).
+    dequant (fp4 / nvfp4): "bits" builds each value's f32 bits with integer ops; "e4m3"
+    re-packs the nibble as an e4m3 byte and lets the hardware convert it; "lut" looks the
+    e4m3 bytes up with prmt (_e2m1_to_e4m3_lut; same values).
     stages: depth of the TMA ring of code blocks (chunks in flight + the one in use).
     overlap: the second half's dequant runs while the first half's wgmma is in flight (the
     tensor cores and the ALUs overlap within one warpgroup; no extra SMEM).
@@ -404,7 +415,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 byte8 = plgpu.load(c_s.at[slot], layout=WG)                     # [64 e, 64]
                 byte = byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
-                if dequant == "lut":
+                if dequant == "lut":   # both halves' e2m1 values as e4m3, from the tables
                     e8_halves = _e2m1_to_e4m3_lut(byte8)
 
             def keys(half):
@@ -421,7 +432,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                                     lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
                     v = e8_halves[half].astype(jnp.float16).astype(jnp.bfloat16)
                     return v * blk.astype(jnp.bfloat16)
-                if fmt == "nvfp4" or dequant == "e4m3":
+                if dequant == "lut":   # nvfp4: true e2m1 values (no 2^-6 to undo)
+                    e8, unit = e8_halves[half], 1.0
+                elif fmt == "nvfp4" or dequant == "e4m3":
+                    unit = 64.0
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
                     # same value * 2^-6 (e = 0 codes land on e4m3's subnormals: exact). The
                     # hardware converts pairs to f16 (cvt.rn.f16x2.e4m3x2).
@@ -432,13 +446,13 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     e8 = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
                 if fmt == "nvfp4":
                     # The half's four e4m3 scales (one u32 per entry: idx_scale_lo / _hi)
-                    # decoded from their bits on [64] vectors, *64 (undoing the 2^-6); the
-                    # product e2m1 * s (at most 6 significant bits, 2^-10..2688) is exact in
+                    # decoded from their bits on [64] vectors, * unit (64 undoes the e4m3
+                    # re-packing's 2^-6; the lut values need none); the product e2m1 * s (at most 6 significant bits, 2^-10..2688) is exact in
                     # f16 and then in bf16.
                     word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1], layout=ROW)
                     blk = None
                     for part in range(3, -1, -1):
-                        s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * 64.0,
+                        s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * unit,
                                                    (CHUNK, 64), [0]).astype(jnp.float16)
                         blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
                     return (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
