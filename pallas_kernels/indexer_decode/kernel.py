@@ -10,12 +10,13 @@ For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
 K_i is read straight from the `fp4` indexer key pool (split-half packed e2m1 nibbles + one
 e8m0 exponent per 32 dims, see pallas_kernels/CACHE_LAYOUT.md) and dequantised in-kernel
-with integer arithmetic (Hopper has no e2m1 casts). The top-k is a separate kernel
-(pallas_kernels/topk_select) reading this kernel's untrimmed score row, or XLA's lax.top_k.
+(Hopper has no e2m1 casts: by default prmt lookup tables turn code bytes into e4m3 bytes,
+_e2m1_to_e4m3_lut). The top-k is a separate kernel (pallas_kernels/topk_select) reading
+this kernel's untrimmed score row, or XLA's lax.top_k.
 
 Kernel shape pipeline, per CTA (request b, a range of `cpc` chunks of 64 entries):
     codes u8 [64 e, 64 bytes]   (2 pool blocks, TMA)    scale u32 [64 e] (4 e8m0 bytes)
-    -> low / high nibbles: K_half bf16 [64 e, 64] (exact: e2m1 * 2^k)  into SMEM
+    -> low / high nibbles: K_half bf16 [64 e, 64] (exact: e2m1 * 2^k)  in registers (kreg)
     -> S^T [64 e, 64 h] = sum_half K_half @ q_half^T               (2 wgmma, f32 acc)
     -> score [64 e] = sum_h relu(S^T) * w[h]                          (f32)
 Split-half packing: byte j holds dim j (low nibble) and dim j + 64 (high nibble).
