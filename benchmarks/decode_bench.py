@@ -8,7 +8,7 @@ is filled with random FP8/FP4 contents at the given context (the step's cost doe
 depend on the values), so no prefill is needed. The floor is the bytes a decode step must
 read: every non-expert weight once, the routed experts the batch hits (expected distinct
 experts under uniform routing), the head, and each request's cache reads (window, CSA top-k
-entries + all indexer keys, all HCA entries), divided by the measured copy bandwidth.
+entries + all indexer keys, all HCA entries), divided by the HBM ceiling measured in the same run (benchmarks.common.hbm_bandwidth).
 Each configuration is timed one step at a time (latency: host launch + GPU work) and
 pipelined (steps enqueued back to back: what Engine.stream / Engine.generate get), and with
 --loop also through Engine.generate's jitted while loop.
@@ -228,7 +228,7 @@ def main(args):
         mesh = make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
     print(f"device {dev.device_kind} x {args.devices or 1}"
           f"{f' in {jax.process_count()} processes' if multi else ''}"
-          f"{' mesh ' + str(dict(mesh.shape)) if mesh else ''}; measured copy bandwidth "
+          f"{' mesh ' + str(dict(mesh.shape)) if mesh else ''}; HBM ceiling (hbm_bandwidth) "
           f"{bw / 1e9:.0f} GB/s per device; {cfg.name}: {n} layers, d={cfg.hidden_size}, "
           f"H={cfg.num_attention_heads}; kernels={args.kernels}", flush=True)
     t0 = time.perf_counter()
