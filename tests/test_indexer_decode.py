@@ -156,7 +156,7 @@ PIPELINES = [("fp4", "bits", 3, True, False), ("fp4", "e4m3", 4, True, False),
              ("fp8", "bits", 2, True, False), ("fp4", "e4m3", 2, False, True),
              ("fp4", "bits", 3, False, True), ("nvfp4", "lut", 2, False, True),
              ("fp8", "bits", 3, False, True), ("nvfp4", "e4m3", 2, False, True),
-             ("fp4", "lut", 3, True, False)]
+             ("fp4", "lut", 3, True, False), ("nvfp4", "lutbf", 2, False, True)]
 
 
 def _keys(rng, fmt, NB):
@@ -283,7 +283,7 @@ def test_cuda_lowering_flash_shapes():
     assert "mosaic_gpu" in lowered.as_text()
     for dq, st, ov, kr in (("e4m3", 2, False, False), ("fp8mma", 2, False, False),
                            ("e4m3", 4, True, False), ("e4m3", 2, False, True),
-                           ("lut", 2, False, True)):
+                           ("lut", 2, False, True), ("lutbf", 2, False, True)):
         f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
@@ -292,8 +292,10 @@ def test_cuda_lowering_flash_shapes():
     lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
-    lowered = jax.jit(K.indexer_scores_nvfp4).trace(*argsn).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    for dq in ("lut", "lutbf", "e4m3"):
+        f = functools.partial(K.indexer_scores_nvfp4, dequant=dq)
+        lowered = jax.jit(f).trace(*argsn).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
@@ -313,11 +315,12 @@ def test_gpu_lut_dequant_every_code():
     check_scores(a, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
     for kreg in (False, True):
         assert np.array_equal(run("lut", kreg), a)
+        assert np.array_equal(run("lutbf", kreg), a)
         assert np.array_equal(run("e4m3", kreg), a)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma", "lut"])
+@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma", "lut", "lutbf"])
 def test_gpu_kernel_matches_reference(dequant):
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
     f = functools.partial(K.indexer_scores, dequant=dequant)

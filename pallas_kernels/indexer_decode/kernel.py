@@ -11,7 +11,7 @@ For each request b (one query token at position t_b):
 K_i is read straight from the `fp4` indexer key pool (split-half packed e2m1 nibbles + one
 e8m0 exponent per 32 dims, see pallas_kernels/CACHE_LAYOUT.md) and dequantised in-kernel
 (Hopper has no e2m1 casts: by default prmt lookup tables turn code bytes into e4m3 bytes,
-_e2m1_to_e4m3_lut). The top-k is a separate kernel (pallas_kernels/topk_select) reading
+_e2m1_lut). The top-k is a separate kernel (pallas_kernels/topk_select) reading
 this kernel's untrimmed score row, or XLA's lax.top_k.
 
 Kernel shape pipeline, per CTA (request b, a range of `cpc` chunks of 64 entries):
@@ -39,7 +39,7 @@ DIM = 128
 EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
 CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
 RATIO = 4
-DEQUANTS = ("bits", "e4m3", "fp8mma", "lut")
+DEQUANTS = ("bits", "e4m3", "fp8mma", "lut", "lutbf")
 
 
 def _check(q, w, codes, scale, block_table, t):
@@ -119,52 +119,66 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     return out[:, :n_max] if trim else out
 
 
-# e4m3 bytes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (codes 0..7), four per word
-# (byte k of the word = code k), and the same with the sign bit: prmt lookup tables.
+# prmt lookup tables indexed by the e2m1 magnitude code 0..7 (values 0, .5, 1, 1.5, 2, 3,
+# 4, 6), eight bytes in two words (byte k of the first word = code k, of the second = code
+# k + 4). e4m3: the e4m3 byte of each value, then the same with the sign bit. bf16: the low
+# bytes of each value's bf16, the high bytes, then the high bytes with the sign bit.
 _E2M1_E4M3 = (0x3C383000, 0x4C484440, 0xBCB8B080, 0xCCC8C4C0)
+_E2M1_BF16 = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0xBFBFBF80, 0xC0C0C0C0)
 
 
-def _e2m1_to_e4m3_lut(byte_WG):
-    """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): e4m3 [64, n] of the low / high
-    nibbles' e2m1 values, exact. Byte-parallel on the registers (Mosaic's int4 -> e4m3
-    conversion, with e2m1 tables): per register of two code bytes, two masks, a shift, an
-    or and five prmt give four e4m3 bytes. Mosaic GPU only (no interpreter)."""
+def _e2m1_lut(byte_WG, to="e4m3"):
+    """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
+    nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
+    on the registers (Mosaic's int4 -> e4m3 conversion, with e2m1 tables): per register of
+    two code bytes (four nibbles), two masks, a shift and an or build the table index and
+    the sign select; five prmt (e4m3) or six (bf16) give both halves' pairs. Mosaic GPU
+    only (no interpreter)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mu
 
-    out = plgpu.ShapeDtypeStruct(byte_WG.shape, jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA)
+    dtype = {"e4m3": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}[to]
+    out = plgpu.ShapeDtypeStruct(byte_WG.shape, dtype, layout=plgpu.Layout.WGMMA)
+    prep = """and.b32 idx, $2, 0x7777;
+                and.b32 sgn, $2, 0x8888;
+                shr.u32 sgn, sgn, 1;
+                or.b32 sgn, sgn, 0x3210;"""
+    if to == "e4m3":   # r: the four values' e4m3 bytes [lo0, hi0, lo1, hi1]; split by half
+        t = _E2M1_E4M3
+        body = f"""prmt.b32 pos, {t[0]}, {t[1]}, idx;
+                prmt.b32 neg, {t[2]}, {t[3]}, idx;
+                prmt.b32 r, pos, neg, sgn;
+                prmt.b32 $0, r, 0, 0x5520;
+                prmt.b32 $1, r, 0, 0x5531;"""
+    else:   # low bytes and signed high bytes of the four bf16 values, interleaved by half
+        t = _E2M1_BF16
+        body = f"""prmt.b32 lb, {t[0]}, {t[1]}, idx;
+                prmt.b32 pos, {t[2]}, {t[3]}, idx;
+                prmt.b32 neg, {t[4]}, {t[5]}, idx;
+                prmt.b32 r, pos, neg, sgn;
+                prmt.b32 $0, lb, r, 0x6240;
+                prmt.b32 $1, lb, r, 0x7351;"""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
     def convert(ctx, x):
         del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        f8 = ir.Float8E4M3FNType.get()
-        pair = ir.VectorType.get((2,), f8)
+        i8, i16, i32 = (ir.IntegerType.get_signless(n) for n in (8, 16, 32))
         lo_regs, hi_regs = np.empty_like(x.registers), np.empty_like(x.registers)
-        t = _E2M1_E4M3
         for idx, reg in np.ndenumerate(x.registers):
             w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
             res = llvm.inline_asm(
                 llvm.StructType.get_literal([i32, i32]), [w],
-                f"""{{
-                .reg .b32 idx, sgn, pos, neg, r;
-                and.b32 idx, $2, 0x7777;
-                and.b32 sgn, $2, 0x8888;
-                shr.u32 sgn, sgn, 1;
-                or.b32 sgn, sgn, 0x3210;
-                prmt.b32 pos, {t[0]}, {t[1]}, idx;
-                prmt.b32 neg, {t[2]}, {t[3]}, idx;
-                prmt.b32 r, pos, neg, sgn;
-                prmt.b32 $0, r, 0, 0x5520;
-                prmt.b32 $1, r, 0, 0x5531;
-                }}""",
+                "{\n.reg .b32 idx, sgn, pos, neg, r, lb;\n" + prep + "\n" + body + "\n}",
                 "=r,=r,r")
             for k, regs in enumerate((lo_regs, hi_regs)):
-                v = arith.trunci(i16, llvm.extractvalue(i32, res, [k]))
-                i8x2 = ir.VectorType.get((2,), ir.IntegerType.get_signless(8))
-                regs[idx] = mu.bitcast(mu.bitcast(v, i8x2), pair)
+                v = llvm.extractvalue(i32, res, [k])
+                if to == "e4m3":
+                    v = mu.bitcast(arith.trunci(i16, v), ir.VectorType.get((2,), i8))
+                    regs[idx] = mu.bitcast(v, ir.VectorType.get((2,), ir.Float8E4M3FNType.get()))
+                else:
+                    regs[idx] = mu.bitcast(v, ir.VectorType.get((2,), ir.BF16Type.get()))
         return tuple(mgpu.FragmentedArray(_registers=r, _layout=x.layout, _is_signed=None)
                      for r in (lo_regs, hi_regs))
 
@@ -193,8 +207,8 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     significant bits). GPU-tested on an H200 (2026-11-26). dequant: "lut" (the prmt tables,
     as indexer_scores) or "e4m3" (the nibble re-packed); None: NVFP4_DEQUANT."""
     dequant = NVFP4_DEQUANT if dequant is None else dequant
-    if dequant not in ("lut", "e4m3"):
-        raise ValueError(f"nvfp4 keys take dequant 'lut' or 'e4m3', got {dequant!r}")
+    if dequant not in ("lut", "lutbf", "e4m3"):
+        raise ValueError(f"nvfp4 keys take dequant 'lut', 'lutbf' or 'e4m3', got {dequant!r}")
     B = q_BHD.shape[0]
     if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
         raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
@@ -302,7 +316,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
     dequant (fp4 / nvfp4): "bits" builds each value's f32 bits with integer ops; "e4m3"
     re-packs the nibble as an e4m3 byte and lets the hardware convert it; "lut" looks the
-    e4m3 bytes up with prmt (_e2m1_to_e4m3_lut; same values).
+    e4m3 bytes up with prmt (_e2m1_lut; same values).
     stages: depth of the TMA ring of code blocks (chunks in flight + the one in use).
     overlap: the second half's dequant runs while the first half's wgmma is in flight (the
     tensor cores and the ALUs overlap within one warpgroup; no extra SMEM).
@@ -315,7 +329,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
-    if dequant == "lut" and interpret is not None:
+    if dequant in ("lut", "lutbf") and interpret is not None:
         dequant = "e4m3"   # inline Mosaic GPU code has no interpreter; the same key values
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
@@ -416,24 +430,26 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 byte8 = plgpu.load(c_s.at[slot], layout=WG)                     # [64 e, 64]
                 byte = byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
-                if dequant == "lut":   # both halves' e2m1 values as e4m3, from the tables
-                    e8_halves = _e2m1_to_e4m3_lut(byte8)
+                if dequant in ("lut", "lutbf"):   # both halves' e2m1 values, from the tables
+                    e8_halves = _e2m1_lut(byte8, "e4m3" if dequant == "lut" else "bf16")
 
             def keys(half):
                 """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
                 if fmt == "fp8":   # e4m3 -> bf16 is exact
                     x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
                     return x.astype(jnp.float32).astype(jnp.bfloat16)
-                if fmt == "fp4" and dequant == "lut":
+                if fmt == "fp4" and dequant in ("lut", "lutbf"):
                     # e2m1 values as e4m3 from the prmt tables; exact in f16 and bf16; the
                     # block scale 2^(E-127) in bf16 is exact.
                     s0, s1 = ((lax.bitcast_convert_type(((sc >> (16 * half + 8 * i)) & 0xFF) << 23,
                                                          jnp.float32)) for i in range(2))
                     blk = jnp.where(col < 32, lax.broadcast_in_dim(s0, (CHUNK, 64), [0]),
                                     lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
-                    v = e8_halves[half].astype(jnp.float16).astype(jnp.bfloat16)
+                    v = e8_halves[half]
+                    if dequant == "lut":
+                        v = v.astype(jnp.float16).astype(jnp.bfloat16)
                     return v * blk.astype(jnp.bfloat16)
-                if dequant == "lut":   # nvfp4: true e2m1 values (no 2^-6 to undo)
+                if dequant in ("lut", "lutbf"):   # nvfp4: true e2m1 values (no 2^-6 to undo)
                     e8, unit = e8_halves[half], 1.0
                 elif fmt == "nvfp4" or dequant == "e4m3":
                     unit = 64.0
@@ -452,10 +468,15 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     # f16 and then in bf16.
                     word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1], layout=ROW)
                     blk = None
+                    # lutbf: the values are bf16 already; e2m1 * e4m3 (at most 6 significant
+                    # bits) is exact in bf16 too.
+                    sdt = jnp.bfloat16 if dequant == "lutbf" else jnp.float16
                     for part in range(3, -1, -1):
                         s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part)) * unit,
-                                                   (CHUNK, 64), [0]).astype(jnp.float16)
+                                                   (CHUNK, 64), [0]).astype(sdt)
                         blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
+                    if dequant == "lutbf":
+                        return e8 * blk
                     return (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
                 elif dequant == "e4m3":
                     # * 64 in f16 and the block scale 2^(E-127) in bf16 are exact. sm_90a
