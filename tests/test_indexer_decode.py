@@ -183,6 +183,62 @@ def test_kernel_pipeline_variants(fmt, dequant, stages, overlap, kreg):
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
 
 
+def _run_ptx(program, x):
+    """Run _lut_program's PTX (and / shr / or / prmt in prmt's default mode) on an
+    independent emulator, for every u32 input in the uint32 array x -> ($0, $1)."""
+    import re
+    regs = {"$2": x.astype(np.uint64)}
+    val = lambda o: regs[o] if o in regs else np.uint64(int(o, 0))
+    for line in program.splitlines():
+        m = re.match(r"(\w+)\.\w+ (\S+), (\S+), (\S+)(?:, (\S+))?;", line.strip())
+        if not m:
+            continue
+        op, d, a, b, c = m.groups()
+        if op == "and":
+            regs[d] = val(a) & val(b)
+        elif op == "or":
+            regs[d] = val(a) | val(b)
+        elif op == "shr":
+            regs[d] = val(a) >> val(b)
+        elif op == "prmt":      # byte i of d: byte (c's nibble i & 7) of {b:a}; bit 3 unused here
+            src = (val(b) << np.uint64(32)) | val(a)
+            sel = val(c)
+            out = np.zeros_like(x, np.uint64)
+            for i in range(4):
+                nib = (sel >> np.uint64(4 * i)) & np.uint64(15)
+                assert not np.any(nib & np.uint64(8)), "sign-replicate mode is not emulated"
+                byte = (src >> (np.uint64(8) * nib)) & np.uint64(0xFF)
+                out |= byte << np.uint64(8 * i)
+            regs[d] = out
+        else:
+            raise AssertionError(f"op {op} not emulated: {line}")
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("to", ["e4m3", "bf16"])
+def test_lut_program_every_code_pair(to):
+    """The prmt tables of the "lut" / "lutbf" dequants (the kernel's own PTX text, run on
+    an emulated prmt) on all 65536 pairs of code bytes: the low / high nibbles' e2m1
+    values, as e4m3 or bf16 bit patterns, against ml_dtypes (signs, zeros included)."""
+    import ml_dtypes
+    x = np.arange(1 << 16, dtype=np.uint32)
+    lo, hi = _run_ptx(K._lut_program(to), x)
+    e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    for out, shift in ((lo, 0), (hi, 4)):
+        want = [e2m1[(x >> (shift + 8 * k)) & 15] for k in range(2)]   # bytes b0, b1
+        if to == "e4m3":
+            got = [((out >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8)
+                   .view(ml_dtypes.float8_e4m3fn) for k in range(2)]
+            want = [w.astype(ml_dtypes.float8_e4m3fn) for w in want]
+        else:
+            got = [((out >> np.uint64(16 * k)) & np.uint64(0xFFFF)).astype(np.uint16)
+                   .view(ml_dtypes.bfloat16) for k in range(2)]
+            want = [w.astype(ml_dtypes.bfloat16) for w in want]
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint8 if to == "e4m3" else np.uint16),
+                                  w.view(np.uint8 if to == "e4m3" else np.uint16))
+
+
 def test_e4m3_bits_decode_every_byte():
     """The nvfp4 path's scale decode (integer ops on the stored bytes) on all 254 non-NaN
     e4m3 bytes, against ml_dtypes."""

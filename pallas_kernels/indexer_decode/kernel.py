@@ -127,6 +127,34 @@ _E2M1_E4M3 = (0x3C383000, 0x4C484440, 0xBCB8B080, 0xCCC8C4C0)
 _E2M1_BF16 = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0xBFBFBF80, 0xC0C0C0C0)
 
 
+def _lut_program(to):
+    """The PTX of _e2m1_lut for one register: $2 = two code bytes (b0 | b1 << 8, i.e.
+    nibbles lo0, hi0, lo1, hi1), $0 / $1 = the low / high nibbles' pair (e4m3: in the low
+    two bytes; bf16: bf16x2). Plain text, so tests can run it on an emulated prmt."""
+    prep = ["and.b32 idx, $2, 0x7777;",              # magnitude codes: table indices
+            "and.b32 sgn, $2, 0x8888;",              # sign bits -> +4 on the selector:
+            "shr.u32 sgn, sgn, 1;",                  #   byte k from the negative table
+            "or.b32 sgn, sgn, 0x3210;"]
+    if to == "e4m3":   # r: the four values' e4m3 bytes [lo0, hi0, lo1, hi1]; split by half
+        t = _E2M1_E4M3
+        body = [f"prmt.b32 pos, {t[0]}, {t[1]}, idx;",
+                f"prmt.b32 neg, {t[2]}, {t[3]}, idx;",
+                "prmt.b32 r, pos, neg, sgn;",
+                "prmt.b32 $0, r, 0, 0x5520;",
+                "prmt.b32 $1, r, 0, 0x5531;"]
+    elif to == "bf16":   # low bytes and signed high bytes of the four values, by half
+        t = _E2M1_BF16
+        body = [f"prmt.b32 lb, {t[0]}, {t[1]}, idx;",
+                f"prmt.b32 pos, {t[2]}, {t[3]}, idx;",
+                f"prmt.b32 neg, {t[4]}, {t[5]}, idx;",
+                "prmt.b32 r, pos, neg, sgn;",
+                "prmt.b32 $0, lb, r, 0x6240;",
+                "prmt.b32 $1, lb, r, 0x7351;"]
+    else:
+        raise ValueError(f"to must be 'e4m3' or 'bf16', got {to!r}")
+    return "{\n.reg .b32 idx, sgn, pos, neg, r, lb;\n" + "\n".join(prep + body) + "\n}"
+
+
 def _e2m1_lut(byte_WG, to="e4m3"):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
@@ -141,25 +169,7 @@ def _e2m1_lut(byte_WG, to="e4m3"):
 
     dtype = {"e4m3": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}[to]
     out = plgpu.ShapeDtypeStruct(byte_WG.shape, dtype, layout=plgpu.Layout.WGMMA)
-    prep = """and.b32 idx, $2, 0x7777;
-                and.b32 sgn, $2, 0x8888;
-                shr.u32 sgn, sgn, 1;
-                or.b32 sgn, sgn, 0x3210;"""
-    if to == "e4m3":   # r: the four values' e4m3 bytes [lo0, hi0, lo1, hi1]; split by half
-        t = _E2M1_E4M3
-        body = f"""prmt.b32 pos, {t[0]}, {t[1]}, idx;
-                prmt.b32 neg, {t[2]}, {t[3]}, idx;
-                prmt.b32 r, pos, neg, sgn;
-                prmt.b32 $0, r, 0, 0x5520;
-                prmt.b32 $1, r, 0, 0x5531;"""
-    else:   # low bytes and signed high bytes of the four bf16 values, interleaved by half
-        t = _E2M1_BF16
-        body = f"""prmt.b32 lb, {t[0]}, {t[1]}, idx;
-                prmt.b32 pos, {t[2]}, {t[3]}, idx;
-                prmt.b32 neg, {t[4]}, {t[5]}, idx;
-                prmt.b32 r, pos, neg, sgn;
-                prmt.b32 $0, lb, r, 0x6240;
-                prmt.b32 $1, lb, r, 0x7351;"""
+    program = _lut_program(to)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
     def convert(ctx, x):
@@ -170,7 +180,7 @@ def _e2m1_lut(byte_WG, to="e4m3"):
             w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
             res = llvm.inline_asm(
                 llvm.StructType.get_literal([i32, i32]), [w],
-                "{\n.reg .b32 idx, sgn, pos, neg, r, lb;\n" + prep + "\n" + body + "\n}",
+                program,
                 "=r,=r,r")
             for k, regs in enumerate((lo_regs, hi_regs)):
                 v = llvm.extractvalue(i32, res, [k])
