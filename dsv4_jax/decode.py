@@ -170,11 +170,12 @@ if TOPK_SELECT not in ("xla", "kernel"):
 # wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
 # Numerics.act_quant). All give the same values and are GPU-tested; on an H200 (2026-11-26,
 # B = 64, 128K, GPU time) the scoring kernel took 132 / 168 / 207 / 212 us: "lut" is the
-# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "lut" or "e4m3").
+# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "lut", "lutbf" or "e4m3"); "lutbf"
+# (the tables give bf16 directly) is built but not yet run on a GPU.
 IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "lut")
 # (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
-if IDX_DEQUANT not in ("lut", "e4m3", "bits", "fp8mma"):
-    raise ValueError(f"DSV4_IDX_DEQUANT must be 'lut', 'e4m3', 'bits' or 'fp8mma', "
+if IDX_DEQUANT not in ("lut", "lutbf", "e4m3", "bits", "fp8mma"):
+    raise ValueError(f"DSV4_IDX_DEQUANT must be 'lut', 'lutbf', 'e4m3', 'bits' or 'fp8mma', "
                      f"got {IDX_DEQUANT!r}")
 
 
@@ -277,8 +278,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            dq = {"fp4": IDX_DEQUANT, "nvfp4": IDX_DEQUANT if IDX_DEQUANT in ("lut", "e4m3")
-                  else None}.get(cs.index_format)   # fp8 keys: one path
+            nv = IDX_DEQUANT if IDX_DEQUANT in ("lut", "lutbf", "e4m3") else None
+            dq = {"fp4": IDX_DEQUANT, "nvfp4": nv}.get(cs.index_format)   # fp8 keys: one path
             idx = _indexer_topk_jit(qI, wI, lc["idx"], bt_rows, t, fmt=cs.index_format,
                                     topk=cfg.index_topk, interpret=interp, select=TOPK_SELECT,
                                     dequant="lut" if dq == "fp8mma" and not nm.act_quant
