@@ -326,7 +326,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
     dequant (fp4 / nvfp4): "bits" builds each value's f32 bits with integer ops; "e4m3"
     re-packs the nibble as an e4m3 byte and lets the hardware convert it; "lut" looks the
-    e4m3 bytes up with prmt (_e2m1_lut; same values).
+    e4m3 bytes up with prmt (_e2m1_lut; same values); "lutbf" looks up bf16 pairs (not yet
+    run on a GPU).
     stages: depth of the TMA ring of code blocks (chunks in flight + the one in use).
     overlap: the second half's dequant runs while the first half's wgmma is in flight (the
     tensor cores and the ALUs overlap within one warpgroup; no extra SMEM).
