@@ -151,8 +151,8 @@ def main():
     ap.add_argument("--cases", default="",
                     help="comma list: idx:B:ctx:topk, csa:B:H:K or hca:B")
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
-    ap.add_argument("--dequant", default="lut",
-                    help="comma list of the indexer's FP4 dequant paths to time (lut,e4m3,bits,fp8mma)")
+    ap.add_argument("--dequant", default="lutbf",
+                    help="comma list of the indexer's FP4 dequant paths to time (lutbf,lut,e4m3,bits,fp8mma)")
     ap.add_argument("--formats", default="fp4",
                     help="comma list of indexer key formats for --cases idx (fp4 timed once "
                          "per --dequant path; nvfp4, fp8)")

@@ -45,7 +45,10 @@ def op_sources(hlo_text: str) -> dict[str, tuple[str, str]]:
             out[m.group(1)] = (m.group(2), f"{m.group(2)}: <{re.sub(r'[.]\d+$', '', m.group(1))}>")
             continue
         parts = [p for p in name.group(1).split("/") if not p.startswith("jit(")]
-        out[m.group(1)] = (m.group(2), f"{m.group(2)}: " + "/".join(parts[-2:])[:80])
+        label = f"{m.group(2)}: " + "/".join(parts[-2:])[:80]
+        if m.group(2) == "custom-call":   # kernels all share an op name: add the result type
+            label += " -> " + re.search(r" = (\(.*?\)|\S+) ", line).group(1)[:60]
+        out[m.group(1)] = (m.group(2), label)
     return out
 
 
@@ -97,7 +100,7 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
             cur = []
         cur.append(e)
     steps.append(cur)
-    per_src, per_name, gaps = Counter(), Counter(), []
+    per_src, per_name, gaps, labels = Counter(), Counter(), [], {}
     span = busy = 0
     for st in steps:
         span += max(e[1] for e in st) - st[0][0]
@@ -107,8 +110,12 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
             end = max(end, e[1])
             busy += e[1] - e[0]
             label = src[e[3]][1] if e[3] in src and not e[3].startswith("command_buffer") else None
+            if label is None:   # in a CUDA graph hlo_op names the graph: map the kernel's
+                hlo = re.sub(r"_(\d+)$", r".\1", e[2])   # name (fusion_3 = fusion.3) back
+                label = src[hlo][1] if hlo in src else src.get(e[2], (0, None))[1]
             per_src[label or f"kernel: {re.sub(r'_?[0-9]+$', '', e[2])[:60]}"] += e[1] - e[0]
             per_name[e[2][:70]] += e[1] - e[0]
+            labels[e[2][:70]] = label or ""
     n = len(steps)
     print(f"profile: {n} steps, {len(evs) / n:.0f} kernels/step; per step: GPU span "
           f"{span / n / 1e3:.0f} us, kernel time {busy / n / 1e3:.0f} us, idle "
@@ -125,8 +132,8 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
     print("  host events by total time (us/step):",
           "; ".join(f"{k} {v / n / 1e3:.0f}" for k, v in host.most_common(14)))
     print("  top kernels by name:")
-    for k, v in per_name.most_common(15):
-        print(f"  {v / n / 1e3:7.1f}  {k}")
+    for k, v in per_name.most_common(top):
+        print(f"  {v / n / 1e3:7.1f}  {k}  {labels[k]}")
 
 
 def sinkhorn_variants(iters=20, eps=1e-6):
@@ -197,6 +204,11 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kernels", default="off", help="cache/attention kernels: off|on")
     ap.add_argument("--context", type=int, default=4000)
+    ap.add_argument("--tokens", choices=["random", "same"], default="random",
+                    help="the step's input tokens: random ids (as decode_bench; B tokens "
+                         "route to ~E(1 - (1 - k/E)^B) experts) or one id for every request "
+                         "(before 2026-11-26: all B tokens hit the same k experts, so MoE "
+                         "weight traffic at B > 1 was that of B = 1)")
     ap.add_argument("--profile", action="store_true",
                     help="trace the step and sum GPU kernel time per source op")
     ap.add_argument("--hlo-out", help="write the optimised HLO of the step here")
@@ -281,7 +293,9 @@ def main():
         cache = shard_cache(cache, cfg, cs, mesh)
     i32 = lambda v, *s: jnp.full(s, v, jnp.int32)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
-    args = (i32(7, B, 1), jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
+    toks = (i32(7, B, 1) if a.tokens == "same" else
+            jax.random.randint(jax.random.key(1), (B, 1), 0, cfg.vocab_size, jnp.int32))
+    args = (toks, jnp.arange(B, dtype=jnp.int32), i32(ctx, B), i32(1, B), table)
     if mesh is not None and a.place_args:   # else every call copies them onto the mesh
         args = tuple(jax.device_put(x, rep) for x in args)
     donate = a.donate_logits

@@ -168,11 +168,11 @@ if TOPK_SELECT not in ("xla", "kernel"):
 # e4m3 by prmt lookup tables on whole registers), "e4m3" (the nibble re-packed as e4m3,
 # converted by the hardware), "bits" (integer ops) or "fp8mma" (e4m3 keys into an e4m3
 # wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
-# Numerics.act_quant). All give the same values and are GPU-tested; on an H200 (2026-11-26,
-# B = 64, 128K, GPU time) the scoring kernel took 132 / 168 / 207 / 212 us: "lut" is the
-# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "lut", "lutbf" or "e4m3"); "lutbf"
-# (the tables give bf16 directly) is built but not yet run on a GPU.
-IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "lut")
+# Numerics.act_quant). All give the same values and are GPU-tested; on an H200 (B = 64,
+# 128K, GPU time) the scoring kernel took 120 us with "lutbf" (the tables give bf16 pairs
+# directly) and 133 / 168 / 207 / 212 us with lut / e4m3 / bits / fp8mma: "lutbf" is the
+# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "lutbf", "lut" or "e4m3").
+IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "lutbf")
 # (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
 if IDX_DEQUANT not in ("lut", "lutbf", "e4m3", "bits", "fp8mma"):
     raise ValueError(f"DSV4_IDX_DEQUANT must be 'lut', 'lutbf', 'e4m3', 'bits' or 'fp8mma', "
