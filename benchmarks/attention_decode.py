@@ -58,6 +58,8 @@ MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
 TINY_MODELS = {"flash": (64, 64), "pro": (128, 64)}   # --tiny (CPU interpreter)
 VARIANTS = {   # name -> kernel keyword arguments
     "ws-lane": dict(gather="direct", warp_specialized=True),
+    # the producer warpgroup copies rows with cp.async (16-byte pieces, 128 threads)
+    "ws-cpasync": dict(gather="cpasync", warp_specialized=True),
     "direct-lane": dict(gather="direct", warp_specialized=False),
     "staged": dict(gather="staged", warp_specialized=False),
     # ws-lane with the split rule before 2026-11-23 (kernel.default_splits_v1), for A/B

@@ -65,6 +65,11 @@ TILING_SHAPES = [("expert w1/w3", "fp4", 6, 2048, 4096, 8), ("expert w2", "fp4",
                  ("wo_b", "fp8", 1, 4096, 8192, 8), ("wq_b", "fp8", 1, 32768, 1024, 8)]
 
 
+# --moe: the default, then one knob changed at a time
+MOE_VARIANTS = [dict(), dict(tn=64), dict(tkp=64), dict(stages=3), dict(stages=4),
+                dict(decode="swar"), dict(tn=64, tkp=64, stages=4)]
+
+
 def sweep_variants(fmt, G, N, Kd, reg_a_only=False, decode=None, M=8):
     if reg_a_only:  # A/B of the register-lhs variant at the default tiling
         return [dict(reg_a=False), dict(reg_a=True)]
@@ -162,14 +167,16 @@ REF_FNS = {
 }
 
 
-def run_config(name, fmt, bank, G, M, Kd, N, rotate_experts, impls, log, kernel_kw=None):
-    """Time impls on one shape; returns a result dict (plus correctness for the kernel)."""
+def run_config(name, fmt, bank, G, M, Kd, N, rotate_experts, impls, log, kernel_kw=None,
+               wbytes=None):
+    """Time impls on one shape; returns a result dict (plus correctness for the kernel).
+    wbytes: weight bytes a call reads (default: G experts)."""
     kernel_kw = kernel_kw or {}
     E = bank.shape[0]
     x = jax.random.normal(jax.random.key(M * 7 + G), (G, M, Kd), jnp.float32).astype(jnp.bfloat16)
     n = max(24, 2 * len(rotate_experts))
     args = [(x, rotate_experts[i % len(rotate_experts)], bank) for i in range(n)]
-    wbytes = G * expert_bytes(bank)
+    wbytes = G * expert_bytes(bank) if wbytes is None else wbytes
     fns = dict(REF_FNS, kernel=jax.jit(lambda x, e, w: grouped_matmul(x, e, w, **kernel_kw)))
     res = dict(name=name, fmt=fmt, G=G, M=M, N=N, K=Kd, weight_MB=wbytes / 1e6, **kernel_kw)
     # correctness: one empty group where G > 1
@@ -214,6 +221,8 @@ def main():
                     help="old vs new defaults at FINAL_AB_SHAPES")
     ap.add_argument("--decode", choices=("cvt", "swar"),
                     help="tiling sweep (TILING_SHAPES) with this decode, reg_a default")
+    ap.add_argument("--moe", type=int, nargs="*", default=[],
+                    help="decode batch sizes: time the routed experts as the step groups them")
     args = ap.parse_args()
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -264,6 +273,27 @@ def main():
                        for i in range(max(4, math.ceil(ROTATE_BYTES / (G * N * Kd / 2))))]
                 results.append(run_config(f"{name} ({fmt})", fmt, bank, G, M, Kd, N, rot,
                                           ["kernel", "f32", "bf16"], log))
+            del bank
+    # The routed experts as the decode step calls them at batch B (layers._moe_scheduled):
+    # B tokens x k = 6 random experts of E = 256, grouped by expert_schedule into S tiles of
+    # 8 rows (S = ceil(6B/8) + 257; at B = 64, 305 slots of which ~200 hold an expert, the
+    # rest empty: no weight reads). w13 (w1 | w3 stacked: N = 4096, K = 4096) and w2 (N =
+    # 4096, K = 2048), the kernel's default and MOE_VARIANTS; GB/s counts the experts read.
+    for B in args.moe:
+        from dsv4_jax.layers import expert_schedule
+        E, k = 256, 6
+        draws = [expert_schedule(jax.random.randint(jax.random.key(100 + i), (B, k), 0, E),
+                                 E, 8)[0] for i in range(8)]
+        S = int(draws[0].shape[0])
+        used = float(np.mean([int((np.asarray(d) >= 0).sum()) for d in draws]))
+        for name, N, Kd in (("experts w13", 4096, 4096), ("experts w2", 4096, 2048)):
+            bank = rand_fp4_bank(key, E, N, Kd)
+            for kw in MOE_VARIANTS:
+                if left() < 0:
+                    break
+                results.append(run_config(f"{name} B={B} ({used:.0f} of {S} slots)", "fp4", bank,
+                                          S, 8, Kd, N, draws, ["kernel"], log, kernel_kw=kw,
+                                          wbytes=used * expert_bytes(bank)))
             del bank
     # Tuning sweep: tile rows, FP4 step width, pipeline depth, K splits (kernel only)
     if args.sweep:

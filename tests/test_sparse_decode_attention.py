@@ -137,7 +137,7 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
             S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
             S((H,), jnp.float32))
     for splits, gather, ws in ((1, "direct", True), (3, "direct", True), (3, "direct", False),
-                               (3, "staged", False)):
+                               (3, "staged", False), (1, "cpasync", True), (3, "cpasync", True)):
         f = functools.partial(K.sparse_decode_attention, splits=splits, gather=gather,
                               warp_specialized=ws)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -145,7 +145,8 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gather,ws", [("direct", True), ("direct", False), ("staged", False)])
+@pytest.mark.parametrize("gather,ws", [("direct", True), ("direct", False), ("staged", False),
+                                       ("cpasync", True)])
 def test_gpu_kernel_matches_reference(gather, ws):
     args = make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(4000, 4095), n_valid=(300, 512))
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)

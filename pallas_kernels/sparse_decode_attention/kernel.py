@@ -43,7 +43,7 @@ ROPE = 64
 BLK = 64        # keys per step (the reference's online-softmax block)
 HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
-GATHERS = ("direct", "staged")
+GATHERS = ("direct", "staged", "cpasync")
 
 
 def _prep(win, cmp, block_table, idx_BK, t_B):
@@ -119,7 +119,10 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
     (rows copied from the pool in-kernel; a row is a tensor-TMA [8, 64]-byte box, 448 B +
-    64 B over-read, into 512-B SMEM rows) or "staged" (XLA staging gather, to compare).
+    64 B over-read, into 512-B SMEM rows), "cpasync" (the producer warpgroup's 128
+    threads copy 16-byte pieces of the rows with cp.async; warp_specialized only; the
+    interpreter cannot run it, so interpreted calls take "direct") or "staged" (XLA
+    staging gather, to compare).
     warp_specialized: one CTA per (request, split, head tile) with a producer warpgroup
     issuing the row copies and two consumer warpgroups (one per output column half) sharing
     the K tile; otherwise two single-warpgroup CTAs (one per column half) each copy and
@@ -145,6 +148,11 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                                   col_split=col_split, joined=joined,
                                   interpret=bool(interpret))
     else:
+        if gather == "cpasync" and not warp_specialized:
+            raise ValueError("gather='cpasync' needs warp_specialized=True (its producer "
+                             "warpgroup does the copies)")
+        if gather == "cpasync" and interpret:
+            gather = "direct"   # same values; the interpreter runs no inline PTX
         args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                                   splits=splits, gather=gather,
                                   ctas_per_tile=1 if warp_specialized else 2)
@@ -248,6 +256,104 @@ def _issuer(b, g_refs, s_refs, direct):
                 plgpu.copy_gmem_to_smem(cn_g.at[b, keys], n_s.at[slot], cbar.at[slot])
                 plgpu.copy_gmem_to_smem(cr_g.at[b, keys], r_s.at[slot], cbar.at[slot])
             plgpu.copy_gmem_to_smem(meta_g.at[b, g], m_s.at[slot], cbar.at[slot])
+    return issue
+
+
+# gather="cpasync": the producer warpgroup's 128 threads copy a block's rows with 16-byte
+# cp.async (Ampere-style asynchronous copies, Hopper has no TMA gather): a 448-byte nope
+# row is 28 pieces, a rope row 8, the block's meta 32; 64 keys x 36 + 32 = 2336 pieces,
+# 18-19 a thread. One TMA per row (gather="direct") is issued by a single thread, ~129 a
+# block, and that issue rate bounded the kernel (5-8% of the bandwidth at B = 64).
+CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
+
+
+def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
+    """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
+    128 threads, then wait for this thread's copies (the caller's barrier_arrive releases
+    them to the consumers). window: rows row_base + key; else rows crow[crow_off + key].
+    pools = (nope [rows * 7, 64] e4m3, rope [rows, 64] bf16, crow [B, KP] i32, meta
+    [B, n_blk, 8, 64] u8) in GMEM; s_refs = (n_s [2, 64, 8, 64], r_s [2, 64, 64],
+    m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (splat,) * 4)
+    def gather(ctx, nope_g, rope_g, crow_g, meta_g, n_s, r_s, m_s, rb, co, mo, sl):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm
+        from jax.experimental.mosaic.gpu import utils as mu
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        c32 = lambda v: mu.c(v, i32)
+        c64 = lambda v: mu.c(v, i64)
+        gaddr = lambda ref: llvm.ptrtoint(i64, mu.memref_ptr(ref))
+        saddr = lambda ref: llvm.ptrtoint(i32, mu.memref_ptr(ref))
+        rb, co, mo, sl = (x.registers.item() for x in (rb, co, mo, sl))
+        t = arith.remui(mu.thread_idx(), c32(128))
+        g_n, g_r, g_c, g_m = (gaddr(r) for r in (nope_g, rope_g, crow_g, meta_g))
+        s_n, s_r, s_m = (saddr(r) for r in (n_s, r_s, m_s))
+
+        def row_of(key):   # i32 key in the block -> i64 pool row
+            if window:
+                return arith.extui(i64, arith.addi(rb, key))
+            off = arith.extui(i64, arith.addi(co, key))
+            a = arith.addi(g_c, arith.muli(off, c64(4)))
+            r = mu.inline_ptx("ld.global.nc.b32 $0, [$1];", a, result_types=i32)
+            return arith.extui(i64, r)
+
+        def copy(dst, src, pred=None):   # dst: i32 shared address, src: i64 global
+            mu.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16;", dst, src,
+                          predicate=pred, has_side_effects=True)
+
+        rows = {}
+        for i in range(BLK * CP_NOPE // 128):        # nope: piece p = t + 128 i
+            p = arith.addi(t, c32(128 * i))
+            key, ch = arith.divui(p, c32(CP_NOPE)), arith.remui(p, c32(CP_NOPE))
+            row = row_of(key)
+            src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)),
+                                             arith.extui(i64, arith.muli(ch, c32(16)))))
+            dst = arith.addi(s_n, arith.addi(arith.muli(sl, c32(BLK * 512)),
+                                             arith.addi(arith.muli(key, c32(512)),
+                                                        arith.muli(ch, c32(16)))))
+            copy(dst, src)
+        for i in range(BLK * CP_ROPE // 128):        # rope: key = t / 8 + 16 i
+            key = arith.addi(arith.divui(t, c32(CP_ROPE)), c32(128 // CP_ROPE * i))
+            pc = arith.remui(t, c32(CP_ROPE))
+            row = row_of(key)
+            src = arith.addi(g_r, arith.addi(arith.muli(row, c64(ROPE * 2)),
+                                             arith.extui(i64, arith.muli(pc, c32(16)))))
+            dst = arith.addi(s_r, arith.addi(arith.muli(sl, c32(BLK * ROPE * 2)),
+                                             arith.addi(arith.muli(key, c32(ROPE * 2)),
+                                                        arith.muli(pc, c32(16)))))
+            copy(dst, src)
+        # meta: 512 bytes = 32 pieces, threads 0..31
+        src = arith.addi(g_m, arith.extui(i64, arith.addi(arith.muli(mo, c32(8 * BLK)),
+                                                          arith.muli(t, c32(16)))))
+        dst = arith.addi(s_m, arith.addi(arith.muli(sl, c32(8 * BLK)), arith.muli(t, c32(16))))
+        copy(dst, src, pred=arith.cmpi(arith.CmpIPredicate.ult, t, c32(8 * BLK // 16)))
+        mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
+
+    gather(*pools, *s_refs, row_base, crow_off, meta_off, slot)
+
+
+def _cp_issuer(b, g_refs, s_refs, n_blk):
+    """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
+    into slot (the calling warpgroup waits for its copies) and arrives once on its barrier
+    (wbar / cbar: one arrival per block)."""
+    wn_g, wr_g, cn_g, cr_g, crow_g, meta_g = g_refs
+    i32 = lambda v: jnp.asarray(v, jnp.int32)
+
+    def issue(g, slot, wbar, cbar):
+        @pl.when(g < NW)
+        def _():
+            _cp_gather(True, (wn_g, wr_g, crow_g, meta_g), s_refs, i32(b * WINDOW + g * BLK),
+                       i32(0), i32(b * n_blk + g), i32(slot))
+            plgpu.barrier_arrive(wbar.at[slot])
+
+        @pl.when(g >= NW)
+        def _():
+            _cp_gather(False, (cn_g, cr_g, crow_g, meta_g), s_refs, i32(0),
+                       i32(b * crow_g.shape[1] + (g - NW) * BLK), i32(b * n_blk + g), i32(slot))
+            plgpu.barrier_arrive(cbar.at[slot])
     return issue
 
 
@@ -443,6 +549,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
     n_blk = meta.shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
+    cpasync = gather == "cpasync"
+    # copy barriers: row TMAs complete them (N_ROW_COPIES or 3 a block), or (cpasync) the
+    # producer warpgroup's one arrival after its cp.async copies landed
+    n_w = 1 if cpasync else N_ROW_COPIES
+    n_c = 1 if cpasync else N_ROW_COPIES if direct else 3
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g):
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
@@ -454,8 +565,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
             @pl.when(wg == 2)
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
-                issue = _issuer(b, (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g), (n_s, r_s, m_s),
-                                direct)
+                g_refs = (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g)
+                issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), n_blk) if cpasync else
+                         _issuer(b, g_refs, (n_s, r_s, m_s), direct))
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -522,8 +634,8 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
             scoped,
             *_scratch(2),
             plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=N_ROW_COPIES, num_barriers=2),
-            plgpu.Barrier(num_arrivals=N_ROW_COPIES if direct else 3, num_barriers=2),
+            plgpu.Barrier(num_arrivals=n_w, num_barriers=2),
+            plgpu.Barrier(num_arrivals=n_c, num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # free
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2),                    # kfree
