@@ -29,6 +29,7 @@ Split s: flash-decoding over key blocks when there are too few CTAs to fill the 
 partial outputs are merged in XLA.
 """
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -265,6 +266,10 @@ def _issuer(b, g_refs, s_refs, direct):
 # 18-19 a thread. One TMA per row (gather="direct") is issued by a single thread, ~129 a
 # block, and that issue rate bounded the kernel (5-8% of the bandwidth at B = 64).
 CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
+# Registers a thread of the warp-specialised kernel: producer / consumer warpgroups
+# (p + 2 c <= 512). 56 / 224 measured 1-2% faster than 40 / 232 (H200, 2026-11-26,
+# benchmarks/attn_probe.py); DSV4_ATTN_PREG / DSV4_ATTN_CREG override them for A/B runs.
+P_REGS, C_REGS = 56, 224
 
 
 def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
@@ -304,27 +309,21 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
             mu.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16;", dst, src,
                           predicate=pred, has_side_effects=True)
 
-        rows = {}
-        for i in range(BLK * CP_NOPE // 128):        # nope: piece p = t + 128 i
-            p = arith.addi(t, c32(128 * i))
-            key, ch = arith.divui(p, c32(CP_NOPE)), arith.remui(p, c32(CP_NOPE))
-            row = row_of(key)
-            src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)),
-                                             arith.extui(i64, arith.muli(ch, c32(16)))))
-            dst = arith.addi(s_n, arith.addi(arith.muli(sl, c32(BLK * 512)),
-                                             arith.addi(arith.muli(key, c32(512)),
-                                                        arith.muli(ch, c32(16)))))
-            copy(dst, src)
-        for i in range(BLK * CP_ROPE // 128):        # rope: key = t / 8 + 16 i
-            key = arith.addi(arith.divui(t, c32(CP_ROPE)), c32(128 // CP_ROPE * i))
-            pc = arith.remui(t, c32(CP_ROPE))
-            row = row_of(key)
-            src = arith.addi(g_r, arith.addi(arith.muli(row, c64(ROPE * 2)),
-                                             arith.extui(i64, arith.muli(pc, c32(16)))))
-            dst = arith.addi(s_r, arith.addi(arith.muli(sl, c32(BLK * ROPE * 2)),
-                                             arith.addi(arith.muli(key, c32(ROPE * 2)),
-                                                        arith.muli(pc, c32(16)))))
-            copy(dst, src)
+        # thread t copies half of key t // 2's row: pieces h, h + 2, h + 4, ... (h = t % 2),
+        # so the two threads of a key read adjacent 16 bytes (whole 32-byte sectors), one
+        # row id a thread, and every piece is a constant offset from two base addresses
+        key, h16 = arith.shrui(t, c32(1)), arith.muli(arith.andi(t, c32(1)), c32(16))
+        row = row_of(key)
+        src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)), arith.extui(i64, h16)))
+        dst = arith.addi(s_n, arith.addi(arith.muli(sl, c32(BLK * 512)),
+                                         arith.addi(arith.muli(key, c32(512)), h16)))
+        for i in range(CP_NOPE // 2):
+            copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
+        src = arith.addi(g_r, arith.addi(arith.muli(row, c64(ROPE * 2)), arith.extui(i64, h16)))
+        dst = arith.addi(s_r, arith.addi(arith.muli(sl, c32(BLK * ROPE * 2)),
+                                         arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
+        for i in range(CP_ROPE // 2):
+            copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
         # meta: 512 bytes = 32 pieces, threads 0..31
         src = arith.addi(g_m, arith.extui(i64, arith.addi(arith.muli(mo, c32(8 * BLK)),
                                                           arith.muli(t, c32(16)))))
@@ -404,14 +403,15 @@ def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
     return m_new, l, acc
 
 
-def _pv(p_s, k_s, c):
-    """P V for output column half c (dynamic): [64 heads, 256] f32."""
+def _pv(p_s, k_s, c, acc):
+    """acc + P V for output column half c (dynamic): [64 heads, 256] f32. The wgmma adds
+    into acc itself: a fresh accumulator added afterwards held two [64, 256] f32 tiles
+    (256 registers a thread) and spilled (sm_90a SASS, 2026-11-26)."""
     def half(h):
         def f(acc_ref):
             plgpu.wgmma(acc_ref, p_s, k_s.at[:, pl.ds(h * (D // 2), D // 2)])
-            return acc_ref[...]
-        return lambda: pl.run_scoped(f, plgpu.ACC((HT, D // 2), jnp.float32))
-    return lax.cond(c == 0, half(0), half(1))
+        return lambda a: pl.run_state(f)(plgpu.ACC.init(a))
+    return lax.cond(c == 0, half(0), half(1), acc)
 
 
 def _init_carry():
@@ -520,7 +520,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
             bias = _bias(m_s, slot)
             plgpu.commit_smem()
             m, l, acc = _scores_softmax(q_s, k_s, p_s.at[0], bias, m, l, acc)
-            return acc + _pv(p_s.at[0], k_s, c), m, l
+            return _pv(p_s.at[0], k_s, c, acc), m, l
 
         acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
         plgpu.commit_smem()   # the last step's wgmma reads of q_s are done
@@ -564,7 +564,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
         def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree):
             @pl.when(wg == 2)
             def _producer():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)), action="decrease")
                 g_refs = (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g)
                 issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), n_blk) if cpasync else
                          _issuer(b, g_refs, (n_s, r_s, m_s), direct))
@@ -593,7 +593,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
             @pl.when(wg < 2)
             def _consumer():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)), action="increase")
                 c = wg
                 plgpu.barrier_wait(qbar)
 
@@ -619,7 +619,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
                     plgpu.barrier_arrive(kfull)
                     plgpu.barrier_wait(kfull)
                     m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
-                    acc = acc + _pv(p_s.at[c], k_s, c)
+                    acc = _pv(p_s.at[c], k_s, c, acc)
                     plgpu.barrier_arrive(kfree)
                     return acc, m, l
 

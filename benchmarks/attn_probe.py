@@ -1,0 +1,69 @@
+"""Time sparse-decode-attention variants against each other: GPU time of the op from
+profiler traces, interleaved rounds, plus the error against the reference. A variant is
+gather[:k=v,...] where k=v are environment knobs read while the kernel is traced
+(e.g. cpasync:DSV4_ATTN_PREG=40:DSV4_ATTN_CREG=232). Usage:
+  python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants direct,cpasync"""
+import argparse
+import functools
+import os
+import statistics
+
+import numpy as np
+import jax
+
+from benchmarks.attention_decode import MODELS, make_case, profile_times
+from pallas_kernels.sparse_decode_attention import kernel as K
+from pallas_kernels.sparse_decode_attention import reference as R
+
+
+def build(spec, args):
+    gather, *kv = spec.split(":")
+    env = dict(x.split("=") for x in kv)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        kw = (dict(backend="triton", head_tile=64, num_warps=8) if gather == "triton"
+              else dict(gather=gather, warp_specialized=True))
+        f = jax.jit(functools.partial(K.sparse_decode_attention, **kw))
+        out = jax.block_until_ready(f(*args))     # traced and compiled with env set
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    return f, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="flash:csa:64:32768")
+    ap.add_argument("--variants", default="direct,cpasync,triton")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    print("| case | variant | GPU us (median of rounds; min-max) | rel err |")
+    print("|---|---|---|---|")
+    for case in a.cases.split(","):
+        model, mode, B, ctx = case.split(":")
+        B, ctx = int(B), int(ctx)
+        H, topk = MODELS[model]
+        args = make_case(jax.random.key(0), B, H, ctx, topk if mode == "csa" else ctx // 128, mode)
+        ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+        progs, errs = [], {}
+        for v in a.variants.split(","):
+            f, out = build(v, args)
+            o = np.asarray(out).astype(np.float32)
+            errs[v] = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            progs.append((v, lambda x, f=f: f(*x), args))
+        ts = {v: [] for v, _, _ in progs}
+        for _ in range(a.rounds):
+            r = profile_times(progs, n=3)
+            for v in ts:
+                ts[v].append(r[v]["busy"] * 1e6)
+        for v, t in ts.items():
+            print(f"| {case} | {v} | {statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f}) | "
+                  f"{errs[v]:.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
