@@ -277,11 +277,13 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
     128 threads, then wait for this thread's copies (the caller's barrier_arrive releases
     them to the consumers). window: rows row_base + key; else rows crow[crow_off + key].
     pools = (nope [rows * 7, 64] e4m3, rope [rows, 64] bf16, crow [B, KP] i32, meta
-    [B, n_blk, 8, 64] u8) in GMEM; s_refs = (n_s [2, 64, 8, 64], r_s [2, 64, 64],
-    m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
+    [B, n_blk, 8, 64] u8) in GMEM; s_refs = (n_s [2, 8, 64, 64] (chunk-major, tiled and
+    swizzled: see below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
     splat = plgpu.Layout.WG_SPLAT(())
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (splat,) * 4)
+    ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
+
+    @plgpu.inline_mgpu(arg_types=(ref,) * 4 + (n_ref, ref, ref) + (splat,) * 4)
     def gather(ctx, nope_g, rope_g, crow_g, meta_g, n_s, r_s, m_s, rb, co, mo, sl):
         del ctx
         from jax._src.lib.mlir import ir
@@ -315,10 +317,17 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
         key, h16 = arith.shrui(t, c32(1)), arith.muli(arith.andi(t, c32(1)), c32(16))
         row = row_of(key)
         src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)), arith.extui(i64, h16)))
-        dst = arith.addi(s_n, arith.addi(arith.muli(sl, c32(BLK * 512)),
-                                         arith.addi(arith.muli(key, c32(512)), h16)))
+        # n_s is [2, 8 chunks, 64 keys, 64 B], tiled (8, 64) and 64-byte swizzled: key r's
+        # 16-byte unit v of chunk j sits at j * 4096 + (r // 8) * 512 + (r % 8) * 64 +
+        # (v ^ ((r >> 1) & 3)) * 16; this thread's units are v = h (even i), h + 2 (odd i)
+        x = arith.andi(arith.shrui(key, c32(1)), c32(3))
+        base = arith.addi(s_n, arith.addi(arith.muli(sl, c32(8 * BLK * 64)),
+                                          arith.muli(key, c32(64))))
+        h = arith.andi(t, c32(1))
+        unit = [arith.addi(base, arith.muli(arith.xori(arith.addi(h, c32(2 * k)), x), c32(16)))
+                for k in range(2)]
         for i in range(CP_NOPE // 2):
-            copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
+            copy(arith.addi(unit[i % 2], c32((i // 2) * BLK * 64)), arith.addi(src, c64(32 * i)))
         src = arith.addi(g_r, arith.addi(arith.muli(row, c64(ROPE * 2)), arith.extui(i64, h16)))
         dst = arith.addi(s_r, arith.addi(arith.muli(sl, c32(BLK * ROPE * 2)),
                                          arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
@@ -366,11 +375,15 @@ def _wait_block(g, slot, wbar, cbar):
         plgpu.barrier_wait(cbar.at[slot])
 
 
-def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope):
-    """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is."""
+def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, swizzled=False):
+    """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is.
+    swizzled: n_s is [2, 8, 64, 64] chunk-major, tiled (8, 64) and 64-byte swizzled
+    (gather="cpasync" writes it so): conflict-free loads."""
     for j in chunks:
-        # Row stride of 512 B: bank conflicts, accepted (optimized=False).
-        x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
+        if swizzled:
+            x = plgpu.load(n_s.at[slot, j], layout=WG)
+        else:   # row stride of 512 B: bank conflicts, accepted (optimized=False)
+            x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
         e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
         f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
         kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
@@ -455,10 +468,15 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(p_copies):
+SWZ64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+
+
+def _scratch(p_copies, swizzled=False):
+    n_s = (plgpu.SMEM((2, 8, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64) if swizzled
+           else plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn))        # 512 B/key
     return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
             plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=TILED),            # k_s
-            plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn),                  # n_s, 512 B/key
+            n_s,
             plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16),                        # r_s
             plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
             plgpu.SMEM((p_copies, HT, BLK), jnp.bfloat16, transforms=TILED),  # p_s
@@ -608,11 +626,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
                     @pl.when(c == 0)
                     def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False)
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False, cpasync)
 
                     @pl.when(c == 1)
                     def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True)
+                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, cpasync)
                     bias = _bias(m_s, slot)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(free.at[slot])
@@ -632,7 +650,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
         pl.run_scoped(
             scoped,
-            *_scratch(2),
+            *_scratch(2, cpasync),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=n_w, num_barriers=2),
             plgpu.Barrier(num_arrivals=n_c, num_barriers=2),
