@@ -179,15 +179,20 @@ if IDX_DEQUANT not in ("lut", "lutbf", "e4m3", "bits", "fp8mma"):
                      f"got {IDX_DEQUANT!r}")
 
 
-# Attention kernel backend: "triton" (kernel_triton.py: rows gathered by vector loads, 64
-# heads per program, 8 warps) or "mosaic" (kernel.py: one TMA copy per row, warp-
-# specialised). H100, kernel alone (benchmarks/results/session15f_h100): Flash CSA B=64 32K
-# 73.0 -> 49.8 us, Flash HCA B=64 128K 118.5 -> 80.6, Pro CSA B=32 114.6 -> 75.6, Flash
-# CSA B=8 19.3 -> 12.4; same error against the reference. DSV4_ATTN_BACKEND=mosaic for
-# the Mosaic kernel (the Blackwell path to build on).
-ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "triton")
+# Attention kernel backend: "mosaic" (kernel.py, warp-specialised: a producer warpgroup
+# copies the selected rows with cp.async into a swizzled double buffer, two consumer
+# warpgroups dequantise and run the wgmmas) or "triton" (kernel_triton.py: rows gathered
+# by vector loads, 64 heads per program, 8 warps). H200, GPU time of the op
+# (benchmarks/attn_probe.py, 2026-11-26): Flash CSA B=64 32K 41.0 vs 58.0 us, Flash HCA
+# B=64 128K 56.6 vs 88.3, Pro CSA B=32 57.5 vs 84.2, Flash CSA B=8 18.7 vs 20.3, B=1 16.1
+# vs 17.6; the same error against the reference. DSV4_ATTN_BACKEND=triton for the Triton
+# kernel, DSV4_ATTN_GATHER=direct for the Mosaic kernel's one-TMA-per-row gather.
+ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "mosaic")
 if ATTN_BACKEND not in ("triton", "mosaic"):
     raise ValueError(f"DSV4_ATTN_BACKEND must be 'triton' or 'mosaic', got {ATTN_BACKEND!r}")
+ATTN_GATHER = os.environ.get("DSV4_ATTN_GATHER", "cpasync")
+if ATTN_GATHER not in ("cpasync", "direct"):
+    raise ValueError(f"DSV4_ATTN_GATHER must be 'cpasync' or 'direct', got {ATTN_GATHER!r}")
 # The Triton kernel's joined form (K and the output as whole [.., 512] tiles, q permuted in
 # XLA: 2 dots a key block instead of 16; its sm_90a SASS has 3 CTA barriers and 2 wgmma
 # waits a block instead of 23 and 16; built 2026-11-25 without device time, so off until
@@ -195,15 +200,16 @@ if ATTN_BACKEND not in ("triton", "mosaic"):
 ATTN_JOINED = os.environ.get("DSV4_ATTN_JOINED", "0") == "1"
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined"))
+@functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined", "gather"))
 def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend,
-                          joined=False):
+                          joined=False, gather="cpasync"):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
     if backend == "triton":
         return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
                                        backend="triton", interpret=interpret is not None,
                                        joined=joined)
-    return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, interpret=interpret)
+    return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, gather=gather,
+                                   interpret=interpret)
 
 
 # Experimental, off until a GPU run compares compile and step time: the in-place scatters
@@ -292,7 +298,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         idx = np.full((B, 64), -1, np.int32)
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
-                              interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED)
+                              interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED,
+                              gather=ATTN_GATHER)
     return o[:, None].astype(F32)
 
 

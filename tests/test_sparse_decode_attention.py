@@ -76,12 +76,9 @@ def test_kernel_matches_reference(gather, splits, ws):
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("ws", [True, False])
-def test_kernel_direct_pool_edges_and_holes(ws):
-    # Direct gather: each row is copied as a 512-byte box that also covers the next row's
-    # first 64 bytes, so the pool's LAST row (zero-filled past the end) and the window
-    # ring's last row are included; -1 holes sit between valid ids and one request has a
-    # whole 64-id block of -1 between valid ones.
+def edge_inputs():
+    """The pool's LAST row and the window ring's last row are attended; -1 holes sit
+    between valid ids and one request has a whole 64-id block of -1 between valid ones."""
     B, NB, EPB, MAXB = 2, 6, 32, 3
     args = make_inputs(5, B=B, NB=NB, EPB=EPB, MAXB=MAXB, n_idx=150, t=(300, 380), n_valid=(0, 0))
     q, win, cmp, bt, _, t, sink = args
@@ -94,11 +91,30 @@ def test_kernel_direct_pool_edges_and_holes(ws):
     idx[0, :40:2] = ids[:20]                             # holes every other slot
     idx[1, 100:110] = ids[20:30]                          # first block all -1
     idx[b_last, 3 if b_last == 0 else 120] = i_last * EPB + EPB - 1   # the pool's last row
-    args = (q, win, cmp, bt, jnp.asarray(idx), t, sink)
+    return (q, win, cmp, bt, jnp.asarray(idx), t, sink)
+
+
+@pytest.mark.parametrize("ws", [True, False])
+def test_kernel_direct_pool_edges_and_holes(ws):
+    # Direct gather: each row is copied as a 512-byte box that also covers the next row's
+    # first 64 bytes, so the pool's last row is read past the end (zero-filled).
+    args = edge_inputs()
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
     out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cpasync_pool_edges_and_holes():
+    # cp.async gather (inline PTX: GPU only): the same edge cases, and the merge of splits
+    args = edge_inputs()
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    for splits in (1, 2):
+        f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync")
+        out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
+        assert np.isfinite(out).all()
+        assert rel_err(out, ref) < 5e-3
 
 
 def test_kernel_hca_indices_and_empty_window_slots():
@@ -121,6 +137,9 @@ def test_bad_inputs_raise():
         K.sparse_decode_attention(q, win, (cmp[0].astype(jnp.bfloat16), *cmp[1:]), bt, idx, t, sink)
     with pytest.raises(ValueError, match="gather"):
         K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="xla")
+    with pytest.raises(ValueError, match="warp_specialized"):
+        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="cpasync",
+                                  warp_specialized=False)
     with pytest.raises(ValueError, match="cmp_rope"):
         K.sparse_decode_attention(q, win, (cmp[0], cmp[1], cmp[2][:, :, :32]), bt, idx, t, sink)
 

@@ -416,14 +416,22 @@ def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
     return m_new, l, acc
 
 
-def _pv(p_s, k_s, c, acc):
-    """acc + P V for output column half c (dynamic): [64 heads, 256] f32. The wgmma adds
-    into acc itself: a fresh accumulator added afterwards held two [64, 256] f32 tiles
-    (256 registers a thread) and spilled (sm_90a SASS, 2026-11-26)."""
+def _pv(p_s, k_s, c, acc, in_place=True):
+    """acc + P V for output column half c (dynamic): [64 heads, 256] f32. in_place: the
+    wgmma adds into acc itself (a fresh accumulator added afterwards held two [64, 256]
+    f32 tiles, 256 registers a thread, and spilled: sm_90a SASS, 2026-11-26). The
+    interpreter cannot run that form (a wgmma effect inside lax.cond), so interpreted
+    calls take the fresh-accumulator form (the same sums, rounded in another order)."""
     def half(h):
-        def f(acc_ref):
+        def mma(acc_ref):
             plgpu.wgmma(acc_ref, p_s, k_s.at[:, pl.ds(h * (D // 2), D // 2)])
-        return lambda a: pl.run_state(f)(plgpu.ACC.init(a))
+
+        def fresh(acc_ref):
+            mma(acc_ref)
+            return acc_ref[...]
+        if in_place:
+            return lambda a: pl.run_state(mma)(plgpu.ACC.init(a))
+        return lambda a: a + pl.run_scoped(fresh, plgpu.ACC((HT, D // 2), jnp.float32))
     return lax.cond(c == 0, half(0), half(1), acc)
 
 
@@ -538,7 +546,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
             bias = _bias(m_s, slot)
             plgpu.commit_smem()
             m, l, acc = _scores_softmax(q_s, k_s, p_s.at[0], bias, m, l, acc)
-            return _pv(p_s.at[0], k_s, c, acc), m, l
+            return _pv(p_s.at[0], k_s, c, acc, in_place=not interpret), m, l
 
         acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
         plgpu.commit_smem()   # the last step's wgmma reads of q_s are done
@@ -637,7 +645,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
                     plgpu.barrier_arrive(kfull)
                     plgpu.barrier_wait(kfull)
                     m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
-                    acc = _pv(p_s.at[c], k_s, c, acc)
+                    acc = _pv(p_s.at[c], k_s, c, acc, in_place=not interpret)
                     plgpu.barrier_arrive(kfree)
                     return acc, m, l
 
