@@ -3,7 +3,13 @@ Mosaic-GPU kernel (Hopper, sm_90a). Semantics: see reference.py.
 
 The kernel reads FP8 nope rows and BF16 rope rows straight from the cache (never a bf16
 copy) and dequantises them in SMEM: K tile bf16 [64 keys, 512] = e4m3 * 2^(e-127) (exact)
-| rope. Rows are fetched one by one with TMA, with the physical row ids read as scalars
+| rope.
+gather="cpasync" (what the decode step uses, warp-specialised only): the producer
+warpgroup's 128 threads copy the selected rows in 16-byte cp.async pieces, two threads a
+key, into a chunk-major, tiled and 64-byte swizzled buffer (conflict-free dequant loads);
+with P V accumulating in place and 56 / 224 registers nothing spills (H200, 2026-11-26:
+1.4-1.6x less GPU time than the Triton kernel at B >= 32; BENCHMARKS.md, session 20).
+gather="direct": rows are fetched one by one with TMA, with the physical row ids read as scalars
 in-kernel (window: b*128 + slot; compressed, gather="direct": the pool row of each
 selected id). A stored nope row is 448 B: it is copied as an [8, 64]-byte box of the pool
 viewed as 64-byte chunks (the row + the next row's first 64 B; zero-filled past the end),
