@@ -122,7 +122,7 @@ def on_gpu() -> bool:
 
 # mHC sums of at most this many token rows (decode) take one variadic reduction; larger
 # inputs (prefill) the einsum + a sum, whose operands XLA never broadcasts.
-HC_FUSED_ROWS = 64
+HC_FUSED_ROWS = int(os.environ.get("DSV4_HC_FUSED_ROWS", 64))
 
 
 def hc_sums(X, fn):
@@ -664,11 +664,20 @@ def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int,
                    presim=False):
     """Routed experts over expert tiles: x [N, D], idx/w [N, k] -> [N, D] f32."""
     N, D = x_ND.shape
+    k = idx_NK.shape[1]
+    P = N * k
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     slot_expert, slot, row, tok = expert_schedule(idx_NK, E, tile)
     S = slot_expert.shape[0]
     xq = fp8_block_sim(x_ND, 128) if nm.act_quant and not presim else x_ND
-    X = jnp.zeros((S, tile, D), xq.dtype).at[slot, row].set(xq[tok])
-    Wr = jnp.zeros((S, tile), F32).at[slot, row].set(w_NK.reshape(-1).astype(F32))
-    y = _grouped_swiglu(p, X, slot_expert, Wr, cfg, nm)  # [S, tile, D]
-    return jnp.zeros((N, D), F32).at[tok].add(y[slot, row])
+    # The tiles are gathered, not scattered: each tile row's pair (P: none, a zero row) is
+    # a small int scatter, then X and Wr are row gathers. Pairs are token-major (pair j is
+    # token j // k), so the combine is a gather and a sum over k. (XLA's scatters of rows
+    # into the zeroed [S, tile, D] tiles and the scatter-add back cost ~40 us a layer at
+    # B = 64 on an H200, benchmarks/results/session20_h200/run4.)
+    src = jnp.full((S * tile,), P, jnp.int32).at[slot * tile + row].set(
+        jnp.arange(P, dtype=jnp.int32))
+    X = jnp.concatenate([xq, jnp.zeros((1, D), xq.dtype)])[jnp.minimum(src // k, N)]
+    Wr = jnp.concatenate([w_NK.reshape(-1).astype(F32), jnp.zeros((1,), F32)])[src]
+    y = _grouped_swiglu(p, X.reshape(S, tile, D), slot_expert, Wr.reshape(S, tile), cfg, nm)
+    return y[slot, row].reshape(N, k, D).sum(1)   # [S, tile, D] -> [N, D]
