@@ -15,6 +15,10 @@
 #   (new default) vs triton.
 # PART=12 (run12): GPU tests + ncu of the final attention kernel.
 # PART=13 (run13): step profile with the final kernels + B = 8, 32K step mosaic vs triton.
+# PART=14 (run14): MoE tiles by gathers and the combine as gather + sum over k (slower:
+#   reverted), and the mHC sums as einsum + sum at B = 64 (DSV4_HC_FUSED_ROWS=16).
+# PART=15 (run15): MoE tiles by gathers, combine kept as scatter-add (the committed form):
+#   step profile + the B = 64, 128K stream step.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn(\|stats = dict"; }
@@ -61,5 +65,11 @@ case "${PART:-1}" in
   T 150 python3 $ANAT --top 30 > $OUT/anatomy_b64_128k_mosaic.log
   for be in mosaic triton; do DSV4_ATTN_BACKEND=$be T 150 python3 $BENCH --batch 8 \
     --context 32768 --steps 20; done ;;
+14)
+  T 150 python3 $ANAT --top 40 > $OUT/anatomy_moe_gather.log
+  DSV4_HC_FUSED_ROWS=16 T 150 python3 $ANAT --top 40 > $OUT/anatomy_moe_gather_hc16.log ;;
+15)
+  T 150 python3 $ANAT --top 40 > $OUT/anatomy_moe_xgather.log
+  T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 ;;
 esac
 true
