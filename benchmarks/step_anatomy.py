@@ -52,6 +52,18 @@ def op_sources(hlo_text: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def event_label(kernel: str, hlo_op: str, src: dict) -> str | None:
+    """op_sources' label of a profiled kernel: by its hlo_op, or (inside a CUDA graph, where
+    hlo_op names the graph) by the kernel's name mapped back to its HLO instruction
+    (`input_scatter_fusion_3` is `input_scatter_fusion.3`); None if neither is known.
+    Note: XLA gives deduplicated fusions one kernel name, so a name can stand for several
+    instructions (its label is the first one's)."""
+    if hlo_op in src and not hlo_op.startswith("command_buffer"):
+        return src[hlo_op][1]
+    hlo = re.sub(r"_(\d+)$", r".\1", kernel)
+    return src[hlo][1] if hlo in src else src.get(kernel, (None, None))[1]
+
+
 def kernels_by_source(hlo_text: str) -> tuple[int, Counter]:
     """(number of kernel-launching instructions in ENTRY, Counter of their source ops)."""
     src = Counter(label for op, label in op_sources(hlo_text).values() if op in KERNEL_OPS)
@@ -109,10 +121,7 @@ def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
             gaps.append((e[0] - end, e[2]))
             end = max(end, e[1])
             busy += e[1] - e[0]
-            label = src[e[3]][1] if e[3] in src and not e[3].startswith("command_buffer") else None
-            if label is None:   # in a CUDA graph hlo_op names the graph: map the kernel's
-                hlo = re.sub(r"_(\d+)$", r".\1", e[2])   # name (fusion_3 = fusion.3) back
-                label = src[hlo][1] if hlo in src else src.get(e[2], (0, None))[1]
+            label = event_label(e[2], e[3], src)
             per_src[label or f"kernel: {re.sub(r'_?[0-9]+$', '', e[2])[:60]}"] += e[1] - e[0]
             per_name[e[2][:70]] += e[1] - e[0]
             labels[e[2][:70]] = label or ""

@@ -55,3 +55,27 @@ def test_aot_anatomy_names_the_missing_plugin():
     from benchmarks import aot_anatomy
     with pytest.raises(SystemExit, match="CUDA plugin"):
         aot_anatomy.gpu_devices()
+
+
+def test_step_anatomy_labels_kernels_by_op_and_by_name():
+    """op_sources labels ENTRY instructions by op_name (custom calls with their result type);
+    event_label maps a profiled kernel back by hlo_op, or by name inside a CUDA graph."""
+    from benchmarks.step_anatomy import event_label, op_sources
+    hlo = "\n".join([
+        "HloModule m",
+        "ENTRY %main {",
+        '  %input_scatter_fusion.3 = f32[64,4096]{1,0} fusion(%a, %b), kind=kInput, '
+        'calls=%fused_scatter.3, metadata={op_name="jit(step)/layer0_swa/scatter-add"}',
+        '  %mpmd_map.7 = f32[1,305,4096,8]{3,2,1,0} custom-call(%x, %w), '
+        'custom_call_target="mosaic_gpu", metadata={op_name="jit(step)/kernel/mpmd_map"}',
+        "  %copy.2 = f32[8]{0} copy(%c)",
+        "}"])
+    src = op_sources(hlo)
+    assert src["input_scatter_fusion.3"] == ("fusion", "fusion: layer0_swa/scatter-add")
+    assert src["mpmd_map.7"][1] == "custom-call: kernel/mpmd_map -> f32[1,305,4096,8]{3,2,1,0}"
+    assert src["copy.2"] == ("copy", "copy: <copy>")
+    # by hlo_op outside graphs, by kernel name inside one, None when unknown
+    assert event_label("whatever", "input_scatter_fusion.3", src) == "fusion: layer0_swa/scatter-add"
+    assert event_label("input_scatter_fusion_3", "command_buffer_1", src) == \
+        "fusion: layer0_swa/scatter-add"
+    assert event_label("nvjet_sm90_tss", "command_buffer_1", src) is None
