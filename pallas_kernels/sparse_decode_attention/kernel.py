@@ -267,10 +267,12 @@ def _issuer(b, g_refs, s_refs, direct):
 
 
 # gather="cpasync": the producer warpgroup's 128 threads copy a block's rows with 16-byte
-# cp.async (Ampere-style asynchronous copies, Hopper has no TMA gather): a 448-byte nope
-# row is 28 pieces, a rope row 8, the block's meta 32; 64 keys x 36 + 32 = 2336 pieces,
-# 18-19 a thread. One TMA per row (gather="direct") is issued by a single thread, ~129 a
-# block, and that issue rate bounded the kernel (5-8% of the bandwidth at B = 64).
+# cp.async (Ampere-style asynchronous copies; Hopper has no TMA gather): two threads a key,
+# 14 nope + 4 rope pieces each, the block's meta (512 B) by threads 0..31. It replaced one
+# TMA per row issued by a single thread (gather="direct"), once thought the kernel's bound;
+# alone it gained 4%. Nsight Compute then showed spills and 7-way bank conflicts as the
+# bounds (BENCHMARKS.md, session 20): P V in place, the half-row mapping, 56 / 224
+# registers and the swizzled buffer below removed them.
 CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
 # Registers a thread of the warp-specialised kernel: producer / consumer warpgroups
 # (p + 2 c <= 512). 56 / 224 measured 1-2% faster than 40 / 232 (H200, 2026-11-26,
@@ -286,7 +288,6 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
     [B, n_blk, 8, 64] u8) in GMEM; s_refs = (n_s [2, 8, 64, 64] (chunk-major, tiled and
     swizzled: see below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
     splat = plgpu.Layout.WG_SPLAT(())
-
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
 
     @plgpu.inline_mgpu(arg_types=(ref,) * 4 + (n_ref, ref, ref) + (splat,) * 4)
@@ -486,8 +487,10 @@ SWZ64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
 def _scratch(p_copies, swizzled=False):
+    # FP8 rows, 512 B a key (7 chunks of 64 used, the 8th is padding): key-major for the
+    # row TMAs, chunk-major + swizzled for cp.async
     n_s = (plgpu.SMEM((2, 8, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64) if swizzled
-           else plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn))        # 512 B/key
+           else plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn))
     return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
             plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=TILED),            # k_s
             n_s,
@@ -596,7 +599,8 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
         def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree):
             @pl.when(wg == 2)
             def _producer():
-                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)), action="decrease")
+                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
+                                        action="decrease")
                 g_refs = (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g)
                 issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), n_blk) if cpasync else
                          _issuer(b, g_refs, (n_s, r_s, m_s), direct))
@@ -625,7 +629,8 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
 
             @pl.when(wg < 2)
             def _consumer():
-                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)), action="increase")
+                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)),
+                                        action="increase")
                 c = wg
                 plgpu.barrier_wait(qbar)
 
