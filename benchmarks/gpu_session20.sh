@@ -19,6 +19,7 @@
 #   reverted), and the mHC sums as einsum + sum at B = 64 (DSV4_HC_FUSED_ROWS=16).
 # PART=15 (run15): MoE tiles by gathers, combine kept as scatter-add (the committed form):
 #   step profile + the B = 64, 128K stream step.
+# PART=16 (run16): decode step vs pure JAX with nvfp4 index keys (lutbf now their default).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn(\|stats = dict"; }
@@ -71,5 +72,6 @@ case "${PART:-1}" in
 15)
   T 150 python3 $ANAT --top 40 > $OUT/anatomy_moe_xgather.log
   T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 ;;
+16) T 220 python3 ${CHECK/fp4/nvfp4} > $OUT/check_flash4_nvfp4.log ;;
 esac
 true
