@@ -329,6 +329,26 @@ def test_bad_inputs_raise():
         K.indexer_scores(q, w, keys["idx_codes"][..., :32], keys["idx_scale"], bt, t)
     with pytest.raises(ValueError, match="indexer q"):
         K.indexer_scores(q[:, :32], w, keys["idx_codes"], keys["idx_scale"], bt, t)
+    # the nvfp4 and fp8 entry points share the q / weights / block-table / positions checks
+    rng = np.random.default_rng(4)
+    kn = _nvfp4_keys(rng, keys["idx_codes"].shape[0])
+    k8 = kvformat.quantize_index_key(jnp.asarray(rng.standard_normal(
+        (keys["idx_codes"].shape[0], 32, 128)), jnp.float32), "fp8")
+    nv = lambda *a: K.indexer_scores_nvfp4(a[0], a[1], kn["idx_codes"], kn["idx_scale_lo"],
+                                           kn["idx_scale_hi"], a[2], a[3])
+    f8 = lambda *a: K.indexer_scores_fp8(a[0], a[1], k8["idx_keys"], k8["idx_scale"], a[2], a[3])
+    for f in (nv, f8):
+        with pytest.raises(ValueError, match="indexer q"):
+            f(q[:, :32], w, bt, t)
+        with pytest.raises(ValueError, match="indexer weights"):
+            f(q, w[:, :8], bt, t)
+        with pytest.raises(ValueError, match="block_table"):
+            f(q, w, bt[:1], t)
+        with pytest.raises(ValueError, match="positions t"):
+            f(q, w, bt, t[:1])
+    with pytest.raises(ValueError, match="idx_scale_hi"):
+        K.indexer_scores_nvfp4(q, w, kn["idx_codes"], kn["idx_scale_lo"],
+                               kn["idx_scale_hi"][..., :2], bt, t)
 
 
 def test_cuda_lowering_flash_shapes():

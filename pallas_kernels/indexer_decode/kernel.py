@@ -42,20 +42,29 @@ RATIO = 4
 DEQUANTS = ("bits", "e4m3", "fp8mma", "lut", "lutbf")
 
 
-def _check(q, w, codes, scale, block_table, t):
+def _check_common(q, w, block_table, t):
+    """The checks every key format shares: q, the head weights, block table, positions."""
     B = q.shape[0]
     if q.shape[1:] != (N_HEADS, DIM):
         raise ValueError(f"indexer q must be [B, {N_HEADS}, {DIM}], got {q.shape}")
     if w.shape != (B, N_HEADS):
         raise ValueError(f"indexer weights must be [B, {N_HEADS}] = {(B, N_HEADS)}, got {w.shape}")
-    if codes.dtype != jnp.uint8 or codes.shape[1:] != (EPB, 64):
-        raise ValueError(f"idx_codes must be uint8 [NB, {EPB}, 64], got {codes.dtype} {codes.shape}")
-    if scale.dtype != jnp.uint8 or scale.shape != codes.shape[:2] + (4,):
-        raise ValueError(f"fp4 idx_scale must be uint8 [NB, {EPB}, 4], got {scale.dtype} {scale.shape}")
     if block_table.ndim != 2 or block_table.shape[0] < B:
         raise ValueError(f"block_table must be [R >= B, MAXB], got {block_table.shape} for B={B}")
     if t.shape != (B,):
         raise ValueError(f"positions t must be [B]={B}, got {t.shape}")
+
+
+def _check_codes(codes):
+    if codes.dtype != jnp.uint8 or codes.shape[1:] != (EPB, 64):
+        raise ValueError(f"idx_codes must be uint8 [NB, {EPB}, 64], got {codes.dtype} {codes.shape}")
+
+
+def _check(q, w, codes, scale, block_table, t):
+    _check_common(q, w, block_table, t)
+    _check_codes(codes)
+    if scale.dtype != jnp.uint8 or scale.shape != codes.shape[:2] + (4,):
+        raise ValueError(f"fp4 idx_scale must be uint8 [NB, {EPB}, 4], got {scale.dtype} {scale.shape}")
 
 
 def default_chunks_per_cta(B, n_chunks, num_sms=132):
@@ -105,8 +114,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
-    if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
-        raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
+    _check_common(q_BHD, w_BH, block_table, t_B)
     if idx_keys.dtype != jnp.float8_e4m3fn or idx_keys.shape[1:] != (EPB, DIM):
         raise ValueError(f"fp8 idx_keys must be float8_e4m3fn [NB, 32, 128], got {idx_keys.dtype} {idx_keys.shape}")
     if idx_scale.shape != idx_keys.shape[:2] + (1,):
@@ -215,22 +223,18 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
-    significant bits). GPU-tested on an H200 (2026-11-26). dequant: "lut" (the prmt tables,
-    as indexer_scores) or "e4m3" (the nibble re-packed); None: NVFP4_DEQUANT."""
+    significant bits). GPU-tested on an H200 (2026-11-26). dequant: "lutbf" / "lut" (the
+    prmt tables, to bf16 / e4m3, as indexer_scores) or "e4m3" (the nibble re-packed); None:
+    NVFP4_DEQUANT ("lutbf")."""
     dequant = NVFP4_DEQUANT if dequant is None else dequant
     if dequant not in ("lut", "lutbf", "e4m3"):
         raise ValueError(f"nvfp4 keys take dequant 'lut', 'lutbf' or 'e4m3', got {dequant!r}")
     B = q_BHD.shape[0]
-    if q_BHD.shape[1:] != (N_HEADS, DIM) or w_BH.shape != (B, N_HEADS):
-        raise ValueError(f"indexer q must be [B, 64, 128] and w [B, 64], got {q_BHD.shape}, {w_BH.shape}")
-    if idx_codes.dtype != jnp.uint8 or idx_codes.shape[1:] != (EPB, 64):
-        raise ValueError(f"idx_codes must be uint8 [NB, {EPB}, 64], got {idx_codes.dtype} {idx_codes.shape}")
+    _check_common(q_BHD, w_BH, block_table, t_B)
+    _check_codes(idx_codes)
     for nm, a in (("idx_scale_lo", idx_scale_lo), ("idx_scale_hi", idx_scale_hi)):
         if a.dtype != jnp.float8_e4m3fn or a.shape != idx_codes.shape[:2] + (4,):
             raise ValueError(f"nvfp4 {nm} must be float8_e4m3fn [NB, {EPB}, 4], got {a.dtype} {a.shape}")
-    if block_table.ndim != 2 or block_table.shape[0] < B or t_B.shape != (B,):
-        raise ValueError(f"block_table must be [R >= B, MAXB] and t [B], got "
-                         f"{block_table.shape}, {t_B.shape} for B={B}")
     bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     words = tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8), jnp.uint32)
                   for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
@@ -259,7 +263,7 @@ def q_fp8_groups(q_BHD):
 def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **kw):
     """Kernel scores from a pool given as its dict of fields (as in reference.py), any of
     the three key formats. dequant: how e2m1 codes become values (indexer_scores; None:
-    DEQUANT); nvfp4 takes "lut" or "e4m3" (None: NVFP4_DEQUANT); fp8 has one path (None or
+    DEQUANT); nvfp4 takes "lutbf", "lut" or "e4m3" (None: NVFP4_DEQUANT); fp8 has one path (None or
     "bits" stands for it)."""
     if fmt == "fp4":
         return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
@@ -290,8 +294,9 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
     trim=False: the kernel's whole output [B, W >= MAXB*32], scores in the first MAXB*32
     columns (past them -inf), without the slice (a copy kernel in XLA).
-    dequant: "lut" (e2m1 -> e4m3 by prmt lookup tables on whole registers, inline Mosaic
-    GPU code; the default, DEQUANT; interpreted calls take "e4m3"), "bits" (integer ops
+    dequant: "lutbf" (e2m1 -> bf16 pairs by prmt lookup tables on whole registers, inline
+    Mosaic GPU code; the default, DEQUANT; interpreted calls take "e4m3"), "lut" (the same
+    tables to e4m3, then converted), "bits" (integer ops
     build the f32 bits), "e4m3" (the nibble re-packed as an e4m3 byte, converted by the
     hardware; same values) or "fp8mma"
     (the e4m3 bytes go to an e4m3 wgmma per 32-dim group against q as e4m3 (q_fp8_groups;
