@@ -60,6 +60,8 @@ VARIANTS = {   # name -> kernel keyword arguments
     "ws-lane": dict(gather="direct", warp_specialized=True),
     # the producer warpgroup copies rows with cp.async (16-byte pieces, 128 threads)
     "ws-cpasync": dict(gather="cpasync", warp_specialized=True),
+    # ... with the consumers splitting the keys: one QK per block (not yet GPU-timed)
+    "ws-cpasync-qks": dict(gather="cpasync", warp_specialized=True, qk_split=True),
     "direct-lane": dict(gather="direct", warp_specialized=False),
     "staged": dict(gather="staged", warp_specialized=False),
     # ws-lane with the split rule before 2026-11-23 (kernel.default_splits_v1), for A/B
@@ -205,7 +207,8 @@ def breakdown(sets, kw, interpret=None):
     prepped = [prep(*s) for s in sets]
     NS = int(prepped[0][1])
     call = AK._attn_call_ws if ws else AK._attn_call
-    t_kern = bench(lambda *a: call(*a, NS=NS, gather=kw["gather"], interpret=interpret),
+    extra = {"qk_split": kw["qk_split"]} if ws and "qk_split" in kw else {}
+    t_kern = bench(lambda *a: call(*a, NS=NS, gather=kw["gather"], interpret=interpret, **extra),
                    [p[0] for p in prepped])
     return t_prep, t_kern
 

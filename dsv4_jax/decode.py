@@ -193,6 +193,10 @@ if ATTN_BACKEND not in ("triton", "mosaic"):
 ATTN_GATHER = os.environ.get("DSV4_ATTN_GATHER", "cpasync")
 if ATTN_GATHER not in ("cpasync", "direct"):
     raise ValueError(f"DSV4_ATTN_GATHER must be 'cpasync' or 'direct', got {ATTN_GATHER!r}")
+# The Mosaic kernel's consumers each score half the keys of a block (one QK per block
+# instead of two; built 2026-11-26 without device time, interpreter-tested; off until
+# benchmarks/gpu_session21.sh times it). DSV4_ATTN_QK_SPLIT=1 turns it on.
+ATTN_QK_SPLIT = os.environ.get("DSV4_ATTN_QK_SPLIT", "0") == "1"
 # The Triton kernel's joined form (K and the output as whole [.., 512] tiles, q permuted in
 # XLA: 2 dots a key block instead of 16; its sm_90a SASS has 3 CTA barriers and 2 wgmma
 # waits a block instead of 23 and 16; built 2026-11-25 without device time, so off until
@@ -200,16 +204,17 @@ if ATTN_GATHER not in ("cpasync", "direct"):
 ATTN_JOINED = os.environ.get("DSV4_ATTN_JOINED", "0") == "1"
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined", "gather"))
+@functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined", "gather",
+                                             "qk_split"))
 def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend,
-                          joined=False, gather="cpasync"):
+                          joined=False, gather="cpasync", qk_split=False):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
     if backend == "triton":
         return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
                                        backend="triton", interpret=interpret is not None,
                                        joined=joined)
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, gather=gather,
-                                   interpret=interpret)
+                                   qk_split=qk_split, interpret=interpret)
 
 
 # Experimental, off until a GPU run compares compile and step time: the in-place scatters
@@ -299,7 +304,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
                               interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED,
-                              gather=ATTN_GATHER)
+                              gather=ATTN_GATHER, qk_split=ATTN_QK_SPLIT)
     return o[:, None].astype(F32)
 
 

@@ -65,12 +65,14 @@ def test_reference_matches_numpy():
         assert rel_err(ref[b], o) < 5e-3
 
 
-@pytest.mark.parametrize("gather,splits,ws", [("direct", 1, True), ("direct", 2, False),
-                                              ("staged", 1, False)])
-def test_kernel_matches_reference(gather, splits, ws):
+@pytest.mark.parametrize("gather,splits,ws,qks", [("direct", 1, True, False),
+                                                  ("direct", 2, False, False),
+                                                  ("staged", 1, False, False),
+                                                  ("direct", 2, True, True)])
+def test_kernel_matches_reference(gather, splits, ws, qks):
     args = make_inputs(1)
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws)
+    out = run_kernel(args, splits=splits, gather=gather, warp_specialized=ws, qk_split=qks)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
@@ -94,24 +96,27 @@ def edge_inputs():
     return (q, win, cmp, bt, jnp.asarray(idx), t, sink)
 
 
-@pytest.mark.parametrize("ws", [True, False])
-def test_kernel_direct_pool_edges_and_holes(ws):
+@pytest.mark.parametrize("ws,qks", [(True, False), (False, False), (True, True)])
+def test_kernel_direct_pool_edges_and_holes(ws, qks):
     # Direct gather: each row is copied as a 512-byte box that also covers the next row's
-    # first 64 bytes, so the pool's last row is read past the end (zero-filled).
+    # first 64 bytes, so the pool's last row is read past the end (zero-filled). qks: the
+    # consumers split the keys (-1 keys in one half only, whole halves masked).
     args = edge_inputs()
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws)
+    out = run_kernel(args, splits=1, gather="direct", warp_specialized=ws, qk_split=qks)
     assert np.isfinite(out).all()
     assert rel_err(out, ref) < 5e-3
 
 
 @pytest.mark.gpu
-def test_gpu_cpasync_pool_edges_and_holes():
+@pytest.mark.parametrize("qks", [False, True])
+def test_gpu_cpasync_pool_edges_and_holes(qks):
     # cp.async gather (inline PTX: GPU only): the same edge cases, and the merge of splits
     args = edge_inputs()
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
     for splits in (1, 2):
-        f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync")
+        f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
+                              qk_split=qks)
         out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
         assert np.isfinite(out).all()
         assert rel_err(out, ref) < 5e-3
@@ -140,6 +145,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="warp_specialized"):
         K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, gather="cpasync",
                                   warp_specialized=False)
+    with pytest.raises(ValueError, match="qk_split"):
+        K.sparse_decode_attention(q, win, cmp, bt, idx, t, sink, warp_specialized=False,
+                                  qk_split=True)
     with pytest.raises(ValueError, match="cmp_rope"):
         K.sparse_decode_attention(q, win, (cmp[0], cmp[1], cmp[2][:, :, :32]), bt, idx, t, sink)
 
@@ -155,21 +163,25 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
             (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
             S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
             S((H,), jnp.float32))
-    for splits, gather, ws in ((1, "direct", True), (3, "direct", True), (3, "direct", False),
-                               (3, "staged", False), (1, "cpasync", True), (3, "cpasync", True)):
+    for splits, gather, ws, qks in ((1, "direct", True, False), (3, "direct", True, False),
+                                    (3, "direct", False, False), (3, "staged", False, False),
+                                    (1, "cpasync", True, False), (3, "cpasync", True, False),
+                                    (3, "cpasync", True, True)):
         f = functools.partial(K.sparse_decode_attention, splits=splits, gather=gather,
-                              warp_specialized=ws)
+                              warp_specialized=ws, qk_split=qks)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gather,ws", [("direct", True), ("direct", False), ("staged", False),
-                                       ("cpasync", True)])
-def test_gpu_kernel_matches_reference(gather, ws):
+@pytest.mark.parametrize("gather,ws,qks", [("direct", True, False), ("direct", False, False),
+                                           ("staged", False, False), ("cpasync", True, False),
+                                           ("cpasync", True, True)])
+def test_gpu_kernel_matches_reference(gather, ws, qks):
     args = make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(4000, 4095), n_valid=(300, 512))
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
-    f = functools.partial(K.sparse_decode_attention, gather=gather, warp_specialized=ws)
+    f = functools.partial(K.sparse_decode_attention, gather=gather, warp_specialized=ws,
+                          qk_split=qks)
     out = np.asarray(jax.jit(f)(*args)).astype(np.float32)
     assert rel_err(out, ref) < 5e-3
 

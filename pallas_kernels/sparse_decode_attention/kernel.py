@@ -121,7 +121,8 @@ def triton_ctas_per_sm(head_tile):
 def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *,
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
-                            q_in_loop=False, col_split=1, joined=False, interpret=None):
+                            q_in_loop=False, col_split=1, joined=False, qk_split=False,
+                            interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -129,7 +130,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     64 B over-read, into 512-B SMEM rows), "cpasync" (the producer warpgroup's 128
     threads copy 16-byte pieces of the rows with cp.async; warp_specialized only; the
     interpreter cannot run it, so interpreted calls take "direct") or "staged" (XLA
-    staging gather, to compare).
+    staging gather, to compare). qk_split (warp_specialized only; built 2026-11-26 without
+    device time, not yet run on a GPU): each consumer warpgroup scores only its 32 keys of a
+    block and the two exchange row maxima, instead of both computing the full scores.
     warp_specialized: one CTA per (request, split, head tile) with a producer warpgroup
     issuing the row copies and two consumer warpgroups (one per output column half) sharing
     the K tile; otherwise two single-warpgroup CTAs (one per column half) each copy and
@@ -163,8 +166,14 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
         args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                                   splits=splits, gather=gather,
                                   ctas_per_tile=1 if warp_specialized else 2)
-        call = _attn_call_ws if warp_specialized else _attn_call
-        o, lse = call(*args, NS=NS, gather=gather, interpret=interpret)
+        if qk_split and not warp_specialized:
+            raise ValueError("qk_split needs warp_specialized=True (its two consumers split "
+                             "the keys)")
+        if warp_specialized:
+            o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
+                                   qk_split=qk_split)
+        else:
+            o, lse = _attn_call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
     if NS == 1:
         out = o[0]
@@ -442,6 +451,61 @@ def _pv(p_s, k_s, c, acc, in_place=True):
     return lax.cond(c == 0, half(0), half(1), acc)
 
 
+SPLIT = BLK // 2          # qk_split: keys per consumer warpgroup
+# qk_split stores each consumer's 32 columns of P into one shared tile, so the bf16 tiles
+# (q, K, P: every wgmma operand, whose swizzles must agree) are tiled 32 wide instead of 64
+TILED32 = (plgpu.TilingTransform((8, SPLIT)), plgpu.SwizzleTransform(2 * SPLIT))
+
+
+def _bias_split(m_s, slot, c):
+    """0 / -inf per key of consumer c's half of the block (COL layout)."""
+    ok = plgpu.load(m_s.at[slot, 7, pl.ds(c * SPLIT, SPLIT)], layout=COL).astype(jnp.int32)
+    return jnp.where(ok != 0, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def _scores_softmax_split(q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc):
+    """qk_split: consumer c scores only keys [32c, 32c + 32) (S_c [64 heads, 32]), the two
+    exchange their row maxima through x_s, and each stores its P_c (bf16) in its 32
+    columns of the shared P tile p_s [64, 64] (then both run P V over all 64 keys).
+    l stays this consumer's partial sum (added up in _split_total_l); m is the same in
+    both. Ends once both P halves are in SMEM."""
+    def qk(h):
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, q_s, k_s.at[pl.ds(h * SPLIT, SPLIT)].T)
+            return acc_ref[...]
+        return lambda: pl.run_scoped(f, plgpu.ACC((HT, SPLIT), jnp.float32))
+    s = lax.cond(c == 0, qk(0), qk(1)) * (1.0 / math.sqrt(D))
+    s = s + lax.broadcast_in_dim(bias, s.shape, [1])
+    m_c = s.max(axis=1)
+    m_new = jnp.maximum(m, jnp.maximum(m_c, _exchange(x_s, xbar, c, m_c)))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    for h in range(2):   # p_s [64 heads, 64 keys]: this consumer's 32 columns
+        @pl.when(c == h)
+        def _():
+            p_s[:, pl.ds(h * SPLIT, SPLIT)] = p.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(pfull)
+    plgpu.barrier_wait(pfull)
+    return m_new, l, acc
+
+
+def _exchange(x_s, xbar, c, v):
+    """Consumer c publishes a row vector [64] in x_s[c] and returns the other's."""
+    for h in range(2):
+        @pl.when(c == h)
+        def _():
+            x_s[h] = v
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(xbar)
+    plgpu.barrier_wait(xbar)
+    return lax.cond(c == 0, lambda: plgpu.load(x_s.at[1], layout=ROW),
+                    lambda: plgpu.load(x_s.at[0], layout=ROW))
+
+
 def _init_carry():
     m0 = plgpu.layout_cast(jnp.full((HT,), -jnp.inf, jnp.float32), ROW)
     l0 = plgpu.layout_cast(jnp.full((HT,), 0.0, jnp.float32), ROW)
@@ -486,17 +550,19 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
 SWZ64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
-def _scratch(p_copies, swizzled=False):
+def _scratch(p_copies, swizzled=False, qk_split=False):
     # FP8 rows, 512 B a key (7 chunks of 64 used, the 8th is padding): key-major for the
     # row TMAs, chunk-major + swizzled for cp.async
     n_s = (plgpu.SMEM((2, 8, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64) if swizzled
            else plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn))
-    return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
-            plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=TILED),            # k_s
+    tiled = TILED32 if qk_split else TILED
+    return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=tiled),             # q_s
+            plgpu.SMEM((BLK, D), jnp.bfloat16, transforms=tiled),            # k_s
             n_s,
             plgpu.SMEM((2, BLK, ROPE), jnp.bfloat16),                        # r_s
             plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
-            plgpu.SMEM((p_copies, HT, BLK), jnp.bfloat16, transforms=TILED),  # p_s
+            (plgpu.SMEM((HT, BLK), jnp.bfloat16, transforms=tiled) if qk_split   # p_s:
+             else plgpu.SMEM((p_copies, HT, BLK), jnp.bfloat16, transforms=tiled)),  # shared
             plgpu.SMEM((HT,), jnp.float32)]                                  # v_s: sink / lse
 
 
@@ -574,7 +640,8 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
-def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret):
+def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret,
+                  qk_split=False):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
@@ -596,7 +663,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
         g0 = s_id * bps
         n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
 
-        def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree):
+        def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree,
+                   *split_refs):   # qk_split: x_s, xbar, pfull
+            x_s, xbar, pfull = split_refs if qk_split else (None,) * 3
             @pl.when(wg == 2)
             def _producer():
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
@@ -650,13 +719,19 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
                     @pl.when(c == 1)
                     def _():
                         _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, cpasync)
-                    bias = _bias(m_s, slot)
+                    # (read before `free` lets the producer refill the slot)
+                    bias = _bias_split(m_s, slot, c) if qk_split else _bias(m_s, slot)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(free.at[slot])
                     plgpu.barrier_arrive(kfull)
                     plgpu.barrier_wait(kfull)
-                    m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
-                    acc = _pv(p_s.at[c], k_s, c, acc, in_place=not interpret)
+                    if qk_split:
+                        m, l, acc = _scores_softmax_split(
+                            q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc)
+                        acc = _pv(p_s, k_s, c, acc, in_place=not interpret)
+                    else:
+                        m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
+                        acc = _pv(p_s.at[c], k_s, c, acc, in_place=not interpret)
                     plgpu.barrier_arrive(kfree)
                     return acc, m, l
 
@@ -665,17 +740,22 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
                 @pl.when(n_load > 0)
                 def _():
                     plgpu.barrier_wait(kfree)   # both are done reading q_s
+                if qk_split:   # each consumer summed only its keys' P
+                    l = l + _exchange(x_s, xbar, c, l)
                 _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
 
         pl.run_scoped(
             scoped,
-            *_scratch(2, cpasync),
+            *_scratch(2, cpasync, qk_split),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=n_w, num_barriers=2),
             plgpu.Barrier(num_arrivals=n_c, num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # free
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2),                    # kfree
+            # qk_split: the row-vector exchange and its barrier, and "both P halves stored"
+            *([plgpu.SMEM((2, HT), jnp.float32), plgpu.Barrier(num_arrivals=2),
+               plgpu.Barrier(num_arrivals=2)] if qk_split else []),
             collective_axes="wg",
         )
 
