@@ -17,7 +17,10 @@ case "${PART:-1}" in
   T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
     | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
   T 380 python3 benchmarks/attn_probe.py --cases $ATT --variants cpasync,cpasync+qks,triton \
-    | tee $OUT/probe.log ;;
+    | tee $OUT/probe.log
+  # the split rule was tuned for the old kernel: 1-4 key-block splits at B = 64 / 32
+  T 200 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768,pro:csa:32:32768 \
+    --variants cpasync+s1,cpasync+s2,cpasync+s3,cpasync+s4 | tee $OUT/probe_splits.log ;;
 2)
   for qks in 0 1; do DSV4_ATTN_QK_SPLIT=$qks T 170 python3 $BENCH --batch 64 --context 131072 \
     --steps 10 | tee $OUT/b64_qks$qks.log | grep -E "stream step" | head -1; done
