@@ -408,10 +408,22 @@ def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, swizzled=False):
         k_s[:, pl.ds(NOPE, ROPE)] = plgpu.load(r_s.at[slot], layout=WG, optimized=False)
 
 
-def _bias(m_s, slot):
-    """0 / -inf per key of the block, from the validity byte (COL layout)."""
-    ok = plgpu.load(m_s.at[slot, 7], layout=COL).astype(jnp.int32)
+def _bias(m_s, slot, keys=None):
+    """0 / -inf per key of the block (or of its `keys` slice), from the validity byte (COL
+    layout)."""
+    ref = m_s.at[slot, 7] if keys is None else m_s.at[slot, 7, keys]
+    ok = plgpu.load(ref, layout=COL).astype(jnp.int32)
     return jnp.where(ok != 0, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def _online_update(s, m_new, m, l, acc):
+    """The online-softmax step for scores s [64 heads, n keys] with the new running row max
+    m_new: -> (P f32, l, acc rescaled)."""
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    return p, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
 def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
@@ -422,11 +434,7 @@ def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
     s = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)) * (1.0 / math.sqrt(D))
     s = s + lax.broadcast_in_dim(bias, s.shape, [1])
     m_new = jnp.maximum(m, s.max(axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p, l, acc = _online_update(s, m_new, m, l, acc)
     p_s[...] = p.astype(jnp.bfloat16)
     plgpu.commit_smem()
     return m_new, l, acc
@@ -457,18 +465,12 @@ SPLIT = BLK // 2          # qk_split: keys per consumer warpgroup
 TILED32 = (plgpu.TilingTransform((8, SPLIT)), plgpu.SwizzleTransform(2 * SPLIT))
 
 
-def _bias_split(m_s, slot, c):
-    """0 / -inf per key of consumer c's half of the block (COL layout)."""
-    ok = plgpu.load(m_s.at[slot, 7, pl.ds(c * SPLIT, SPLIT)], layout=COL).astype(jnp.int32)
-    return jnp.where(ok != 0, 0.0, -jnp.inf).astype(jnp.float32)
-
-
 def _scores_softmax_split(q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc):
     """qk_split: consumer c scores only keys [32c, 32c + 32) (S_c [64 heads, 32]), the two
     exchange their row maxima through x_s, and each stores its P_c (bf16) in its 32
     columns of the shared P tile p_s [64, 64] (then both run P V over all 64 keys).
-    l stays this consumer's partial sum (added up in _split_total_l); m is the same in
-    both. Ends once both P halves are in SMEM."""
+    l stays this consumer's partial sum (the two are added up after the key loop); m is
+    the same in both. Ends once both P halves are in SMEM."""
     def qk(h):
         def f(acc_ref):
             plgpu.wgmma(acc_ref, q_s, k_s.at[pl.ds(h * SPLIT, SPLIT)].T)
@@ -478,11 +480,7 @@ def _scores_softmax_split(q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc):
     s = s + lax.broadcast_in_dim(bias, s.shape, [1])
     m_c = s.max(axis=1)
     m_new = jnp.maximum(m, jnp.maximum(m_c, _exchange(x_s, xbar, c, m_c)))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p, l, acc = _online_update(s, m_new, m, l, acc)
     for h in range(2):   # p_s [64 heads, 64 keys]: this consumer's 32 columns
         @pl.when(c == h)
         def _():
@@ -720,7 +718,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
                     def _():
                         _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, cpasync)
                     # (read before `free` lets the producer refill the slot)
-                    bias = _bias_split(m_s, slot, c) if qk_split else _bias(m_s, slot)
+                    bias = _bias(m_s, slot, pl.ds(c * SPLIT, SPLIT) if qk_split else None)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(free.at[slot])
                     plgpu.barrier_arrive(kfull)
