@@ -289,6 +289,14 @@ CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
 P_REGS, C_REGS = 56, 224
 
 
+def _ablated():
+    """Stages the warp-specialised kernel skips, for timing only (wrong results):
+    DSV4_ATTN_ABLATE = a "/"-separated list of copy (no row copies), deq (no dequant), qk
+    (no score wgmma), pv (no P V wgmma). What each removal saves bounds that stage's share
+    of the serial chain (benchmarks/attn_probe.py variants cpasync:DSV4_ATTN_ABLATE=deq/qk)."""
+    return set(filter(None, os.environ.get("DSV4_ATTN_ABLATE", "").split("/")))
+
+
 def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, then wait for this thread's copies (the caller's barrier_arrive releases
@@ -365,17 +373,18 @@ def _cp_issuer(b, g_refs, s_refs, n_blk):
     (wbar / cbar: one arrival per block)."""
     wn_g, wr_g, cn_g, cr_g, crow_g, meta_g = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
+    gather = (lambda *a: None) if "copy" in _ablated() else _cp_gather
 
     def issue(g, slot, wbar, cbar):
         @pl.when(g < NW)
         def _():
-            _cp_gather(True, (wn_g, wr_g, crow_g, meta_g), s_refs, i32(b * WINDOW + g * BLK),
+            gather(True, (wn_g, wr_g, crow_g, meta_g), s_refs, i32(b * WINDOW + g * BLK),
                        i32(0), i32(b * n_blk + g), i32(slot))
             plgpu.barrier_arrive(wbar.at[slot])
 
         @pl.when(g >= NW)
         def _():
-            _cp_gather(False, (cn_g, cr_g, crow_g, meta_g), s_refs, i32(0),
+            gather(False, (cn_g, cr_g, crow_g, meta_g), s_refs, i32(0),
                        i32(b * crow_g.shape[1] + (g - NW) * BLK), i32(b * n_blk + g), i32(slot))
             plgpu.barrier_arrive(cbar.at[slot])
     return issue
@@ -429,7 +438,8 @@ def _online_update(s, m_new, m, l, acc):
 def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
     """S = q K^T / sqrt(512) + bias, online-softmax update; P (bf16) -> p_s."""
     def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_s, k_s.T)
+        if "qk" not in _ablated():
+            plgpu.wgmma(acc_ref, q_s, k_s.T)
         return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)) * (1.0 / math.sqrt(D))
     s = s + lax.broadcast_in_dim(bias, s.shape, [1])
@@ -446,6 +456,9 @@ def _pv(p_s, k_s, c, acc, in_place=True):
     f32 tiles, 256 registers a thread, and spilled: sm_90a SASS, 2026-11-26). The
     interpreter cannot run that form (a wgmma effect inside lax.cond), so interpreted
     calls take the fresh-accumulator form (the same sums, rounded in another order)."""
+    if "pv" in _ablated():
+        return acc
+
     def half(h):
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, p_s, k_s.at[:, pl.ds(h * (D // 2), D // 2)])
@@ -654,6 +667,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
     # producer warpgroup's one arrival after its cp.async copies landed
     n_w = 1 if cpasync else N_ROW_COPIES
     n_c = 1 if cpasync else N_ROW_COPIES if direct else 3
+    ablated = _ablated()
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g):
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
@@ -710,11 +724,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
                     def _():
                         plgpu.barrier_wait(kfree)   # both P V of block i-1 read k_s
 
-                    @pl.when(c == 0)
+                    @pl.when((c == 0) & ("deq" not in ablated))
                     def _():
                         _dequant(n_s, r_s, m_s, k_s, slot, range(4), False, cpasync)
 
-                    @pl.when(c == 1)
+                    @pl.when((c == 1) & ("deq" not in ablated))
                     def _():
                         _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, cpasync)
                     # (read before `free` lets the producer refill the slot)

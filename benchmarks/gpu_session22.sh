@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 22 (2026-11-26), one H200 unless said otherwise.
+# PART=1: session 21's queued qk_split proof (GPU tests, cpasync vs cpasync+qks vs triton at
+#   the session-20 cases) and an ablation of the cpasync kernel at Flash CSA B = 64 32K:
+#   each stage removed in turn (DSV4_ATTN_ABLATE, wrong results, timing only) to see which
+#   part of the per-block chain the time goes to.
+# PART=2: the split-rule sweep for the new kernel, the 4-layer step with qk_split 0 / 1 and
+#   the decode check with it.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+ATT="flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768"
+BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+A=cpasync:DSV4_ATTN_ABLATE
+case "${PART:-1}" in
+1)
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 120 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants \
+    cpasync,cpasync+qks,$A=copy,$A=deq,$A=qk,$A=pv,$A=qk/pv,$A=deq/qk/pv,$A=copy/deq/qk/pv \
+    | tee $OUT/ablate.log
+  T 300 python3 benchmarks/attn_probe.py --cases $ATT --variants cpasync,cpasync+qks,triton \
+    | tee $OUT/probe.log ;;
+2)
+  T 150 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768,pro:csa:32:32768 \
+    --variants cpasync+s1,cpasync+s2,cpasync+s3,cpasync+s4 | tee $OUT/probe_splits.log
+  for qks in 0 1; do DSV4_ATTN_QK_SPLIT=$qks T 170 python3 $BENCH --batch 64 --context 131072 \
+    --steps 10 | tee $OUT/b64_qks$qks.log | grep -E "stream step" | head -1; done
+  DSV4_ATTN_QK_SPLIT=1 T 200 python3 benchmarks/decode_kernels_check.py --preset flash \
+    --layers 4 --random-cache --matmul pallas --batch 1 8 --context 32768 --steps 3 \
+    | tee $OUT/check_qks.log | grep -E "median" ;;
+esac
+true
