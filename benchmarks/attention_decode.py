@@ -112,7 +112,8 @@ def profile_times(progs, n=3):
     """progs: [(name, compiled program, its argument)], each already run once. Traces n
     calls of each (10 ms pause between calls) -> {name: dict(busy, span, top, events)} per
     call: busy = sum of the GPU stream events' durations (kernels + copies), span = first
-    start to last end, top = the 3 longest event names with their time, in seconds."""
+    start to last end, top = the 3 longest event names with their time, per = every event
+    name with its time, in seconds."""
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
         for _, f, arg in progs:
@@ -152,6 +153,7 @@ def profile_times(progs, n=3):
         out[name] = dict(busy=sum(per.values()) / n * 1e-9,
                          span=sum(max(e[1] for e in c) - c[0][0] for c in group) / n * 1e-9,
                          top=[(k[:80], v / n * 1e-9) for k, v in per.most_common(3)],
+                         per=[(k[:80], v / n * 1e-9) for k, v in per.most_common()],
                          events=sum(len(c) for c in group) / n)
     return out
 

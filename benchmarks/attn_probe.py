@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--cases", default="flash:csa:64:32768")
     ap.add_argument("--variants", default="direct,cpasync,triton")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--events", action="store_true",
+                    help="also print each variant's GPU time per kernel (last round)")
     a = ap.parse_args()
     print("| case | variant | GPU us (median of rounds; min-max) | rel err |")
     print("|---|---|---|---|")
@@ -66,6 +68,9 @@ def main():
             r = profile_times(progs, n=3)
             for v in ts:
                 ts[v].append(r[v]["busy"] * 1e6)
+        if a.events:
+            for v in ts:
+                print(f"  {case} {v}: " + "; ".join(f"{k} {t * 1e6:.1f}" for k, t in r[v]["per"]))
         for v, t in ts.items():
             print(f"| {case} | {v} | {statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f}) | "
                   f"{errs[v]:.2e} |", flush=True)

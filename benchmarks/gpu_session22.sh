@@ -4,7 +4,7 @@
 #   the session-20 cases) and an ablation of the cpasync kernel at Flash CSA B = 64 32K:
 #   each stage removed in turn (DSV4_ATTN_ABLATE, wrong results, timing only) to see which
 #   part of the per-block chain the time goes to.
-# PART=2: the split-rule sweep for the new kernel, the 4-layer step with qk_split 0 / 1 and
+# PART=2: the split-rule sweep for the new kernel (with each kernel's GPU time), the 4-layer step with qk_split 0 / 1 and
 #   the decode check with it.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
@@ -23,7 +23,10 @@ case "${PART:-1}" in
     | tee $OUT/probe.log ;;
 2)
   T 150 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768,pro:csa:32:32768 \
-    --variants cpasync+s1,cpasync+s2,cpasync+s3,cpasync+s4 | tee $OUT/probe_splits.log
+    --variants cpasync+qks+s1,cpasync+qks+s2,cpasync+qks+s3,cpasync+qks+s4 --events \
+    | tee $OUT/probe_splits.log
+  T 100 python3 benchmarks/attn_probe.py --cases flash:hca:64:131072,flash:csa:1:32768 \
+    --variants cpasync+qks --events --rounds 1 | tee $OUT/probe_events.log
   for qks in 0 1; do DSV4_ATTN_QK_SPLIT=$qks T 170 python3 $BENCH --batch 64 --context 131072 \
     --steps 10 | tee $OUT/b64_qks$qks.log | grep -E "stream step" | head -1; done
   DSV4_ATTN_QK_SPLIT=1 T 200 python3 benchmarks/decode_kernels_check.py --preset flash \
