@@ -210,6 +210,8 @@ def breakdown(sets, kw, interpret=None):
     NS = int(prepped[0][1])
     call = AK._attn_call_ws if ws else AK._attn_call
     extra = {"qk_split": kw["qk_split"]} if ws and "qk_split" in kw else {}
+    if kw["gather"] == "cpasync":
+        extra["epb"] = sets[0][2][0].shape[1]     # compressed entries per pool block
     t_kern = bench(lambda *a: call(*a, NS=NS, gather=kw["gather"], interpret=interpret, **extra),
                    [p[0] for p in prepped])
     return t_prep, t_kern

@@ -34,6 +34,7 @@ warpgroup, so output columns are split in two halves:
 Split s: flash-decoding over key blocks when there are too few CTAs to fill the chip;
 partial outputs are merged in XLA.
 """
+import functools
 import math
 import os
 
@@ -79,6 +80,15 @@ def _prep(win, cmp, block_table, idx_BK, t_B):
     last = jnp.max(jnp.where(cmp_ok, jnp.arange(KP)[None, :] + 1, 0), axis=1)
     n_blocks = NW + -(-last // BLK)
     return crow, meta, n_blocks.astype(jnp.int32)
+
+
+def _ids_used(idx_BK):
+    """-> (idx [B, KP] i32 padded with -1 to whole key blocks, used [B] i32 = 1 + the
+    position of the last valid id: the kernel runs NW + ceil(used / 64) key blocks)."""
+    B, K = idx_BK.shape
+    KP = -(-K // BLK) * BLK
+    idx = jnp.pad(idx_BK.astype(jnp.int32), ((0, 0), (0, KP - K)), constant_values=-1)
+    return idx, jnp.max(jnp.where(idx >= 0, jnp.arange(KP)[None, :] + 1, 0), axis=1)
 
 
 def gather_rows_fp8(pool_ND, rows):
@@ -171,19 +181,28 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                              "the keys)")
         if warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
-                                   qk_split=qk_split)
+                                   qk_split=qk_split, epb=cmp[0].shape[1])
         else:
             o, lse = _attn_call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
     if NS == 1:
         out = o[0]
-    else:   # merge the splits' (o_s, lse_s) with the sink in the denominator
-        m = jnp.maximum(jnp.max(lse, axis=0), sink[None, :])                  # [B, HP]
-        wgt = jnp.exp(lse - m[None])                                          # [NS, B, HP]
-        den = jnp.sum(wgt, axis=0) + jnp.exp(sink[None, :] - m)
-        out = jnp.einsum("sbh,sbhd->bhd", wgt, o.astype(jnp.float32)) / den[..., None]
-        out = out.astype(jnp.bfloat16)
+    else:
+        out = merge_splits(o, lse, sink)
     return out[:, :H]
+
+
+def merge_splits(o, lse, sink):
+    """Flash-decoding merge of the splits' normalised outputs o [NS, B, HP, 512] and
+    log-sum-exps lse [NS, B, HP], with the sink in the denominator -> [B, HP, 512] bf16.
+    Written as a sum over the (few) splits so XLA makes two fusions of it, not three."""
+    ls = [lse[s] for s in range(lse.shape[0])]
+    m = functools.reduce(jnp.maximum, ls, sink[None, :])                       # [B, HP]
+    ws = [jnp.exp(x - m) for x in ls]
+    den = functools.reduce(jnp.add, ws, jnp.exp(sink[None, :] - m))
+    acc = functools.reduce(jnp.add, [w[..., None] * o[s].astype(jnp.float32)
+                                     for s, w in enumerate(ws)])
+    return (acc / den[..., None]).astype(jnp.bfloat16)
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
@@ -214,6 +233,19 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
     if HP != H:   # tiny test shapes: pad heads to the 64-row wgmma tile
         q = jnp.pad(q, ((0, 0), (0, HP - H), (0, 0)))
         sink = jnp.pad(sink, (0, HP - H))
+    if gather == "cpasync":
+        # The producer derives each key's pool row, scale exponents and validity itself
+        # (_cp_gather): XLA only finds the last valid id (one small fusion instead of three,
+        # which took 6.4 us of GPU time at Flash B = 64: H200, 2026-11-26).
+        idx, used = _ids_used(idx_BK)
+        n_blk = NW + idx.shape[1] // BLK
+        NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile,
+                                      ctas_per_sm=ctas_per_sm)
+        keys = (idx, block_table.astype(jnp.int32), win_scale.reshape(-1, 8),
+                cmp_scale.reshape(-1, 8), win_pos.astype(jnp.int32), t_B.astype(jnp.int32))
+        cn, cr = cmp_nope.reshape(-1, 64), cmp_rope.reshape(-1, ROPE)
+        wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
+        return (q, wn, wr, cn, cr, *keys, used, sink), NS
     crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
     n_blk = meta.shape[1]
     NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile,
@@ -297,18 +329,24 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_ATTN_ABLATE", "").split("/")))
 
 
-def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
+def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
-    128 threads, then wait for this thread's copies (the caller's barrier_arrive releases
-    them to the consumers). window: rows row_base + key; else rows crow[crow_off + key].
-    pools = (nope [rows * 7, 64] e4m3, rope [rows, 64] bf16, crow [B, KP] i32, meta
-    [B, n_blk, 8, 64] u8) in GMEM; s_refs = (n_s [2, 8, 64, 64] (chunk-major, tiled and
-    swizzled: see below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
+    128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
+    this thread's copies (the caller's barrier_arrive releases them to the consumers).
+    window: rows row_base + key, valid where row's position is within the last 128 of
+    t[b]; else rows of the ids idx[idx_off + key] (pool row blk * EPB + id % EPB with
+    blk = block_table[b, id // epb]; a -1 id reads row 0 and is masked). refs = (nope
+    [rows * 7, 64] e4m3, rope [rows, 64] bf16, idx [B, KP] i32, block_table [R, MAXB]
+    i32, win_scale [R * 128, 8] u8, cmp_scale [rows, 8] u8, win_pos [R, 128] i32, t [B]
+    i32) in GMEM; s_refs = (n_s [2, 7, 64, 64] (chunk-major, tiled and swizzled: see
+    below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
+    EPB_, MAXB = epb, refs[3].shape[1]
 
-    @plgpu.inline_mgpu(arg_types=(ref,) * 4 + (n_ref, ref, ref) + (splat,) * 4)
-    def gather(ctx, nope_g, rope_g, crow_g, meta_g, n_s, r_s, m_s, rb, co, mo, sl):
+    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, ref, ref) + (splat,) * 4)
+    def gather(ctx, nope_g, rope_g, idx_g, bt_g, wsc_g, csc_g, pos_g, t_g, n_s, r_s, m_s,
+               rb, io, bb, sl):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm
@@ -318,18 +356,35 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
         c64 = lambda v: mu.c(v, i64)
         gaddr = lambda ref: llvm.ptrtoint(i64, mu.memref_ptr(ref))
         saddr = lambda ref: llvm.ptrtoint(i32, mu.memref_ptr(ref))
-        rb, co, mo, sl = (x.registers.item() for x in (rb, co, mo, sl))
+        rb, io, bb, sl = (x.registers.item() for x in (rb, io, bb, sl))
         t = arith.remui(mu.thread_idx(), c32(128))
-        g_n, g_r, g_c, g_m = (gaddr(r) for r in (nope_g, rope_g, crow_g, meta_g))
+        g_n, g_r = gaddr(nope_g), gaddr(rope_g)
         s_n, s_r, s_m = (saddr(r) for r in (n_s, r_s, m_s))
 
-        def row_of(key):   # i32 key in the block -> i64 pool row
-            if window:
-                return arith.extui(i64, arith.addi(rb, key))
-            off = arith.extui(i64, arith.addi(co, key))
-            a = arith.addi(g_c, arith.muli(off, c64(4)))
-            r = mu.inline_ptx("ld.global.nc.b32 $0, [$1];", a, result_types=i32)
-            return arith.extui(i64, r)
+        def ld32(base, i):   # base: i64 address, i: i32 element index
+            a = arith.addi(base, arith.muli(arith.extui(i64, i), c64(4)))
+            return mu.inline_ptx("ld.global.nc.b32 $0, [$1];", a, result_types=i32)
+
+        def sge(x, y):
+            return arith.cmpi(arith.CmpIPredicate.sge, x, y)
+
+        key, h = arith.shrui(t, c32(1)), arith.andi(t, c32(1))
+        if window:
+            row = arith.addi(rb, key)
+            pos, tb = ld32(gaddr(pos_g), row), ld32(gaddr(t_g), bb)
+            ok = arith.andi(arith.andi(sge(pos, c32(0)), sge(tb, pos)),
+                            sge(pos, arith.subi(tb, c32(WINDOW - 1))))
+            g_sc = gaddr(wsc_g)
+        else:
+            i = ld32(gaddr(idx_g), arith.addi(io, key))
+            ok = sge(i, c32(0))
+            safe = arith.maxsi(i, c32(0))
+            blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)),
+                                               arith.divui(safe, c32(EPB_))))
+            row = arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
+                             arith.remui(safe, c32(EPB_)))
+            g_sc = gaddr(csc_g)
+        row = arith.extui(i64, row)
 
         def copy(dst, src, pred=None):   # dst: i32 shared address, src: i64 global
             mu.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16;", dst, src,
@@ -338,16 +393,14 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
         # thread t copies half of key t // 2's row: pieces h, h + 2, h + 4, ... (h = t % 2),
         # so the two threads of a key read adjacent 16 bytes (whole 32-byte sectors), one
         # row id a thread, and every piece is a constant offset from two base addresses
-        key, h16 = arith.shrui(t, c32(1)), arith.muli(arith.andi(t, c32(1)), c32(16))
-        row = row_of(key)
+        h16 = arith.muli(h, c32(16))
         src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)), arith.extui(i64, h16)))
-        # n_s is [2, 8 chunks, 64 keys, 64 B], tiled (8, 64) and 64-byte swizzled: key r's
+        # n_s is [2, 7 chunks, 64 keys, 64 B], tiled (8, 64) and 64-byte swizzled: key r's
         # 16-byte unit v of chunk j sits at j * 4096 + (r // 8) * 512 + (r % 8) * 64 +
         # (v ^ ((r >> 1) & 3)) * 16; this thread's units are v = h (even i), h + 2 (odd i)
         x = arith.andi(arith.shrui(key, c32(1)), c32(3))
-        base = arith.addi(s_n, arith.addi(arith.muli(sl, c32(8 * BLK * 64)),
+        base = arith.addi(s_n, arith.addi(arith.muli(sl, c32(NCH * BLK * 64)),
                                           arith.muli(key, c32(64))))
-        h = arith.andi(t, c32(1))
         unit = [arith.addi(base, arith.muli(arith.xori(arith.addi(h, c32(2 * k)), x), c32(16)))
                 for k in range(2)]
         for i in range(CP_NOPE // 2):
@@ -357,35 +410,45 @@ def _cp_gather(window, pools, s_refs, row_base, crow_off, meta_off, slot):
                                          arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
         for i in range(CP_ROPE // 2):
             copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
-        # meta: 512 bytes = 32 pieces, threads 0..31
-        src = arith.addi(g_m, arith.extui(i64, arith.addi(arith.muli(mo, c32(8 * BLK)),
-                                                          arith.muli(t, c32(16)))))
-        dst = arith.addi(s_m, arith.addi(arith.muli(sl, c32(8 * BLK)), arith.muli(t, c32(16))))
-        copy(dst, src, pred=arith.cmpi(arith.CmpIPredicate.ult, t, c32(8 * BLK // 16)))
+        # meta: thread h writes exponents 4h .. 4h + 3 of its key into m_s [8, 64]; the
+        # format's unused 8th exponent becomes the validity byte
+        w = mu.inline_ptx("ld.global.nc.b32 $0, [$1];",
+                          arith.addi(g_sc, arith.addi(arith.muli(row, c64(8)),
+                                                      arith.extui(i64, arith.muli(h, c32(4))))),
+                          result_types=i32)
+        w_ok = arith.ori(arith.andi(w, c32(0x00FFFFFF)),
+                         arith.shli(arith.extui(i32, ok), c32(24)))
+        w = arith.select(arith.cmpi(arith.CmpIPredicate.eq, h, c32(1)), w_ok, w)
+        m = arith.addi(s_m, arith.addi(arith.muli(sl, c32(8 * BLK)),
+                                       arith.addi(arith.muli(h, c32(4 * BLK)), key)))
+        for k in range(4):
+            mu.inline_ptx("st.shared.u8 [$0], $1;", arith.addi(m, c32(k * BLK)),
+                          arith.shrui(w, c32(8 * k)), has_side_effects=True)
         mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
 
-    gather(*pools, *s_refs, row_base, crow_off, meta_off, slot)
+    gather(*refs, *s_refs, row_base, idx_off, b, slot)
 
 
-def _cp_issuer(b, g_refs, s_refs, n_blk):
+def _cp_issuer(b, g_refs, s_refs, epb):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
-    into slot (the calling warpgroup waits for its copies) and arrives once on its barrier
-    (wbar / cbar: one arrival per block)."""
-    wn_g, wr_g, cn_g, cr_g, crow_g, meta_g = g_refs
+    into slot with its meta (the calling warpgroup waits for its copies) and arrives once
+    on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
+    cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t)."""
+    wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     gather = (lambda *a: None) if "copy" in _ablated() else _cp_gather
 
     def issue(g, slot, wbar, cbar):
         @pl.when(g < NW)
         def _():
-            gather(True, (wn_g, wr_g, crow_g, meta_g), s_refs, i32(b * WINDOW + g * BLK),
-                       i32(0), i32(b * n_blk + g), i32(slot))
+            gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
+                   i32(0), i32(b), i32(slot), epb)
             plgpu.barrier_arrive(wbar.at[slot])
 
         @pl.when(g >= NW)
         def _():
-            gather(False, (cn_g, cr_g, crow_g, meta_g), s_refs, i32(0),
-                       i32(b * crow_g.shape[1] + (g - NW) * BLK), i32(b * n_blk + g), i32(slot))
+            gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0),
+                   i32(b * idx_g.shape[1] + (g - NW) * BLK), i32(b), i32(slot), epb)
             plgpu.barrier_arrive(cbar.at[slot])
     return issue
 
@@ -562,9 +625,9 @@ SWZ64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
 def _scratch(p_copies, swizzled=False, qk_split=False):
-    # FP8 rows, 512 B a key (7 chunks of 64 used, the 8th is padding): key-major for the
-    # row TMAs, chunk-major + swizzled for cp.async
-    n_s = (plgpu.SMEM((2, 8, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64) if swizzled
+    # FP8 rows: key-major, 512 B a key (7 chunks of 64 used, the 8th is padding) for the
+    # row TMAs; chunk-major + swizzled, 7 chunks (448 B a key), for cp.async
+    n_s = (plgpu.SMEM((2, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64) if swizzled
            else plgpu.SMEM((2, BLK, 8, 64), jnp.float8_e4m3fn))
     tiled = TILED32 if qk_split else TILED
     return [plgpu.SMEM((HT, D), jnp.bfloat16, transforms=tiled),             # q_s
@@ -651,15 +714,18 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
-def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret,
-                  qk_split=False):
+def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
     0-3 / chunks 4-6 + rope), meet on `kfull` before the scores (both compute the same
-    full scores) and on `kfree` once both P V products have read the tile."""
+    full scores) and on `kfree` once both P V products have read the tile.
+    args: crow, meta, n_blocks, sink (direct / staged: _prep's per-key metadata) or, for
+    cpasync, idx, block_table, win_scale, cmp_scale, win_pos, t, used, sink (the producer
+    derives the metadata; epb = compressed entries per pool block; _ids_used)."""
     B, HP, _ = q.shape
-    n_blk = meta.shape[1]
+    keys = args[:-2]
+    n_blk = NW + keys[0].shape[1] // BLK if gather == "cpasync" else keys[1].shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
     cpasync = gather == "cpasync"
@@ -669,11 +735,13 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
     n_c = 1 if cpasync else N_ROW_COPIES if direct else 3
     ablated = _ablated()
 
-    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, crow_g, meta_g, nb_g, sink_g, o_g, lse_g):
+    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
+        *key_g, nb_g, sink_g, o_g, lse_g = refs
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
         wg = lax.axis_index("wg")
         g0 = s_id * bps
-        n_load = jnp.clip(jnp.minimum(nb_g[b], g0 + bps) - g0, 0, bps)
+        nb = NW + (nb_g[b] + BLK - 1) // BLK if cpasync else nb_g[b]
+        n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
 
         def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree,
                    *split_refs):   # qk_split: x_s, xbar, pfull
@@ -682,8 +750,8 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
             def _producer():
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
                                         action="decrease")
-                g_refs = (wn_g, wr_g, cn_g, cr_g, crow_g, meta_g)
-                issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), n_blk) if cpasync else
+                g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
+                issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), epb) if cpasync else
                          _issuer(b, g_refs, (n_s, r_s, m_s), direct))
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
@@ -778,4 +846,4 @@ def _attn_call_ws(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, 
         num_threads=3, thread_name="wg",
         compiler_params=_params(),
         interpret=interpret,
-    )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
+    )(q, wn, wr, cn, cr, *args)
