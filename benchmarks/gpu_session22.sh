@@ -6,6 +6,9 @@
 #   part of the per-block chain the time goes to.
 # PART=2: the split-rule sweep for the new kernel (with each kernel's GPU time), the 4-layer step with qk_split 0 / 1 and
 #   the decode check with it.
+# PART=3: after the in-kernel key metadata (cpasync) and the 2-fusion merge: GPU tests,
+#   the op at the session-20 cases with each kernel's GPU time, the in-kernel timeline.
+# PART=4: the decode check (kernels on vs pure JAX) and the B = 64 128K step.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -32,5 +35,18 @@ case "${PART:-1}" in
   DSV4_ATTN_QK_SPLIT=1 T 200 python3 benchmarks/decode_kernels_check.py --preset flash \
     --layers 4 --random-cache --matmul pallas --batch 1 8 --context 32768 --steps 3 \
     | tee $OUT/check_qks.log | grep -E "median" ;;
+3)  # the in-kernel metadata (cpasync), the 2-fusion merge, the in-kernel profile
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 240 python3 benchmarks/attn_probe.py --cases $ATT --variants cpasync,cpasync+qks,triton \
+    --events | tee $OUT/probe.log
+  for c in flash:csa:64:32768 pro:csa:32:32768; do for v in cpasync cpasync+qks; do
+    T 60 python3 benchmarks/attn_timeline.py --case $c --variant $v | tee -a $OUT/timeline.log
+  done; done ;;
+4)
+  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
+  T 170 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
+    | grep -E "stream step" | head -1 ;;
 esac
 true

@@ -651,8 +651,12 @@ def _params():
     # warpgroup barrier before each of the 129 copies of a block. No reduction scratch:
     # the only reductions are within warps (rows of the WGMMA layout), and the
     # warp-specialised kernel needs those 2 KB of SMEM.
+    # DSV4_ATTN_PROFILE=<dir>: Mosaic's in-kernel profiler records the named scopes of the
+    # warp-specialised kernel per warpgroup into <dir> (benchmarks/attn_timeline.py).
+    prof = os.environ.get("DSV4_ATTN_PROFILE", "")
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                unsafe_no_auto_barriers=True, reduction_scratch_bytes=0)
+                                unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
+                                profile_space=64 if prof else 0, profile_dir=prof)
 
 
 def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret):
@@ -765,10 +769,12 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
 
                 @pl.loop(0, n_load)
                 def _(i):
-                    @pl.when(i >= 2)
-                    def _():
-                        release(i - 2)
-                    issue(g0 + i, lax.rem(i, 2), wbar, cbar)
+                    with jax.named_scope("release"):
+                        @pl.when(i >= 2)
+                        def _():
+                            release(i - 2)
+                    with jax.named_scope("issue"):
+                        issue(g0 + i, lax.rem(i, 2), wbar, cbar)
 
                 for k in (2, 1):
                     @pl.when(n_load >= k)
@@ -781,48 +787,56 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)),
                                         action="increase")
                 c = wg
-                plgpu.barrier_wait(qbar)
 
                 def body(i, carry):
                     acc, m, l = carry
                     slot = lax.rem(i, 2)
-                    _wait_block(g0 + i, slot, wbar, cbar)
+                    with jax.named_scope("wait_copy"):
+                        _wait_block(g0 + i, slot, wbar, cbar)
 
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(kfree)   # both P V of block i-1 read k_s
+                    with jax.named_scope("wait_kfree"):
+                        @pl.when(i > 0)
+                        def _():
+                            plgpu.barrier_wait(kfree)   # both P V of block i-1 read k_s
 
-                    @pl.when((c == 0) & ("deq" not in ablated))
-                    def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4), False, cpasync)
+                    with jax.named_scope("deq"):
+                        @pl.when((c == 0) & ("deq" not in ablated))
+                        def _():
+                            _dequant(n_s, r_s, m_s, k_s, slot, range(4), False, cpasync)
 
-                    @pl.when((c == 1) & ("deq" not in ablated))
-                    def _():
-                        _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, cpasync)
-                    # (read before `free` lets the producer refill the slot)
-                    bias = _bias(m_s, slot, pl.ds(c * SPLIT, SPLIT) if qk_split else None)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(free.at[slot])
-                    plgpu.barrier_arrive(kfull)
-                    plgpu.barrier_wait(kfull)
-                    if qk_split:
-                        m, l, acc = _scores_softmax_split(
-                            q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc)
-                        acc = _pv(p_s, k_s, c, acc, in_place=not interpret)
-                    else:
-                        m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
-                        acc = _pv(p_s.at[c], k_s, c, acc, in_place=not interpret)
-                    plgpu.barrier_arrive(kfree)
+                        @pl.when((c == 1) & ("deq" not in ablated))
+                        def _():
+                            _dequant(n_s, r_s, m_s, k_s, slot, range(4, NCH), True, cpasync)
+                    with jax.named_scope("kfull"):
+                        # (read before `free` lets the producer refill the slot)
+                        bias = _bias(m_s, slot, pl.ds(c * SPLIT, SPLIT) if qk_split else None)
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(free.at[slot])
+                        plgpu.barrier_arrive(kfull)
+                        plgpu.barrier_wait(kfull)
+                    with jax.named_scope("qk_softmax"):
+                        if qk_split:
+                            m, l, acc = _scores_softmax_split(
+                                q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc)
+                        else:
+                            m, l, acc = _scores_softmax(q_s, k_s, p_s.at[c], bias, m, l, acc)
+                    with jax.named_scope("pv"):
+                        acc = _pv(p_s if qk_split else p_s.at[c], k_s, c, acc,
+                                  in_place=not interpret)
+                        plgpu.barrier_arrive(kfree)
                     return acc, m, l
 
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(qbar)   # (placed here for the profile's first scope)
                 acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
 
-                @pl.when(n_load > 0)
-                def _():
-                    plgpu.barrier_wait(kfree)   # both are done reading q_s
-                if qk_split:   # each consumer summed only its keys' P
-                    l = l + _exchange(x_s, xbar, c, l)
-                _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
+                with jax.named_scope("finish"):
+                    @pl.when(n_load > 0)
+                    def _():
+                        plgpu.barrier_wait(kfree)   # both are done reading q_s
+                    if qk_split:   # each consumer summed only its keys' P
+                        l = l + _exchange(x_s, xbar, c, l)
+                    _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
 
         pl.run_scoped(
             scoped,
