@@ -44,9 +44,12 @@ case "${PART:-1}" in
     T 60 python3 benchmarks/attn_timeline.py --case $c --variant $v | tee -a $OUT/timeline.log
   done; done ;;
 4)
-  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
-    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
-  T 170 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
-    | grep -E "stream step" | head -1 ;;
+  for qks in 0 1; do
+    DSV4_ATTN_QK_SPLIT=$qks T 150 python3 benchmarks/decode_kernels_check.py --preset flash \
+      --layers 4 --random-cache --matmul pallas --batch 1 8 --context 32768 --steps 3 \
+      | tee $OUT/check_qks$qks.log | grep -E "median"
+    DSV4_ATTN_QK_SPLIT=$qks T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 \
+      | tee $OUT/b64_qks$qks.log | grep -E "stream step" | head -1
+  done ;;
 esac
 true
