@@ -9,6 +9,8 @@ warpgroup's 128 threads copy the selected rows in 16-byte cp.async pieces, two t
 key, into a chunk-major, tiled and 64-byte swizzled buffer (conflict-free dequant loads);
 with P V accumulating in place and 56 / 224 registers nothing spills (H200, 2026-11-26:
 1.4-1.6x less GPU time than the Triton kernel at B >= 32; BENCHMARKS.md, session 20).
+Its producer also derives each key's pool row (block table), scale exponents and validity
+itself, so XLA only finds the last valid id (session 21: 4-5 us less per op).
 gather="direct": rows are fetched one by one with TMA, with the physical row ids read as scalars
 in-kernel (window: b*128 + slot; compressed, gather="direct": the pool row of each
 selected id). A stored nope row is 448 B: it is copied as an [8, 64]-byte box of the pool
@@ -140,9 +142,11 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     64 B over-read, into 512-B SMEM rows), "cpasync" (the producer warpgroup's 128
     threads copy 16-byte pieces of the rows with cp.async; warp_specialized only; the
     interpreter cannot run it, so interpreted calls take "direct") or "staged" (XLA
-    staging gather, to compare). qk_split (warp_specialized only; built 2026-11-26 without
-    device time, not yet run on a GPU): each consumer warpgroup scores only its 32 keys of a
-    block and the two exchange row maxima, instead of both computing the full scores.
+    staging gather, to compare). qk_split (warp_specialized only): each consumer warpgroup
+    scores only its 32 keys of a block and the two exchange row maxima, instead of both
+    computing the full scores: 2-6% less op time (H200, 2026-11-26), no step-level gain,
+    and the 4-layer decode check drifts further from pure JAX at B=1 (rel 0.078 vs 0.039:
+    the two partial row sums round differently), so it is off by default.
     warp_specialized: one CTA per (request, split, head tile) with a producer warpgroup
     issuing the row copies and two consumer warpgroups (one per output column half) sharing
     the K tile; otherwise two single-warpgroup CTAs (one per column half) each copy and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22 (2026-11-26), one H200 unless said otherwise.
+# Session 21 (2026-11-26), one H200 unless said otherwise.
 # PART=1: session 21's queued qk_split proof (GPU tests, cpasync vs cpasync+qks vs triton at
 #   the session-20 cases) and an ablation of the cpasync kernel at Flash CSA B = 64 32K:
 #   each stage removed in turn (DSV4_ATTN_ABLATE, wrong results, timing only) to see which
