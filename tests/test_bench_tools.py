@@ -4,6 +4,7 @@ import importlib.util
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from benchmarks import graph_launch
@@ -79,3 +80,35 @@ def test_step_anatomy_labels_kernels_by_op_and_by_name():
     assert event_label("input_scatter_fusion_3", "command_buffer_1", src) == \
         "fusion: layer0_swa/scatter-add"
     assert event_label("nvjet_sm90_tss", "command_buffer_1", src) is None
+
+
+def test_attn_timeline_summarize_sums_top_level_scopes(tmp_path):
+    """A synthetic Mosaic profiler trace (2 CTAs x 3 warpgroups): per-role means of the
+    top-level scopes, nested scopes not double-counted, CTA start offsets and span."""
+    import json
+    from benchmarks import attn_timeline
+    rng = np.random.default_rng(0)
+    ev, want = [], {"deq": [], "pv": [], "issue": []}
+    for cta in range(2):
+        t0 = float(cta) * 0.5
+        for wg in range(3):
+            tid = 1 + wg + 3 * cta
+            t = t0
+            names = ("issue",) if wg == 2 else ("deq", "pv")
+            for name in names:
+                d = float(rng.uniform(1, 3))
+                ev += [dict(name=name, ph="B", ts=t, pid=1, tid=tid),
+                       dict(name="inner", ph="B", ts=t + 0.1, pid=1, tid=tid),
+                       dict(name="inner", ph="E", ts=t + 0.2, pid=1, tid=tid),
+                       dict(name=name, ph="E", ts=t + d, pid=1, tid=tid)]
+                want[name].append(d)
+                t += d
+    p = tmp_path / "k-trace.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    lines = attn_timeline.summarize(str(p))
+    assert "2 CTAs" in lines[0] and "start offsets min/median/max 0.00/0.25/0.50" in lines[0]
+    cons = lines[1]
+    for name in ("deq", "pv"):
+        assert f"{name} {sum(want[name]) / 4:.2f} (1.0)" in cons
+    assert "inner" not in cons
+    assert f"issue {sum(want['issue']) / 2:.2f} (1.0)" in lines[2]

@@ -134,6 +134,39 @@ def test_kernel_hca_indices_and_empty_window_slots():
     assert rel_err(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("NS", [2, 3, 5])
+def test_merge_splits_matches_softmax_over_all_keys(NS):
+    """Splits s hold softmax-normalised outputs o_s over disjoint key sets with log-sum-exp
+    lse_s (-inf: a split with no valid key); the merge must equal the softmax over all
+    keys with the sink in the denominator, computed here from the raw scores in float64."""
+    rng = np.random.default_rng(NS)
+    B, HP, D, n = 3, 4, 8, 5                               # n keys per split
+    s = rng.normal(size=(NS, B, HP, n)) * 3
+    v = rng.normal(size=(NS, B, HP, n, D))
+    s[1, 0] = -np.inf                                      # split 1 of request 0: no keys
+    sink = rng.normal(size=HP)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lse = np.log(np.exp(s).sum(-1))
+        o = np.nan_to_num(np.einsum("sbhk,sbhkd->sbhd", np.exp(s - lse[..., None]), v))
+    out = K.merge_splits(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse, jnp.float32),
+                         jnp.asarray(sink, jnp.float32))
+    # reference: one softmax over every key (splits concatenated) plus the sink
+    s_all = np.moveaxis(s, 0, 2).reshape(B, HP, NS * n)
+    v_all = np.moveaxis(v, 0, 2).reshape(B, HP, NS * n, D)
+    m = np.maximum(s_all.max(-1), sink[None])
+    p = np.exp(s_all - m[..., None])
+    den = p.sum(-1) + np.exp(sink[None] - m)
+    want = np.einsum("bhk,bhkd->bhd", p, v_all) / den[..., None]
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_ids_used_counts_to_the_last_valid_id():
+    idx = jnp.asarray([[5, -1, 7, -1, -1], [-1, -1, -1, -1, -1], [1, 2, 3, 4, 9]], jnp.int32)
+    padded, used = K._ids_used(idx)
+    assert padded.shape == (3, K.BLK) and bool(jnp.all(padded[:, 5:] == -1))
+    np.testing.assert_array_equal(np.asarray(used), [3, 0, 5])
+
+
 def test_bad_inputs_raise():
     q, win, cmp, bt, idx, t, sink = make_inputs(3)
     with pytest.raises(ValueError, match="attn_sink"):
