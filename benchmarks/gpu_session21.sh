@@ -9,6 +9,8 @@
 # PART=3: after the in-kernel key metadata (cpasync) and the 2-fusion merge: GPU tests,
 #   the op at the session-20 cases with each kernel's GPU time, the in-kernel timeline.
 # PART=4: the decode check (kernels on vs pure JAX) and the B = 64 128K step.
+# PART=5: the epilogue's read-only store wait; A/B of waiting for q in block 0 and of
+#   72 / 216 registers.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -51,5 +53,13 @@ case "${PART:-1}" in
     DSV4_ATTN_QK_SPLIT=$qks T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 \
       | tee $OUT/b64_qks$qks.log | grep -E "stream step" | head -1
   done ;;
+5)  # epilogue waits only for the SMEM reads; A/B: consumers wait for q in block 0 (QLATE)
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 150 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants \
+    cpasync,cpasync:DSV4_ATTN_QLATE=1,cpasync:DSV4_ATTN_PREG=72:DSV4_ATTN_CREG=216,triton \
+    | tee $OUT/probe_b64.log
+  T 200 python3 benchmarks/attn_probe.py --cases ${ATT#flash:csa:64:32768,} \
+    --variants cpasync,cpasync:DSV4_ATTN_QLATE=1,triton | tee $OUT/probe.log ;;
 esac
 true

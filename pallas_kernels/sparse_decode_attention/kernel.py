@@ -622,7 +622,9 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
             v_s[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, lse_g.at[s_id, b, pl.ds(ht * HT, HT)])
-    plgpu.wait_smem_to_gmem(0)
+    # Only the SMEM reads must finish before the CTA exits (as CUTLASS's tma_store_wait);
+    # the writes to GMEM complete before the kernel does.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 SWZ64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
@@ -742,6 +744,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     n_w = 1 if cpasync else N_ROW_COPIES
     n_c = 1 if cpasync else N_ROW_COPIES if direct else 3
     ablated = _ablated()
+    q_late = os.environ.get("DSV4_ATTN_QLATE", "0") == "1"   # A/B: wait for q in block 0
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -818,6 +821,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                         plgpu.barrier_arrive(free.at[slot])
                         plgpu.barrier_arrive(kfull)
                         plgpu.barrier_wait(kfull)
+                    with jax.named_scope("wait_q"):
+                        # q is first needed here: block 0's dequant overlaps its copy
+                        @pl.when((i == 0) & q_late)
+                        def _():
+                            plgpu.barrier_wait(qbar)
                     with jax.named_scope("qk_softmax"):
                         if qk_split:
                             m, l, acc = _scores_softmax_split(
@@ -830,9 +838,13 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                         plgpu.barrier_arrive(kfree)
                     return acc, m, l
 
-                with jax.named_scope("wait_q"):
-                    plgpu.barrier_wait(qbar)   # (placed here for the profile's first scope)
+                if not q_late:
+                    plgpu.barrier_wait(qbar)
                 acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
+
+                @pl.when((n_load == 0) & q_late)
+                def _():
+                    plgpu.barrier_wait(qbar)   # q_s is the output's staging, v_s the sink
 
                 with jax.named_scope("finish"):
                     @pl.when(n_load > 0)
