@@ -57,7 +57,7 @@ case "${PART:-1}" in
   T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
     -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
   T 150 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants \
-    cpasync,cpasync:DSV4_ATTN_QLATE=1,cpasync:DSV4_ATTN_PREG=72:DSV4_ATTN_CREG=216,triton \
+    cpasync,cpasync:DSV4_ATTN_QLATE=1,cpasync:DSV4_ATTN_PREG=72:DSV4_ATTN_CREG=216,triton  # (QLATE: since removed) \
     | tee $OUT/probe_b64.log
   T 200 python3 benchmarks/attn_probe.py --cases ${ATT#flash:csa:64:32768,} \
     --variants cpasync,cpasync:DSV4_ATTN_QLATE=1,triton | tee $OUT/probe.log ;;
