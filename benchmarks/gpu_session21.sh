@@ -53,11 +53,12 @@ case "${PART:-1}" in
     DSV4_ATTN_QK_SPLIT=$qks T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 \
       | tee $OUT/b64_qks$qks.log | grep -E "stream step" | head -1
   done ;;
-5)  # epilogue waits only for the SMEM reads; A/B: consumers wait for q in block 0 (QLATE)
+5)  # epilogue waits only for the SMEM reads; A/B: consumers wait for q in block 0 (QLATE,
+    # a knob removed after this run)
   T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
     -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
   T 150 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants \
-    cpasync,cpasync:DSV4_ATTN_QLATE=1,cpasync:DSV4_ATTN_PREG=72:DSV4_ATTN_CREG=216,triton  # (QLATE: since removed) \
+    cpasync,cpasync:DSV4_ATTN_QLATE=1,cpasync:DSV4_ATTN_PREG=72:DSV4_ATTN_CREG=216,triton \
     | tee $OUT/probe_b64.log
   T 200 python3 benchmarks/attn_probe.py --cases ${ATT#flash:csa:64:32768,} \
     --variants cpasync,cpasync:DSV4_ATTN_QLATE=1,triton | tee $OUT/probe.log ;;
