@@ -9,6 +9,7 @@
 # PART=3: after the in-kernel key metadata (cpasync) and the 2-fusion merge: GPU tests,
 #   the op at the session-20 cases with each kernel's GPU time, the in-kernel timeline.
 # PART=4: the decode check (kernels on vs pure JAX) and the B = 64 128K step.
+# PART=6: on an H100: attention op and fp4 / nvfp4 indexer scoring at B = 64.
 # PART=5: the epilogue's read-only store wait; A/B of waiting for q in block 0 and of
 #   72 / 216 registers.
 set -u
@@ -62,5 +63,11 @@ case "${PART:-1}" in
     | tee $OUT/probe_b64.log
   T 200 python3 benchmarks/attn_probe.py --cases ${ATT#flash:csa:64:32768,} \
     --variants cpasync,cpasync:DSV4_ATTN_QLATE=1,triton | tee $OUT/probe.log ;;
+6)  # on an H100 (kind nvidia-h100-x1), the target GPU: the attention op and the
+    # fp4 / nvfp4 indexer scoring at B = 64, with the ceiling measured in the same run
+  T 100 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768,pro:csa:32:32768 \
+    --variants cpasync,triton --rounds 2 | tee $OUT/probe_h100.log
+  T 100 python3 benchmarks/indexer_probe.py sweep --cases 64:131072 --rounds 2 \
+    --variants fp4:lutbf:0:2:0:1,nvfp4:lutbf:0:2:0:1 --out $OUT | tee $OUT/idx_h100.log ;;
 esac
 true
