@@ -383,8 +383,10 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb):
             i = ld32(gaddr(idx_g), arith.addi(io, key))
             ok = sge(i, c32(0))
             safe = arith.maxsi(i, c32(0))
-            blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)),
-                                               arith.divui(safe, c32(EPB_))))
+            # (an id past the table reads its last entry, as XLA's clamping gather did,
+            # instead of another request's row or past the table's end)
+            col = arith.minui(arith.divui(safe, c32(EPB_)), c32(MAXB - 1))
+            blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)), col))
             row = arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
                              arith.remui(safe, c32(EPB_)))
             g_sc = gaddr(csc_g)
