@@ -122,6 +122,26 @@ def test_gpu_cpasync_pool_edges_and_holes(qks):
         assert rel_err(out, ref) < 5e-3
 
 
+@pytest.mark.gpu
+def test_gpu_cpasync_ids_past_the_table_read_its_last_entry():
+    # The producer derives pool rows from the block table itself: an id past the table
+    # (invalid input) must not read another request's row or beyond the table; it reads
+    # the table's last entry, as XLA's clamping gather did: the same output as that id
+    # written as (MAXB - 1) * EPB + id % EPB.
+    q, win, cmp, bt, idx, t, sink = edge_inputs()
+    EPB, MAXB = cmp[0].shape[1], bt.shape[1]
+    idx = np.asarray(idx).copy()
+    far = np.array([MAXB * EPB + 5, 7 * MAXB * EPB + 31])
+    idx[0, 41:43] = far
+    clamped = idx.copy()
+    clamped[0, 41:43] = (MAXB - 1) * EPB + far % EPB
+    f = jax.jit(functools.partial(K.sparse_decode_attention, splits=1, gather="cpasync"))
+    out = np.asarray(f(q, win, cmp, bt, jnp.asarray(idx), t, sink)).astype(np.float32)
+    want = np.asarray(f(q, win, cmp, bt, jnp.asarray(clamped), t, sink)).astype(np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, want)
+
+
 def test_kernel_hca_indices_and_empty_window_slots():
     # HCA-style: one entry per pool block, all visible entries listed; t = 20 leaves most
     # window slots empty (-1).
