@@ -22,7 +22,8 @@ swizzled, so the kernel uses the Lane lowering, which keeps SMEM exactly as decl
 Warpgroup lowering's layout inference swizzled them: wrong results on the H100).
 gather="staged" (the previous version, kept to compare) has XLA gather the selected rows
 into a staging buffer first. H100 numbers: benchmarks/results/attention_decode.md.
-Per-key metadata stays in XLA, 8 bytes per key next to 584 bytes of cache: the pool row id
+For direct / staged, per-key metadata stays in XLA, 8 bytes per key next to 584 bytes of
+cache (cpasync derives it in the producer instead, _cp_gather): the pool row id
 (block-table lookup, i32) and `meta` [.., 8, 64] u8 per block = the 7 scale exponents + a
 validity byte in place of the format's unused 8th exponent (a single 8-byte scale row is
 below the 16-byte TMA minimum, so the kernel cannot fetch it row by row).
