@@ -603,8 +603,10 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
         den = l * jnp.exp(m - mm) + jnp.exp(sk - mm)
         out = acc * lax.broadcast_in_dim(jnp.exp(m - mm) / den, acc.shape, [0])
     else:
-        l_safe = jnp.where(l > 0, l, 1.0)
-        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        # one reciprocal per row, then multiplies: dividing the tile was 128 div.full.f32
+        # a thread (each several instructions) in the epilogue
+        inv = 1.0 / jnp.where(l > 0, l, 1.0)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
     def store(h):
         def f():
