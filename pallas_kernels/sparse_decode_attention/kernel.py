@@ -667,7 +667,10 @@ def _params():
     prof = os.environ.get("DSV4_ATTN_PROFILE", "")
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                 unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
-                                profile_space=64 if prof else 0, profile_dir=prof)
+                                profile_space=64 if prof else 0, profile_dir=prof,
+                                # (a CTA with > ~10 key blocks fills the 64 ranges: truncate
+                                # its trace rather than overwrite the SMEM after it)
+                                profile_bounds_check=bool(prof))
 
 
 def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, interpret):
