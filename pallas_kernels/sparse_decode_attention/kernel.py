@@ -238,31 +238,29 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
     if HP != H:   # tiny test shapes: pad heads to the 64-row wgmma tile
         q = jnp.pad(q, ((0, 0), (0, HP - H), (0, 0)))
         sink = jnp.pad(sink, (0, HP - H))
+    # the pools as 64-byte chunks / rope rows (free reshapes)
+    wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
+    cn, cr = cmp_nope.reshape(-1, 64), cmp_rope.reshape(-1, ROPE)
     if gather == "cpasync":
         # The producer derives each key's pool row, scale exponents and validity itself
         # (_cp_gather): XLA only finds the last valid id (one small fusion instead of three,
         # which took 6.4 us of GPU time at Flash B = 64: H200, 2026-11-26).
         idx, used = _ids_used(idx_BK)
         n_blk = NW + idx.shape[1] // BLK
-        NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile,
-                                      ctas_per_sm=ctas_per_sm)
-        keys = (idx, block_table.astype(jnp.int32), win_scale.reshape(-1, 8),
-                cmp_scale.reshape(-1, 8), win_pos.astype(jnp.int32), t_B.astype(jnp.int32))
-        cn, cr = cmp_nope.reshape(-1, 64), cmp_rope.reshape(-1, ROPE)
-        wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
-        return (q, wn, wr, cn, cr, *keys, used, sink), NS
-    crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
-    n_blk = meta.shape[1]
+    else:
+        crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
+        n_blk = meta.shape[1]
     NS = splits or default_splits(B, HP, n_blk, ctas_per_tile=ctas_per_tile,
                                   ctas_per_sm=ctas_per_sm)
+    if gather == "cpasync":
+        keys = (idx, block_table.astype(jnp.int32), win_scale.reshape(-1, 8),
+                cmp_scale.reshape(-1, 8), win_pos.astype(jnp.int32), t_B.astype(jnp.int32))
+        return (q, wn, wr, cn, cr, *keys, used, sink), NS
     if gather == "staged":
         # Staging gather of the selected compressed rows (FP8 padded to 512 B, BF16 rope).
         cn = gather_rows_fp8(cmp_nope.reshape(-1, NOPE), crow)               # [B, KP, 448]
         cn = jnp.pad(cn, ((0, 0), (0, 0), (0, 64))).reshape(B, -1, 8, 64)
         cr = cmp_rope.reshape(-1, ROPE)[crow]                                 # [B, KP, 64]
-    else:   # the pools as 64-byte chunks / rope rows (free reshapes)
-        cn, cr = cmp_nope.reshape(-1, 64), cmp_rope.reshape(-1, ROPE)
-    wn, wr = win_nope.reshape(-1, 64), win_rope.reshape(-1, ROPE)
     return (q, wn, wr, cn, cr, crow, meta, n_blocks, sink), NS
 
 
