@@ -152,9 +152,9 @@ def profile_times(progs, n=3):
                 per[e[2]] += e[1] - e[0]
         out[name] = dict(busy=sum(per.values()) / n * 1e-9,
                          span=sum(max(e[1] for e in c) - c[0][0] for c in group) / n * 1e-9,
-                         top=[(k[:80], v / n * 1e-9) for k, v in per.most_common(3)],
                          per=[(k[:80], v / n * 1e-9) for k, v in per.most_common()],
                          events=sum(len(c) for c in group) / n)
+        out[name]["top"] = out[name]["per"][:3]
     return out
 
 

@@ -2,7 +2,9 @@
 (DSV4_ATTN_PROFILE, pallas_kernels/sparse_decode_attention/kernel.py): each warpgroup
 records its named scopes (consumers: wait_q, wait_copy, wait_kfree, deq, kfull,
 qk_softmax, pv, finish; producer: issue, release) with the SM clock. The profiler's own
-cost (~12 cycles an event) is subtracted by Mosaic; timings are of one warm call.
+cost (~12 cycles an event) is subtracted by Mosaic, yet a profiled kernel ran ~1.7x
+longer (H200, 2026-11-26: CTAs 46-51 us against ~28 us unprofiled), so read the shares,
+not the absolute times; timings are of one warm call.
 Prints the CTA start spread, the kernel span and, per warpgroup role, the mean time per
 CTA in each scope. Usage (GPU):
   python3 benchmarks/attn_timeline.py --case flash:csa:64:32768 [--variant cpasync+qks]"""
