@@ -20,5 +20,29 @@ case "${PART:-1}" in
   for c in flash:csa:1:32768 flash:csa:8:32768; do
     T 60 python3 benchmarks/attn_timeline.py --case $c | tee -a $OUT/timeline.log
   done ;;
+2)
+  # The indexer scoring kernel with barriers="manual" (one warpgroup barrier a chunk instead
+  # of Pallas' six, block-table loads an iteration ahead): GPU tests, the sweep against
+  # "auto" and deeper rings / longer CTAs, then Nsight Compute (stall reasons, per-SASS
+  # source counters) of the manual fp4 kernel at B = 64, 128K.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    -k "manual or lut_dequant or pipeline" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:lutbf:0:2:0:1:a,fp4:lutbf:0:2:0:1:m,fp4:lutbf:0:3:0:1:m,fp4:lutbf:0:4:0:1:m
+  V=$V,fp4:lutbf:16:2:0:1:m,fp4:lutbf:16:3:0:1:m,nvfp4:lutbf:0:2:0:1:a,nvfp4:lutbf:0:2:0:1:m
+  V=$V,fp8:bits:0:2:0:1:a,fp8:bits:0:2:0:1:m
+  T 240 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 --variants $V \
+    --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters"
+  for v in fp4:lutbf:0:2:0:1:a fp4:lutbf:0:2:0:1:m; do
+    n=ncu_${v//:/_}
+    XLA_PYTHON_CLIENT_PREALLOCATE=false T 120 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+      --launch-skip 1 --launch-count 1 $S -o $OUT/$n python3 benchmarks/indexer_probe.py run \
+      --cases 64:131072 --variants $v > $OUT/$n.log 2>&1
+    ncu -i $OUT/$n.ncu-rep --page details > $OUT/$n.txt 2>&1
+    grep -E "Duration|Issue Slots Busy|Issued Ipc|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Block Limit|Stall" $OUT/$n.txt | head -30
+  done
+  ncu -i $OUT/$n.ncu-rep --page source --csv --print-source sass > $OUT/${n}_sass.csv 2>&1 \
+    || ncu -i $OUT/$n.ncu-rep --page source --csv > $OUT/${n}_sass.csv 2>&1
+  head -c 600 $OUT/${n}_sass.csv; wc -l $OUT/${n}_sass.csv ;;
 esac
 true

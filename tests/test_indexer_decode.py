@@ -363,9 +363,11 @@ def test_cuda_lowering_flash_shapes():
     for dq, st, ov, kr in (("e4m3", 2, False, False), ("fp8mma", 2, False, False),
                            ("e4m3", 4, True, False), ("e4m3", 2, False, True),
                            ("lut", 2, False, True), ("lutbf", 2, False, True)):
-        f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr)
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+        for barriers in ("auto", "manual"):
+            f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr,
+                                  barriers=barriers)
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
     # the fp8 and nvfp4 key formats share this kernel
     args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
     lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
@@ -417,6 +419,30 @@ def test_gpu_pipeline_variants(fmt, dequant, stages, overlap, kreg):
                           kreg=kreg)
     out = np.asarray(jax.jit(f)(q, w, keys, bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant,stages", [("fp4", "lutbf", 2), ("fp4", "lutbf", 3),
+                                                ("nvfp4", "lutbf", 2), ("fp8", "bits", 3)])
+def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
+    """barriers="manual" (one warpgroup barrier a chunk, block-table loads an iteration
+    ahead): the same scores, bit for bit, as Pallas' automatic barriers, and the
+    reference's. 5 chunks per CTA (ring slots reused; the block-table prefetch runs past
+    the CTA's last chunk and past the table), a request with unused blocks, a partial
+    last chunk; then the default split."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=63)
+    keys = _keys(rng, fmt, 256)
+    bt = bt.at[1, 40:].set(-1)
+    t = jnp.asarray([4 * 32 * 63 - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
+    ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt))
+    for cpc in (5, None):
+        run = lambda barriers: np.asarray(jax.jit(functools.partial(
+            K.score_keys, fmt=fmt, dequant=dequant, stages=stages, chunks_per_cta=cpc,
+            barriers=barriers))(q, w, keys, bt, t))
+        out = run("manual")
+        check_scores(out, ref)
+        assert np.array_equal(out, run("auto"))
 
 
 @pytest.mark.gpu

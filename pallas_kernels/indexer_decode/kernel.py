@@ -80,6 +80,11 @@ def default_chunks_per_cta(B, n_chunks, num_sms=132):
 STAGES = 2
 OVERLAP = False
 KREG = True
+# "manual": Pallas' automatic warpgroup barriers (one before every TMA issue and two around
+# every SMEM store: six a chunk) off, one barrier a chunk in their place, and the block-table
+# entries for the next issue loaded an iteration ahead (register keys only; see
+# _indexer_call_blocks). "auto": Pallas' barriers, block-table loads at the issue.
+BARRIERS = "auto"
 # The fp4 keys' dequant when a call names none: "lutbf" measured 119.8 us against "lut"
 # 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where
 # it applies); nvfp4 keys: "lutbf" 152.3 against "lut" 164.7 (H200, 2026-11-26).
@@ -87,10 +92,11 @@ DEQUANT = "lutbf"
 NVFP4_DEQUANT = "lutbf"
 
 
-def _pipeline(stages, overlap, kreg=None):
+def _pipeline(stages, overlap, kreg=None, barriers=None):
     return dict(stages=STAGES if stages is None else stages,
                 overlap=OVERLAP if overlap is None else overlap,
-                kreg=KREG if kreg is None else kreg)
+                kreg=KREG if kreg is None else kreg,
+                barriers=BARRIERS if barriers is None else barriers)
 
 
 def _grid(B, block_table, t_B, chunks_per_cta):
@@ -110,7 +116,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                       overlap=None, kreg=None):
+                       overlap=None, kreg=None, barriers=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
@@ -124,7 +130,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap, kreg))
+                               **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
@@ -219,7 +225,7 @@ def _e4m3_bits_to_f32(x_u32):
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                         overlap=None, kreg=None, dequant=None):
+                         overlap=None, kreg=None, dequant=None, barriers=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -241,7 +247,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant, **_pipeline(stages, overlap, kreg))
+                               dequant=dequant, **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
@@ -283,7 +289,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **k
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant=None,
-                   stages=None, overlap=None, kreg=None):
+                   stages=None, overlap=None, kreg=None, barriers=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -319,12 +325,13 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
-                               **_pipeline(stages, overlap, kreg))
+                               **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
-                         dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False):
+                         dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
+                         barriers="auto"):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
     entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
@@ -338,7 +345,14 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     overlap: the second half's dequant runs while the first half's wgmma is in flight (the
     tensor cores and the ALUs overlap within one warpgroup; no extra SMEM).
     kreg: the dequantised keys go to the wgmma from registers (no k_s in SMEM: 16 KB less a
-    CTA, more CTAs an SM); overlap is then implied. Not for "fp8mma"."""
+    CTA, more CTAs an SM); overlap is then implied. Not for "fp8mma".
+    barriers "manual" (kreg only; otherwise "auto"): Pallas inserts a warpgroup barrier
+    before every TMA issue and around every SMEM store (four copies and one score store a
+    chunk: six barriers). Its "unsafe_no_auto_barriers" turns them off; what they protected
+    is kept by one barrier at the top of each iteration (every warp is done reading the ring
+    slot the next issue overwrites, read an iteration ago), one after -inf fills o_s and one
+    before o_s is stored. The issuing lane's block-table loads are made an iteration ahead
+    (a loop carry), so no warp waits on them."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -351,6 +365,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
     kreg = kreg and not mma8 and interpret is None
+    if barriers not in ("auto", "manual"):
+        raise ValueError(f"barriers must be 'auto' or 'manual', got {barriers!r}")
+    manual = barriers == "manual" and kreg   # SMEM keys need the store barriers
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
@@ -370,10 +387,15 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         first = cta * cpc
         n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
 
-        def issue(j, slot):
-            chunk = first + j
+        def blocks(j):
+            """The pool blocks of this CTA's chunk j (clamped: j may run one past the end)."""
+            chunk = jnp.minimum(first + j, n_ctas * cpc - 1)
+            return bt_g[b, 2 * chunk], bt_g[b, 2 * chunk + 1]
+
+        def issue(j, slot, blks=None):
+            blks = blocks(j) if blks is None else blks
             for half in range(2):
-                blk = bt_g[b, 2 * chunk + half]
+                blk = blks[half]
                 rows = pl.ds(half * EPB, EPB)
                 plgpu.copy_gmem_to_smem(codes_g.at[blk], c_s.at[slot, rows], bar.at[slot])
                 for i, scale_g in enumerate(scale_gs):
@@ -392,6 +414,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 plgpu.copy_gmem_to_smem(qs_g.at[b], qs_s, qbar)
 
         o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
+        if manual:
+            _wg_barrier()   # the fill lands before any thread's scores
 
         @pl.when(n_load > 0)
         def _():
@@ -406,10 +430,14 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         def body(j, carry):
             slot = lax.rem(j, stages)
             ahead = j + stages - 1
+            if manual:
+                _wg_barrier()   # all warps are done with the slot the issue overwrites
 
             @pl.when(ahead < n_load)
             def _():
-                issue(ahead, lax.rem(ahead, stages))
+                issue(ahead, lax.rem(ahead, stages), carry if manual else None)
+            if manual:
+                carry = blocks(ahead + 1)   # used by the next iteration's issue
             plgpu.barrier_wait(bar.at[slot])
 
             sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)                   # [64]
@@ -544,7 +572,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
             epilogue(j, s)
             return carry
 
-        lax.fori_loop(0, n_load, body, 0)
+        lax.fori_loop(0, n_load, body, blocks(stages - 1) if manual else 0)
+        if manual:
+            _wg_barrier()   # every thread's scores are in o_s
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, span)], o_g.at[b, pl.ds(first * CHUNK, span)])
         plgpu.wait_smem_to_gmem(0)
@@ -569,13 +599,27 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     )
     if not kreg:
         scratch["k_s"] = k_type
+    params = plgpu.CompilerParams(unsafe_no_auto_barriers=True) if manual else None
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((B, n_ctas * span), jnp.float32),
         grid=(B, n_ctas), grid_names=("b", "c"),
         scratch_types=scratch,
+        compiler_params=params,
         interpret=interpret,
     )(*ins, codes, *scales, bt, n_elig)
+
+
+def _wg_barrier():
+    """bar.sync over this warpgroup (Mosaic GPU's warpgroup_barrier; GPU only)."""
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        mu.warpgroup_barrier()
+
+    sync()
 
 
 def topk_from_scores(scores_BN, topk):
@@ -595,7 +639,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
               interpret=None, select="xla", dequant=None, stages=None, overlap=None,
-              kreg=None):
+              kreg=None, barriers=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -605,7 +649,7 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
-                   stages=stages, overlap=overlap, kreg=kreg)
+                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
