@@ -379,6 +379,21 @@ def test_cuda_lowering_flash_shapes():
         assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_cuda_lowering_every_chunks_per_cta():
+    """Every CTA span the default split can pick (1..8 chunks) lowers: 5 and 6 chunks
+    (320 / 384 scores a CTA) failed in the -inf fill before its buffer was rounded to 256."""
+    B, NB, MAXB = 3, 256, 63
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
+            S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
+            S((B, MAXB), jnp.int32), S((B,), jnp.int32))
+    for cpc in range(1, 9):
+        for barriers in ("auto", "manual"):
+            f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers)
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
+
+
 @pytest.mark.gpu
 def test_gpu_lut_dequant_every_code():
     """"lut" (prmt lookup tables in inline Mosaic GPU code: no interpreter) on raw random

@@ -374,7 +374,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     n_sc = len(scales)
     span = cpc * CHUNK
-    span_s = -(-span // 128) * 128
+    span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
 
     def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None):
         if mma8:
