@@ -44,5 +44,30 @@ case "${PART:-1}" in
   ncu -i $OUT/$n.ncu-rep --page source --csv --print-source sass > $OUT/${n}_sass.csv 2>&1 \
     || ncu -i $OUT/$n.ncu-rep --page source --csv > $OUT/${n}_sass.csv 2>&1
   head -c 600 $OUT/${n}_sass.csv; wc -l $OUT/${n}_sass.csv ;;
+3)
+  # defer: chunks in pairs with two accumulators (chunk j's wgmma under chunk j+1's wait and
+  # dequant, chunk j+1's under chunk j's scores); 166 registers, 3 CTAs an SM. GPU tests
+  # (bit-identical to auto / no defer), the sweep, ncu stall reasons of the defer kernel.
+  T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    -k "manual or lut_dequant" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:lutbf:0:2:0:1:m:0,fp4:lutbf:0:2:0:1:m:1,fp4:lutbf:0:3:0:1:m:1,fp4:lutbf:0:4:0:1:m:1
+  V=$V,fp4:lutbf:16:3:0:1:m:1,fp4:lutbf:0:3:0:1:a:1,nvfp4:lutbf:0:2:0:1:m:0,nvfp4:lutbf:0:3:0:1:m:1
+  V=$V,fp8:bits:0:2:0:1:m:0,fp8:bits:0:3:0:1:m:1
+  T 240 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 --variants $V \
+    --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats"
+  for v in fp4:lutbf:0:3:0:1:m:1; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false T 120 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+      --launch-skip 1 --launch-count 1 $S -o /tmp/r python3 benchmarks/indexer_probe.py run \
+      --cases 64:131072 --variants $v > /dev/null 2>&1
+    ncu -i /tmp/r.ncu-rep --page details > $OUT/ncu_defer.txt 2>&1
+    ncu -i /tmp/r.ncu-rep --page raw --csv 2>/dev/null | python3 -c "
+import csv,sys
+r=list(csv.reader(sys.stdin)); h,u,v=r[0],r[1],r[2]
+for k,x in zip(h,v):
+  if 'stall' in k and 'pct' not in k and x not in ('','0'): print(k, x)" > $OUT/ncu_defer_stalls.txt 2>&1
+    grep -E "Duration|Issued Warp|No Eligible|Warp Cycles Per Issued|Achieved Active|Registers Per|Block Limit Reg" $OUT/ncu_defer.txt
+    sort -t' ' -k2 -g -r $OUT/ncu_defer_stalls.txt | head -25
+  done ;;
 esac
 true

@@ -85,6 +85,9 @@ KREG = True
 # entries for the next issue loaded an iteration ahead (register keys only; see
 # _indexer_call_blocks). "auto": Pallas' barriers, block-table loads at the issue.
 BARRIERS = "auto"
+# Deferred scores: chunk j's wgmma runs while chunk j+1 is unpacked and dequantised and
+# chunk j-1's scores are summed (two accumulators; register keys only).
+DEFER = False
 # The fp4 keys' dequant when a call names none: "lutbf" measured 119.8 us against "lut"
 # 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where
 # it applies); nvfp4 keys: "lutbf" 152.3 against "lut" 164.7 (H200, 2026-11-26).
@@ -92,11 +95,12 @@ DEQUANT = "lutbf"
 NVFP4_DEQUANT = "lutbf"
 
 
-def _pipeline(stages, overlap, kreg=None, barriers=None):
+def _pipeline(stages, overlap, kreg=None, barriers=None, defer=None):
     return dict(stages=STAGES if stages is None else stages,
                 overlap=OVERLAP if overlap is None else overlap,
                 kreg=KREG if kreg is None else kreg,
-                barriers=BARRIERS if barriers is None else barriers)
+                barriers=BARRIERS if barriers is None else barriers,
+                defer=DEFER if defer is None else defer)
 
 
 def _grid(B, block_table, t_B, chunks_per_cta):
@@ -116,7 +120,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                       overlap=None, kreg=None, barriers=None):
+                       overlap=None, kreg=None, barriers=None, defer=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
@@ -130,7 +134,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap, kreg, barriers))
+                               **_pipeline(stages, overlap, kreg, barriers, defer))
     return out[:, :n_max] if trim else out
 
 
@@ -225,7 +229,7 @@ def _e4m3_bits_to_f32(x_u32):
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                         overlap=None, kreg=None, dequant=None, barriers=None):
+                         overlap=None, kreg=None, dequant=None, barriers=None, defer=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -247,7 +251,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant, **_pipeline(stages, overlap, kreg, barriers))
+                               dequant=dequant, **_pipeline(stages, overlap, kreg, barriers, defer))
     return out[:, :n_max] if trim else out
 
 
@@ -289,7 +293,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **k
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant=None,
-                   stages=None, overlap=None, kreg=None, barriers=None):
+                   stages=None, overlap=None, kreg=None, barriers=None, defer=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -325,13 +329,13 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
-                               **_pipeline(stages, overlap, kreg, barriers))
+                               **_pipeline(stages, overlap, kreg, barriers, defer))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
-                         barriers="auto"):
+                         barriers="auto", defer=False):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
     entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
@@ -352,7 +356,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     is kept by one barrier at the top of each iteration (every warp is done reading the ring
     slot the next issue overwrites, read an iteration ago), one after -inf fills o_s and one
     before o_s is stored. The issuing lane's block-table loads are made an iteration ahead
-    (a loop carry), so no warp waits on them."""
+    (a loop carry), so no warp waits on them.
+    defer (kreg only; otherwise off): two accumulators; chunk j's two wgmma stay in flight
+    while chunk j+1 is waited for and dequantised, and chunk j-1's scores (the other
+    accumulator, once at most two wgmma groups are pending) are summed and stored. The loop
+    runs an even number of chunks: an odd count gets one more, read from the block the
+    table's padding points at and masked to -inf like any chunk past the eligible entries."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -368,13 +377,15 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if barriers not in ("auto", "manual"):
         raise ValueError(f"barriers must be 'auto' or 'manual', got {barriers!r}")
     manual = barriers == "manual" and kreg   # SMEM keys need the store barriers
+    defer = defer and kreg
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     n_sc = len(scales)
     span = cpc * CHUNK
-    span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
+    # The -inf fill's layout takes 256-float multiples; defer may run one chunk past span.
+    span_s = -(-(span + (CHUNK if defer else 0)) // 256) * 256
 
     def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None):
         if mma8:
@@ -386,6 +397,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         ne = ne_g[b]
         first = cta * cpc
         n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
+        if defer:   # chunks in pairs
+            n_load = lax.div(n_load + 1, 2) * 2
 
         def blocks(j):
             """The pool blocks of this CTA's chunk j (clamped: j may run one past the end)."""
@@ -427,7 +440,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
             ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
             o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
 
-        def body(j, carry):
+        def top(j, carry):
+            """The iteration's sync, the next chunk's issue, the wait for chunk j's data."""
             slot = lax.rem(j, stages)
             ahead = j + stages - 1
             if manual:
@@ -440,35 +454,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 carry = blocks(ahead + 1)   # used by the next iteration's issue
             plgpu.barrier_wait(bar.at[slot])
 
+            return slot, carry
+
+        def unpack(slot):
+            """Chunk data in ring slot `slot` -> (keys(half): bf16 [64 e, 64] keys of dims
+            half*64.., sc: the [64] per-entry scale words)."""
             sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)                   # [64]
-            if mma8:
-                # Per 32-dim group g (the key scale's block; dims g*32.. : byte columns
-                # (g % 2) * 32.., low nibbles for g < 2, high for g >= 2): the nibbles as
-                # e4m3 bytes (= e2m1 * 2^-6, exact) straight into SMEM, no conversion; the
-                # wgmma in e4m3 against q's group as e4m3 (q / qs, exact for FP4-simulated
-                # q) sums 32 products exactly in f32; the scales join after:
-                # S += (acc_g * 2^(E_g - 127)) * (qs_g * 2^6).
-                s = None
-                for g in range(4):
-                    half, part = divmod(g, 2)
-                    bg = plgpu.load(c_s.at[slot, :, pl.ds(part * 32, 32)],
-                                    layout=WG).astype(jnp.uint32)               # [64 e, 32]
-                    code = (((bg & 8) << 4) | ((bg & 7) << 2) if half == 0 else
-                            (bg & 0x80) | ((bg & 0x70) >> 2))
-                    k_s[g] = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
-                plgpu.commit_smem()
-                for g in range(4):
-                    def mma(acc_ref, g=g):
-                        plgpu.wgmma(acc_ref, k_s.at[g], q_s.at[g].T)
-                        return acc_ref[...]
-                    acc = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))
-                    sk = lax.bitcast_convert_type(((sc >> (8 * g)) & 0xFF) << 23, jnp.float32)
-                    qsv = plgpu.load(qs_s.at[g], layout=COL)
-                    t = (acc * lax.broadcast_in_dim(sk, acc.shape, [0])) * \
-                        lax.broadcast_in_dim(qsv, acc.shape, [1])
-                    s = t if s is None else s + t
-                epilogue(j, s)
-                return carry
             if fmt != "fp8":
                 # (the bit ops below on u16 instead of u32 measured the same: 169.0 vs
                 # 168.8 us at B=64, 128K, H200; Mosaic has no shifts on 8-bit types)
@@ -546,6 +537,40 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                     bits = jnp.where(mag == 0, jnp.uint32(0), bits) | sign
                     return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
+            return keys, sc
+
+        def body(j, carry):
+            slot, carry = top(j, carry)
+            if mma8:
+                sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)               # [64]
+                # Per 32-dim group g (the key scale's block; dims g*32.. : byte columns
+                # (g % 2) * 32.., low nibbles for g < 2, high for g >= 2): the nibbles as
+                # e4m3 bytes (= e2m1 * 2^-6, exact) straight into SMEM, no conversion; the
+                # wgmma in e4m3 against q's group as e4m3 (q / qs, exact for FP4-simulated
+                # q) sums 32 products exactly in f32; the scales join after:
+                # S += (acc_g * 2^(E_g - 127)) * (qs_g * 2^6).
+                s = None
+                for g in range(4):
+                    half, part = divmod(g, 2)
+                    bg = plgpu.load(c_s.at[slot, :, pl.ds(part * 32, 32)],
+                                    layout=WG).astype(jnp.uint32)               # [64 e, 32]
+                    code = (((bg & 8) << 4) | ((bg & 7) << 2) if half == 0 else
+                            (bg & 0x80) | ((bg & 0x70) >> 2))
+                    k_s[g] = lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
+                plgpu.commit_smem()
+                for g in range(4):
+                    def mma(acc_ref, g=g):
+                        plgpu.wgmma(acc_ref, k_s.at[g], q_s.at[g].T)
+                        return acc_ref[...]
+                    acc = pl.run_scoped(mma, plgpu.ACC((CHUNK, N_HEADS), jnp.float32))
+                    sk = lax.bitcast_convert_type(((sc >> (8 * g)) & 0xFF) << 23, jnp.float32)
+                    qsv = plgpu.load(qs_s.at[g], layout=COL)
+                    t = (acc * lax.broadcast_in_dim(sk, acc.shape, [0])) * \
+                        lax.broadcast_in_dim(qsv, acc.shape, [1])
+                    s = t if s is None else s + t
+                epilogue(j, s)
+                return carry
+            keys, sc = unpack(slot)
             if kreg:
                 # The keys stay in registers as the wgmma's A operand: no SMEM round trip,
                 # no fence; the second half's dequant runs under the first half's wgmma.
@@ -572,7 +597,40 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
             epilogue(j, s)
             return carry
 
-        lax.fori_loop(0, n_load, body, blocks(stages - 1) if manual else 0)
+        def mma_issue(acc_ref, keys):
+            acc_ref[...] = plgpu.layout_cast(jnp.zeros((CHUNK, N_HEADS), jnp.float32), WG)
+            plgpu.wgmma(acc_ref, keys(0), q_s.at[0].T)
+            plgpu.wgmma(acc_ref, keys(1), q_s.at[1].T)
+
+        def finish(j, acc_ref, sc, wait_n):
+            """Chunk j's scores from acc_ref once at most wait_n wgmma groups are pending."""
+            s = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)      # [64 e, 64 h]
+            if fmt == "fp8":
+                s = s * lax.broadcast_in_dim(sc, s.shape, [0])
+            epilogue(j, s)
+
+        def pairs(acc0, acc1):
+            # Two chunks an iteration, nothing in flight across the loop's back edge (ptxas
+            # serialises every wgmma when an accumulator is read in a loop while its wgmma
+            # may still be pending from the previous iteration).
+            def pair(i, blks):
+                slot, blks = top(2 * i, blks)
+                keys, sc0 = unpack(slot)
+                mma_issue(acc0, keys)                   # chunk 2i: in flight from here
+                slot, blks = top(2 * i + 1, blks)
+                keys, sc1 = unpack(slot)
+                mma_issue(acc1, keys)
+                finish(2 * i, acc0, sc0, 2)             # chunk 2i+1's two groups pending
+                finish(2 * i + 1, acc1, sc1, 0)
+                return blks
+
+            lax.fori_loop(0, lax.div(n_load, 2), pair, blocks(stages - 1) if manual else 0)
+
+        if defer:
+            pl.run_scoped(pairs, plgpu.ACC((CHUNK, N_HEADS), jnp.float32),
+                          plgpu.ACC((CHUNK, N_HEADS), jnp.float32))
+        else:
+            lax.fori_loop(0, n_load, body, blocks(stages - 1) if manual else 0)
         if manual:
             _wg_barrier()   # every thread's scores are in o_s
         plgpu.commit_smem()
@@ -639,7 +697,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
               interpret=None, select="xla", dequant=None, stages=None, overlap=None,
-              kreg=None, barriers=None):
+              kreg=None, barriers=None, defer=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -649,7 +707,8 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
-                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers)
+                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers,
+                   defer=defer)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
