@@ -10,6 +10,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
 ATT="flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768"
 case "${PART:-1}" in
 1)
@@ -69,5 +70,24 @@ for k,x in zip(h,v):
     grep -E "Duration|Issued Warp|No Eligible|Warp Cycles Per Issued|Achieved Active|Registers Per|Block Limit Reg" $OUT/ncu_defer.txt
     sort -t' ' -k2 -g -r $OUT/ncu_defer_stalls.txt | head -25
   done ;;
+4)  # on an H100 (kind nvidia-h100-x1), the target GPU. defer was removed after
+    # PART=3 (no gain). New since the last GPU run: the bf16 lookup program without the
+    # negative table (5 prmt a register instead of 6), barriers="manual" the default.
+    # GPU tests of both kernels; the attention op at the five cases (cpasync vs Triton);
+    # the indexer (fp4 / nvfp4 / fp8, manual vs auto) at B = 64 / 8, 128K; the decode
+    # check (kernels vs pure JAX) and the B = 64, 128K step.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    tests/test_sparse_decode_attention.py -rA -k "not triton" | tee $OUT/gpu_tests.log \
+    | grep -E "passed|failed|FAILED|Error"
+  T 150 python3 benchmarks/attn_probe.py --cases $ATT --variants cpasync,triton --rounds 2 \
+    | tee $OUT/probe_h100.log | grep "^|"
+  V=fp4:lutbf:0:2:0:1:m,fp4:lutbf:0:2:0:1:a,nvfp4:lutbf:0:2:0:1:m,nvfp4:lutbf:0:2:0:1:a
+  V=$V,fp8:bits:0:2:0:1:m,fp8:bits:0:2:0:1:a
+  T 150 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 --variants $V \
+    --out $OUT | tee $OUT/idx_h100.log | grep -v "^{"
+  T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
+  T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
+    | grep -E "stream step" | head -1 ;;
 esac
 true

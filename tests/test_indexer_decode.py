@@ -187,7 +187,7 @@ def test_kernel_pipeline_variants(fmt, dequant, stages, overlap, kreg):
 
 
 def _run_ptx(program, x):
-    """Run _lut_program's PTX (and / shr / or / prmt in prmt's default mode) on an
+    """Run _lut_program's PTX (and / shr / shl / or / prmt in prmt's default mode) on an
     independent emulator, for every u32 input in the uint32 array x -> ($0, $1)."""
     import re
     regs = {"$2": x.astype(np.uint64)}
@@ -203,6 +203,8 @@ def _run_ptx(program, x):
             regs[d] = val(a) | val(b)
         elif op == "shr":
             regs[d] = val(a) >> val(b)
+        elif op == "shl":
+            regs[d] = (val(a) << val(b)) & np.uint64(0xFFFFFFFF)
         elif op == "prmt":      # byte i of d: byte (c's nibble i & 7) of {b:a}; bit 3 unused here
             src = (val(b) << np.uint64(32)) | val(a)
             sel = val(c)
@@ -363,9 +365,9 @@ def test_cuda_lowering_flash_shapes():
     for dq, st, ov, kr in (("e4m3", 2, False, False), ("fp8mma", 2, False, False),
                            ("e4m3", 4, True, False), ("e4m3", 2, False, True),
                            ("lut", 2, False, True), ("lutbf", 2, False, True)):
-        for barriers, defer in (("auto", False), ("manual", False), ("manual", True)):
+        for barriers in ("auto", "manual"):
             f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr,
-                                  barriers=barriers, defer=defer)
+                                  barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
     # the fp8 and nvfp4 key formats share this kernel
@@ -388,9 +390,8 @@ def test_cuda_lowering_every_chunks_per_cta():
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
     for cpc in range(1, 9):
-        for barriers, defer in (("auto", False), ("manual", False), ("manual", True)):
-            f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers,
-                                  defer=defer)
+        for barriers in ("auto", "manual"):
+            f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
 
@@ -438,17 +439,13 @@ def test_gpu_pipeline_variants(fmt, dequant, stages, overlap, kreg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,dequant,stages,barriers,defer",
-                         [("fp4", "lutbf", 2, "manual", False), ("fp4", "lutbf", 3, "manual", False),
-                          ("nvfp4", "lutbf", 2, "manual", False), ("fp8", "bits", 3, "manual", False),
-                          ("fp4", "lutbf", 2, "manual", True), ("fp4", "lutbf", 3, "auto", True),
-                          ("nvfp4", "lutbf", 2, "manual", True), ("fp8", "bits", 2, "manual", True)])
-def test_gpu_manual_barriers_match_auto(fmt, dequant, stages, barriers, defer):
+@pytest.mark.parametrize("fmt,dequant,stages", [("fp4", "lutbf", 2), ("fp4", "lutbf", 3),
+                                                ("nvfp4", "lutbf", 2), ("fp8", "bits", 3)])
+def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
     """barriers="manual" (one warpgroup barrier a chunk, block-table loads an iteration
-    ahead) and defer (two accumulators, chunks in pairs, an odd count padded): the same
-    scores, bit for bit, as Pallas' automatic barriers without defer, and the reference's.
-    5 chunks per CTA (ring slots reused; the block-table prefetch runs past the CTA's last
-    chunk and past the table; defer pads 5 to 6), a request with unused blocks, a partial
+    ahead): the same scores, bit for bit, as Pallas' automatic barriers, and the
+    reference's. 5 chunks per CTA (ring slots reused; the block-table prefetch runs past
+    the CTA's last chunk and past the table), a request with unused blocks, a partial
     last chunk; then the default split."""
     rng = np.random.default_rng()
     q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=63)
@@ -457,12 +454,12 @@ def test_gpu_manual_barriers_match_auto(fmt, dequant, stages, barriers, defer):
     t = jnp.asarray([4 * 32 * 63 - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
     ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt))
     for cpc in (5, None):
-        run = lambda barriers, defer: np.asarray(jax.jit(functools.partial(
+        run = lambda barriers: np.asarray(jax.jit(functools.partial(
             K.score_keys, fmt=fmt, dequant=dequant, stages=stages, chunks_per_cta=cpc,
-            barriers=barriers, defer=defer))(q, w, keys, bt, t))
-        out = run(barriers, defer)
+            barriers=barriers))(q, w, keys, bt, t))
+        out = run("manual")
         check_scores(out, ref)
-        assert np.array_equal(out, run("auto", False))
+        assert np.array_equal(out, run("auto"))
 
 
 @pytest.mark.gpu

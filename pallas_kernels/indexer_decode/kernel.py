@@ -83,11 +83,10 @@ KREG = True
 # "manual": Pallas' automatic warpgroup barriers (one before every TMA issue and two around
 # every SMEM store: six a chunk) off, one barrier a chunk in their place, and the block-table
 # entries for the next issue loaded an iteration ahead (register keys only; see
-# _indexer_call_blocks). "auto": Pallas' barriers, block-table loads at the issue.
-BARRIERS = "auto"
-# Deferred scores: chunk j's wgmma runs while chunk j+1 is unpacked and dequantised and
-# chunk j-1's scores are summed (two accumulators; register keys only).
-DEFER = False
+# _indexer_call_blocks). "auto": Pallas' barriers, block-table loads at the issue. Manual
+# measured 118.9 vs 121.9 us (fp4, B = 64, 128K), 20.1 vs 20.9 (B = 8), 107.3 vs 109.2
+# (fp8), bit-identical scores (H200, 2026-11-26, gpu_session22.sh PART=2).
+BARRIERS = "manual"
 # The fp4 keys' dequant when a call names none: "lutbf" measured 119.8 us against "lut"
 # 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where
 # it applies); nvfp4 keys: "lutbf" 152.3 against "lut" 164.7 (H200, 2026-11-26).
@@ -95,12 +94,11 @@ DEQUANT = "lutbf"
 NVFP4_DEQUANT = "lutbf"
 
 
-def _pipeline(stages, overlap, kreg=None, barriers=None, defer=None):
+def _pipeline(stages, overlap, kreg=None, barriers=None):
     return dict(stages=STAGES if stages is None else stages,
                 overlap=OVERLAP if overlap is None else overlap,
                 kreg=KREG if kreg is None else kreg,
-                barriers=BARRIERS if barriers is None else barriers,
-                defer=DEFER if defer is None else defer)
+                barriers=BARRIERS if barriers is None else barriers)
 
 
 def _grid(B, block_table, t_B, chunks_per_cta):
@@ -120,7 +118,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                       overlap=None, kreg=None, barriers=None, defer=None):
+                       overlap=None, kreg=None, barriers=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
@@ -134,7 +132,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap, kreg, barriers, defer))
+                               **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
@@ -162,11 +160,17 @@ def _lut_program(to):
                 "prmt.b32 $0, r, 0, 0x5520;",
                 "prmt.b32 $1, r, 0, 0x5531;"]
     elif to == "bf16":   # low bytes and signed high bytes of the four values, by half
+        # No negative table: byte k of sgn gets nibble k's sign bit at bit 7 (nibble 0's
+        # bit 3 via b0 << 4, nibble 1's bit 7 from b0, and so on), or-ed into the high
+        # bytes. Two table words (registers in the SASS) a register instead of three.
         t = _E2M1_BF16
+        prep = ["and.b32 idx, $2, 0x7777;",
+                "shl.b32 sgn, $2, 4;",
+                "prmt.b32 sgn, sgn, $2, 0x5140;",
+                "and.b32 sgn, sgn, 0x80808080;"]
         body = [f"prmt.b32 lb, {t[0]}, {t[1]}, idx;",
                 f"prmt.b32 pos, {t[2]}, {t[3]}, idx;",
-                f"prmt.b32 neg, {t[4]}, {t[5]}, idx;",
-                "prmt.b32 r, pos, neg, sgn;",
+                "or.b32 r, pos, sgn;",
                 "prmt.b32 $0, lb, r, 0x6240;",
                 "prmt.b32 $1, lb, r, 0x7351;"]
     else:
@@ -229,7 +233,7 @@ def _e4m3_bits_to_f32(x_u32):
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                         overlap=None, kreg=None, dequant=None, barriers=None, defer=None):
+                         overlap=None, kreg=None, dequant=None, barriers=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -251,7 +255,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant, **_pipeline(stages, overlap, kreg, barriers, defer))
+                               dequant=dequant, **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
@@ -293,7 +297,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **k
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant=None,
-                   stages=None, overlap=None, kreg=None, barriers=None, defer=None):
+                   stages=None, overlap=None, kreg=None, barriers=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -329,13 +333,13 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
-                               **_pipeline(stages, overlap, kreg, barriers, defer))
+                               **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
-                         barriers="auto", defer=False):
+                         barriers="auto"):
     """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
     64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
     entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
@@ -356,12 +360,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     is kept by one barrier at the top of each iteration (every warp is done reading the ring
     slot the next issue overwrites, read an iteration ago), one after -inf fills o_s and one
     before o_s is stored. The issuing lane's block-table loads are made an iteration ahead
-    (a loop carry), so no warp waits on them.
-    defer (kreg only; otherwise off): two accumulators; chunk j's two wgmma stay in flight
-    while chunk j+1 is waited for and dequantised, and chunk j-1's scores (the other
-    accumulator, once at most two wgmma groups are pending) are summed and stored. The loop
-    runs an even number of chunks: an odd count gets one more, read from the block the
-    table's padding points at and masked to -inf like any chunk past the eligible entries."""
+    (a loop carry), so no warp waits on them."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -377,15 +376,13 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
     if barriers not in ("auto", "manual"):
         raise ValueError(f"barriers must be 'auto' or 'manual', got {barriers!r}")
     manual = barriers == "manual" and kreg   # SMEM keys need the store barriers
-    defer = defer and kreg
     B = qh.shape[0]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     n_sc = len(scales)
     span = cpc * CHUNK
-    # The -inf fill's layout takes 256-float multiples; defer may run one chunk past span.
-    span_s = -(-(span + (CHUNK if defer else 0)) // 256) * 256
+    span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
 
     def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None):
         if mma8:
@@ -397,8 +394,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         ne = ne_g[b]
         first = cta * cpc
         n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
-        if defer:   # chunks in pairs
-            n_load = lax.div(n_load + 1, 2) * 2
 
         def blocks(j):
             """The pool blocks of this CTA's chunk j (clamped: j may run one past the end)."""
@@ -597,40 +592,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
             epilogue(j, s)
             return carry
 
-        def mma_issue(acc_ref, keys):
-            acc_ref[...] = plgpu.layout_cast(jnp.zeros((CHUNK, N_HEADS), jnp.float32), WG)
-            plgpu.wgmma(acc_ref, keys(0), q_s.at[0].T)
-            plgpu.wgmma(acc_ref, keys(1), q_s.at[1].T)
-
-        def finish(j, acc_ref, sc, wait_n):
-            """Chunk j's scores from acc_ref once at most wait_n wgmma groups are pending."""
-            s = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)      # [64 e, 64 h]
-            if fmt == "fp8":
-                s = s * lax.broadcast_in_dim(sc, s.shape, [0])
-            epilogue(j, s)
-
-        def pairs(acc0, acc1):
-            # Two chunks an iteration, nothing in flight across the loop's back edge (ptxas
-            # serialises every wgmma when an accumulator is read in a loop while its wgmma
-            # may still be pending from the previous iteration).
-            def pair(i, blks):
-                slot, blks = top(2 * i, blks)
-                keys, sc0 = unpack(slot)
-                mma_issue(acc0, keys)                   # chunk 2i: in flight from here
-                slot, blks = top(2 * i + 1, blks)
-                keys, sc1 = unpack(slot)
-                mma_issue(acc1, keys)
-                finish(2 * i, acc0, sc0, 2)             # chunk 2i+1's two groups pending
-                finish(2 * i + 1, acc1, sc1, 0)
-                return blks
-
-            lax.fori_loop(0, lax.div(n_load, 2), pair, blocks(stages - 1) if manual else 0)
-
-        if defer:
-            pl.run_scoped(pairs, plgpu.ACC((CHUNK, N_HEADS), jnp.float32),
-                          plgpu.ACC((CHUNK, N_HEADS), jnp.float32))
-        else:
-            lax.fori_loop(0, n_load, body, blocks(stages - 1) if manual else 0)
+        lax.fori_loop(0, n_load, body, blocks(stages - 1) if manual else 0)
         if manual:
             _wg_barrier()   # every thread's scores are in o_s
         plgpu.commit_smem()
@@ -697,7 +659,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
               interpret=None, select="xla", dequant=None, stages=None, overlap=None,
-              kreg=None, barriers=None, defer=None):
+              kreg=None, barriers=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -707,8 +669,7 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
-                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers,
-                   defer=defer)
+                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
