@@ -132,6 +132,29 @@ def test_kernel_multi_chunk_cta_and_unused_blocks():
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
 
 
+def test_kernel_raw_table_and_positions():
+    """The kernel reads the block table and positions as the cache holds them (no XLA
+    prep): a table with more rows than requests (the extra row is garbage, never read),
+    -1 blocks inside the eligible range's chunk, t = -1 (nothing eligible) and t past
+    the table (all eligible), 3 chunks per CTA over an odd MAXB (the last CTA's columns
+    past the table clamp to its last one)."""
+    B, NB, MAXB = 4, 32, 7
+    q, w, keys, bt, _ = make_inputs(int(np.random.default_rng().integers(1 << 20)), B=B,
+                                    NB=NB, MAXB=MAXB)
+    bt = bt.at[1, 4:].set(-1)
+    bt = jnp.concatenate([bt, jnp.full((1, MAXB), 10 ** 6, jnp.int32)])   # row B: garbage
+    t = jnp.asarray([4 * 32 * MAXB + 999, 4 * 32 * 4 - 1, -1, 4 * 32 * 2 + 3], jnp.int32)
+    out = run_kernel(q, w, keys, bt, t, chunks_per_cta=3)
+    ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt[:B], t))
+    check_scores(out, ref)
+    assert np.isfinite(out[0]).all() and not np.isfinite(out[2]).any()
+    # untrimmed (as topk_select reads it): nothing past the table is eligible, even for a
+    # t past it (the last CTA runs past the table's end)
+    full = run_kernel(q, w, keys, bt, t, chunks_per_cta=3, trim=False)
+    assert full.shape[1] > MAXB * 32 and (full[:, MAXB * 32:] == -np.inf).all()
+    np.testing.assert_array_equal(full[:, :MAXB * 32], out)
+
+
 def test_kernel_fp8_format_matches_reference():
     q, w, _, bt, t = make_inputs(8, t=[70, 511])
     keys = kvformat.quantize_index_key(jax.random.normal(jax.random.key(9), (10, 32, 128)), "fp8")

@@ -102,18 +102,17 @@ def _pipeline(stages, overlap, kreg=None, barriers=None):
 
 
 def _grid(B, block_table, t_B, chunks_per_cta):
-    """Padded block table, eligible counts and the CTA split (chunks of 64 entries)."""
-    bt = block_table[:B].astype(jnp.int32)
+    """The block table and positions as the kernel reads them, and the CTA split (chunks
+    of 64 entries). No XLA work: the kernel clamps columns past the table to its last
+    one, redirects -1 (unused) blocks to block 0 (their entries are masked) and finds
+    each request's eligible count from t itself."""
+    bt = block_table.astype(jnp.int32)         # rows >= B are never read
     MAXB = bt.shape[1]
     n_max = MAXB * EPB
     n_chunks = -(-n_max // CHUNK)
     cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
     n_ctas = -(-n_chunks // cpc)
-    # Pad the table to whole CTAs; -1 (unused) blocks are redirected to block 0 and masked.
-    bt = jnp.pad(bt, ((0, 0), (0, n_ctas * cpc * 2 - MAXB)), constant_values=-1)
-    bt = jnp.where(bt < 0, 0, bt)
-    n_elig = jnp.minimum((t_B.astype(jnp.int32) + 1) // RATIO, n_max)
-    return bt, n_elig, n_max, cpc, n_ctas
+    return bt, t_B.astype(jnp.int32), n_max, cpc, n_ctas
 
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
@@ -127,10 +126,9 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
         raise ValueError(f"fp8 idx_keys must be float8_e4m3fn [NB, 32, 128], got {idx_keys.dtype} {idx_keys.shape}")
     if idx_scale.shape != idx_keys.shape[:2] + (1,):
         raise ValueError(f"fp8 idx_scale must be [NB, 32, 1], got {idx_scale.shape}")
-    bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
-    qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
-    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_keys,
-                               (idx_scale[..., 0].astype(jnp.float32),), bt, n_elig, fmt="fp8",
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32), idx_keys,
+                               (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
@@ -249,11 +247,11 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     for nm, a in (("idx_scale_lo", idx_scale_lo), ("idx_scale_hi", idx_scale_hi)):
         if a.dtype != jnp.float8_e4m3fn or a.shape != idx_codes.shape[:2] + (4,):
             raise ValueError(f"nvfp4 {nm} must be float8_e4m3fn [NB, {EPB}, 4], got {a.dtype} {a.shape}")
-    bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     words = tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8), jnp.uint32)
                   for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
-    qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
-    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, words, bt, n_elig,
+    out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32),
+                               idx_codes, words, bt, t,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
@@ -323,26 +321,27 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     B = q_BHD.shape[0]
-    bt, n_elig, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     q_scale = None
     if dequant == "fp8mma":
         qh, q_scale = q_fp8_groups(q_BHD)
-    else:   # split-half packing: byte j holds dims j (low nibble) and j + 64 (high nibble)
-        qh = q_BHD.astype(jnp.bfloat16).reshape(B, N_HEADS, 2, 64).transpose(0, 2, 1, 3)
+    else:   # the kernel loads dims 0..63 and 64..127 (split-half packing) as two tiles
+        qh = q_BHD.astype(jnp.bfloat16)
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
-                               n_elig, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
+                               t, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
                                **_pipeline(stages, overlap, kreg, barriers))
     return out[:, :n_max] if trim else out
 
 
-def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, interpret,
+def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
                          barriers="auto"):
-    """The scoring kernel, reading the stored key blocks: qh [B, 2, 64 h, 64] (dims 0..63,
-    64..127). fmt "fp4": codes uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per
-    entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
+    """The scoring kernel, reading the stored key blocks: qh bf16 [B, 64 h, 128] (loaded as
+    the two tiles of dims 0..63 and 64..127; "fp8mma": q_fp8_groups' [B, 4, 64 h, 32]),
+    bt int32 [R >= B, MAXB] (the raw block table, -1 unused), t int32 [B]. fmt "fp4": codes
+    uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
     and half, dims 16q.. of the half in byte q). fmt "fp8": codes e4m3 [NB, 32, 128], scales
     (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
     dequant (fp4 / nvfp4): "bits" builds each value's f32 bits with integer ops; "e4m3"
@@ -377,6 +376,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         raise ValueError(f"barriers must be 'auto' or 'manual', got {barriers!r}")
     manual = barriers == "manual" and kreg   # SMEM keys need the store barriers
     B = qh.shape[0]
+    MAXB = bt.shape[1]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -386,19 +386,22 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
 
     def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None):
         if mma8:
-            q_g, qs_g, w_g, codes_g, *scale_gs, bt_g, ne_g, o_g = refs
+            q_g, qs_g, w_g, codes_g, *scale_gs, bt_g, t_g, o_g = refs
         else:
-            q_g, w_g, codes_g, *scale_gs, bt_g, ne_g, o_g = refs
+            q_g, w_g, codes_g, *scale_gs, bt_g, t_g, o_g = refs
         b = lax.axis_index("b")
         cta = lax.axis_index("c")
-        ne = ne_g[b]
+        ne = jnp.minimum(lax.div(jnp.maximum(t_g[b] + 1, 0), RATIO), MAXB * EPB)  # eligible
         first = cta * cpc
         n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
 
         def blocks(j):
-            """The pool blocks of this CTA's chunk j (clamped: j may run one past the end)."""
-            chunk = jnp.minimum(first + j, n_ctas * cpc - 1)
-            return bt_g[b, 2 * chunk], bt_g[b, 2 * chunk + 1]
+            """The pool blocks of this CTA's chunk j. Columns past the table (the last CTA's
+            padding; j one past the CTA's end) read its last column; -1 reads block 0.
+            Either way the entries are past ne and masked."""
+            col = 2 * (first + j)
+            ids = (bt_g[b, jnp.minimum(col, MAXB - 1)], bt_g[b, jnp.minimum(col + 1, MAXB - 1)])
+            return tuple(jnp.maximum(i, 0) for i in ids)
 
         def issue(j, slot, blks=None):
             blks = blocks(j) if blks is None else blks
@@ -416,7 +419,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
                 issue(j0, j0)
         @pl.when(n_load > 0)
         def _():
-            plgpu.copy_gmem_to_smem(q_g.at[b], q_s, qbar)
+            if mma8:
+                plgpu.copy_gmem_to_smem(q_g.at[b], q_s, qbar)
+            else:   # q_s[half] = q[b, :, half * 64 : half * 64 + 64]
+                for half in range(2):
+                    plgpu.copy_gmem_to_smem(q_g.at[b, :, pl.ds(half * 64, 64)], q_s.at[half],
+                                            qbar)
             plgpu.copy_gmem_to_smem(w_g.at[b], w_s, qbar)
             if mma8:
                 plgpu.copy_gmem_to_smem(qs_g.at[b], qs_s, qbar)
@@ -614,7 +622,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         c_s=plgpu.SMEM((stages, CHUNK) + codes.shape[2:], codes.dtype),
         sc_s=plgpu.SMEM((stages, n_sc, CHUNK), scales[0].dtype),
         o_s=plgpu.SMEM((span_s,), jnp.float32),
-        qbar=plgpu.Barrier(num_arrivals=3 if mma8 else 2),
+        qbar=plgpu.Barrier(num_arrivals=3),   # q (2 tiles, or q8 + its scales) and w
         bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=stages),
     )
     if not kreg:
@@ -627,7 +635,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, n_elig, *, fmt, cpc, n_ctas, 
         scratch_types=scratch,
         compiler_params=params,
         interpret=interpret,
-    )(*ins, codes, *scales, bt, n_elig)
+    )(*ins, codes, *scales, bt, t)
 
 
 def _wg_barrier():
