@@ -436,9 +436,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         @pl.when(n_load > 0)
         def _():
             plgpu.barrier_wait(qbar)
+        # the head weights, loaded once (garbage if n_load == 0: then no chunk runs)
+        wv = plgpu.load(w_s, layout=COL)
 
         def epilogue(j, s):
-            wv = plgpu.load(w_s, layout=COL)
             score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
             ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
             o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
