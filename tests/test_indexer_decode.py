@@ -209,11 +209,13 @@ def test_kernel_pipeline_variants(fmt, dequant, stages, overlap, kreg):
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
 
 
-def _run_ptx(program, x):
+def _run_ptx(program, x, tables=()):
     """Run _lut_program's PTX (and / shr / shl / or / prmt in prmt's default mode) on an
-    independent emulator, for every u32 input in the uint32 array x -> ($0, $1)."""
+    independent emulator, for every u32 input in the uint32 array x ($3, $4...: the table
+    words given as registers) -> ($0, $1)."""
     import re
     regs = {"$2": x.astype(np.uint64)}
+    regs.update({f"${3 + k}": np.uint64(v) for k, v in enumerate(tables)})
     val = lambda o: regs[o] if o in regs else np.uint64(int(o, 0))
     for line in program.splitlines():
         m = re.match(r"(\w+)\.\w+ (\S+), (\S+), (\S+)(?:, (\S+))?;", line.strip())
@@ -250,7 +252,8 @@ def test_lut_program_every_code_pair(to):
     values, as e4m3 or bf16 bit patterns, against ml_dtypes (signs, zeros included)."""
     import ml_dtypes
     x = np.arange(1 << 16, dtype=np.uint32)
-    lo, hi = _run_ptx(K._lut_program(to), x)
+    tables = K._BF16_TABLE_REGS if to == "bf16" else ()   # the register-operand words
+    lo, hi = _run_ptx(K._lut_program(to), x, tables)
     e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     for out, shift in ((lo, 0), (hi, 4)):
         want = [e2m1[(x >> (shift + 8 * k)) & 15] for k in range(2)]   # bytes b0, b1

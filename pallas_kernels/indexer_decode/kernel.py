@@ -140,6 +140,10 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
 # bytes of each value's bf16, the high bytes, then the high bytes with the sign bit.
 _E2M1_E4M3 = (0x3C383000, 0x4C484440, 0xBCB8B080, 0xCCC8C4C0)
 _E2M1_BF16 = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0xBFBFBF80, 0xC0C0C0C0)
+# The bf16 program's table words that prmt needs in registers ($3, $4). The kernel reads
+# them from SMEM once a chunk: given as immediates, ptxas re-made each one before every
+# use (an IMAD from a uniform register: 34 a chunk).
+_BF16_TABLE_REGS = (_E2M1_BF16[0], _E2M1_BF16[2])
 
 
 def _lut_program(to):
@@ -166,8 +170,8 @@ def _lut_program(to):
                 "shl.b32 sgn, $2, 4;",
                 "prmt.b32 sgn, sgn, $2, 0x5140;",
                 "and.b32 sgn, sgn, 0x80808080;"]
-        body = [f"prmt.b32 lb, {t[0]}, {t[1]}, idx;",
-                f"prmt.b32 pos, {t[2]}, {t[3]}, idx;",
+        body = [f"prmt.b32 lb, $3, {t[1]}, idx;",       # $3, $4: t[0], t[2] as registers
+                f"prmt.b32 pos, $4, {t[3]}, idx;",       # (_BF16_TABLE_REGS)
                 "or.b32 r, pos, sgn;",
                 "prmt.b32 $0, lb, r, 0x6240;",
                 "prmt.b32 $1, lb, r, 0x7351;"]
@@ -176,15 +180,16 @@ def _lut_program(to):
     return "{\n.reg .b32 idx, sgn, pos, neg, r, lb;\n" + "\n".join(prep + body) + "\n}"
 
 
-def _e2m1_lut(byte_WG, to="e4m3"):
+def _e2m1_lut(byte_WG, to="e4m3", tables=None):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
     on the registers (Mosaic's int4 -> e4m3 conversion, with e2m1 tables): per register of
     two code bytes (four nibbles), two masks, a shift and an or build the table index and
     the sign select; five prmt (e4m3) or six (bf16) give both halves' pairs. Mosaic GPU
-    only (no interpreter)."""
+    only (no interpreter). to="bf16" needs tables: a u32 [2] SMEM ref holding
+    _BF16_TABLE_REGS."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mu
 
@@ -192,17 +197,23 @@ def _e2m1_lut(byte_WG, to="e4m3"):
     out = plgpu.ShapeDtypeStruct(byte_WG.shape, dtype, layout=plgpu.Layout.WGMMA)
     program = _lut_program(to)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
-    def convert(ctx, x):
+    if (to == "bf16") != (tables is not None):
+        raise ValueError("the bf16 tables come from SMEM (tables=), the e4m3 ones need none")
+    arg_types = (plgpu.Layout.WGMMA,) + ((plgpu.RefType(),) if tables is not None else ())
+
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out))
+    def convert(ctx, x, *tbl_ref):
         del ctx
         i8, i16, i32 = (ir.IntegerType.get_signless(n) for n in (8, 16, 32))
         lo_regs, hi_regs = np.empty_like(x.registers), np.empty_like(x.registers)
+        tbl = [memref.load(tbl_ref[0], [mu.c(k, ir.IndexType.get())])
+               for k in range(len(tbl_ref) * 2)]
         for idx, reg in np.ndenumerate(x.registers):
             w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
             res = llvm.inline_asm(
-                llvm.StructType.get_literal([i32, i32]), [w],
+                llvm.StructType.get_literal([i32, i32]), [w] + tbl,
                 program,
-                "=r,=r,r")
+                "=r,=r,r" + ",r" * len(tbl))
             for k, regs in enumerate((lo_regs, hi_regs)):
                 v = llvm.extractvalue(i32, res, [k])
                 if to == "e4m3":
@@ -213,7 +224,7 @@ def _e2m1_lut(byte_WG, to="e4m3"):
         return tuple(mgpu.FragmentedArray(_registers=r, _layout=x.layout, _is_signed=None)
                      for r in (lo_regs, hi_regs))
 
-    return convert(byte_WG)
+    return convert(byte_WG, *(() if tables is None else (tables,)))
 
 
 def _e4m3_bits_to_f32(x_u32):
@@ -384,7 +395,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     span = cpc * CHUNK
     span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
 
-    def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None):
+    def kernel(*refs, q_s, w_s, c_s, sc_s, o_s, qbar, bar, k_s=None, qs_s=None, tb_s=None):
         if mma8:
             q_g, qs_g, w_g, codes_g, *scale_gs, bt_g, t_g, o_g = refs
         else:
@@ -430,6 +441,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 plgpu.copy_gmem_to_smem(qs_g.at[b], qs_s, qbar)
 
         o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
+        if tb_s is not None:   # (the barrier after the fill covers these stores too)
+            for k, word in enumerate(_BF16_TABLE_REGS):
+                tb_s[k] = jnp.uint32(word)
         if manual:
             _wg_barrier()   # the fill lands before any thread's scores
 
@@ -471,7 +485,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 byte = byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
                 if dequant in ("lut", "lutbf"):   # both halves' e2m1 values, from the tables
-                    e8_halves = _e2m1_lut(byte8, "e4m3" if dequant == "lut" else "bf16")
+                    e8_halves = (_e2m1_lut(byte8, "e4m3") if dequant == "lut" else
+                                 _e2m1_lut(byte8, "bf16", tables=tb_s))
 
             def keys(half):
                 """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
@@ -628,6 +643,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     )
     if not kreg:
         scratch["k_s"] = k_type
+    if dequant == "lutbf":
+        scratch["tb_s"] = plgpu.SMEM((2,), jnp.uint32)
     params = plgpu.CompilerParams(unsafe_no_auto_barriers=True) if manual else None
     return plgpu.kernel(
         kernel,
