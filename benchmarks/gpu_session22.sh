@@ -89,5 +89,16 @@ for k,x in zip(h,v):
     --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
   T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
     | grep -E "stream step" | head -1 ;;
+5)  # on an H100: the indexer after run4 (kernel reads the raw block table and t, q halves
+    # by TMA: no XLA prep; w loaded once a CTA; lutbf's register table words from SMEM:
+    # loop 435 -> 412 SASS instructions). GPU tests, the sweep at B = 64 / 8 / 1 (manual
+    # vs auto), the decode check (kernels vs pure JAX) at B = 1 and 8.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:lutbf:0:2:0:1:m,fp4:lutbf:0:2:0:1:a,nvfp4:lutbf:0:2:0:1:m,fp8:bits:0:2:0:1:m
+  T 150 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 --variants $V \
+    --out $OUT | tee $OUT/idx_h100.log | grep -v "^{"
+  T 220 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
 esac
 true
