@@ -100,5 +100,13 @@ for k,x in zip(h,v):
     --out $OUT | tee $OUT/idx_h100.log | grep -v "^{"
   T 220 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
+6)  # on an H100: the kernels against the XLA paths they replace, in the same run (the
+    # issue's benchmark scripts): attention (ws-cpasync, Triton, XLA) at the five cases,
+    # the indexer scoring + top-k (fp4 / nvfp4 / fp8 keys) at B = 64 / 8, 128K and B = 1, 4K.
+  T 330 python3 benchmarks/attention_decode.py --variants ws-cpasync,triton64 --trusted triton64 \
+    --all-variants --only $ATT --budget 270 --out $OUT/attn | grep -E "^\| (flash|pro)|ceiling"
+  T 240 python3 benchmarks/indexer_attention.py --out $OUT --only indexer --dequant lutbf \
+    --formats nvfp4,fp8 --cases idx:64:131072:512,idx:8:131072:512,idx:1:4096:512 \
+    | tee $OUT/indexer.log | grep -E "^\| indexer|ceiling" ;;
 esac
 true
