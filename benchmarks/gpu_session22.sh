@@ -108,5 +108,13 @@ for k,x in zip(h,v):
   T 240 python3 benchmarks/indexer_attention.py --out $OUT --only indexer --dequant lutbf \
     --formats nvfp4,fp8 --cases idx:64:131072:512,idx:8:131072:512,idx:1:4096:512 \
     | tee $OUT/indexer.log | grep -E "^\| indexer|ceiling" ;;
+7)  # on an H100: nvfp4 scales converted by the hardware (e4m3 -> f16) instead of ~12
+    # integer ops each (chunk loop 602 -> 486 SASS instructions). Indexer GPU tests incl. a
+    # new every-code-and-scale nvfp4 test, the nvfp4 / fp4 sweep.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 120 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 \
+    --variants nvfp4:lutbf:0:2:0:1:m,fp4:lutbf:0:2:0:1:m --out $OUT | tee $OUT/idx_h100.log \
+    | grep -v "^{" ;;
 esac
 true

@@ -271,8 +271,8 @@ def test_lut_program_every_code_pair(to):
 
 
 def test_e4m3_bits_decode_every_byte():
-    """The nvfp4 path's scale decode (integer ops on the stored bytes) on all 254 non-NaN
-    e4m3 bytes, against ml_dtypes."""
+    """The nvfp4 path's scale decode (the stored byte as e4m3, converted) on all 254
+    non-NaN e4m3 bytes with other bits set above the byte, against ml_dtypes."""
     import ml_dtypes
     b = np.array([v for v in range(256) if v & 0x7F != 0x7F], np.uint8)
     want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -486,6 +486,26 @@ def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
         out = run("manual")
         check_scores(out, ref)
         assert np.array_equal(out, run("auto"))
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_every_code_and_scale():
+    """The default nvfp4 kernel (register keys, lutbf, the hardware's e4m3 scale
+    conversion) on raw random bytes: every e2m1 code pair, every non-NaN e4m3 scale
+    (subnormals, zero, 448, negative), against the reference."""
+    rng = np.random.default_rng()
+    NB = 64
+    q, w, _, bt, t = make_inputs(int(rng.integers(1 << 20)), B=4, NB=NB, MAXB=16)
+    sc = rng.integers(0, 256, (2, NB, 32, 4)).astype(np.uint8)
+    sc[(sc & 0x7F) == 0x7F] = 0x38
+    sc[:, :2] = np.arange(256, dtype=np.uint8).reshape(2, 1, 32, 4)   # every byte once
+    sc[(sc & 0x7F) == 0x7F] = 0x01
+    sc = jax.lax.bitcast_convert_type(jnp.asarray(sc), jnp.float8_e4m3fn)
+    keys = {"idx_codes": jnp.asarray(rng.integers(0, 256, (NB, 32, 64)), jnp.uint8),
+            "idx_scale_lo": sc[0], "idx_scale_hi": sc[1]}
+    t = jnp.asarray([4 * 32 * 16 - 1] * 4, jnp.int32)
+    out = np.asarray(jax.jit(functools.partial(K.score_keys, fmt="nvfp4"))(q, w, keys, bt, t))
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="nvfp4")))
 
 
 @pytest.mark.gpu
