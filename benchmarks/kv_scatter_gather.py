@@ -146,7 +146,8 @@ def pool_of(key, NB, EPB):
 
 def idx_pool_of(key, NB, EPB, fmt):
     out = {}
-    for k, (nm, (suf, dt)) in zip(jax.random.split(key, 2), kf.index_key_fields(fmt).items()):
+    fields = kf.index_key_fields(fmt)   # nvfp4 has three (codes, scales lo / hi)
+    for k, (nm, (suf, dt)) in zip(jax.random.split(key, len(fields)), fields.items()):
         if dt == jnp.float32:
             out[nm] = jax.random.uniform(k, (NB, EPB, *suf))
         else:
