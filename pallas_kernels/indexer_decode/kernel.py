@@ -137,9 +137,9 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
 # prmt lookup tables indexed by the e2m1 magnitude code 0..7 (values 0, .5, 1, 1.5, 2, 3,
 # 4, 6), eight bytes in two words (byte k of the first word = code k, of the second = code
 # k + 4). e4m3: the e4m3 byte of each value, then the same with the sign bit. bf16: the low
-# bytes of each value's bf16, the high bytes, then the high bytes with the sign bit.
+# bytes of each value's bf16, then the high bytes (the sign is or-ed in after).
 _E2M1_E4M3 = (0x3C383000, 0x4C484440, 0xBCB8B080, 0xCCC8C4C0)
-_E2M1_BF16 = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040, 0xBFBFBF80, 0xC0C0C0C0)
+_E2M1_BF16 = (0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040)
 # The bf16 program's table words that prmt needs in registers ($3, $4). The kernel reads
 # them from SMEM once a chunk: given as immediates, ptxas re-made each one before every
 # use (an IMAD from a uniform register: 34 a chunk).
@@ -184,9 +184,8 @@ def _e2m1_lut(byte_WG, to="e4m3", tables=None):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
     on the registers (Mosaic's int4 -> e4m3 conversion, with e2m1 tables): per register of
-    two code bytes (four nibbles), two masks, a shift and an or build the table index and
-    the sign select; five prmt (e4m3) or six (bf16) give both halves' pairs. Mosaic GPU
-    only (no interpreter). to="bf16" needs tables: a u32 [2] SMEM ref holding
+    two code bytes (four nibbles), five prmt and three or four integer ops give both
+    halves' pairs (_lut_program). Mosaic GPU only (no interpreter). to="bf16" needs tables: a u32 [2] SMEM ref holding
     _BF16_TABLE_REGS."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -349,8 +348,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     """The scoring kernel, reading the stored key blocks: qh bf16 [B, 64 h, 128] (loaded as
     the two tiles of dims 0..63 and 64..127; "fp8mma": q_fp8_groups' [B, 4, 64 h, 32]),
     bt int32 [R >= B, MAXB] (the raw block table, -1 unused), t int32 [B]. fmt "fp4": codes
-    uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per entry). fmt "nvfp4": codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry
-    and half, dims 16q.. of the half in byte q). fmt "fp8": codes e4m3 [NB, 32, 128], scales
+    uint8 [NB, 32, 64], scales (u32 [NB, 32],) (4 e8m0 bytes per entry). fmt "nvfp4":
+    codes as fp4, scales (lo, hi) u32 [NB, 32] (4 e4m3 bytes per entry and half, dims 16q..
+    of the half in byte q). fmt "fp8": codes e4m3 [NB, 32, 128], scales
     (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
     dequant (fp4 / nvfp4): "bits" builds each value's f32 bits with integer ops; "e4m3"
     re-packs the nibble as an e4m3 byte and lets the hardware convert it; "lut" looks the
