@@ -116,5 +116,14 @@ for k,x in zip(h,v):
   T 120 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 \
     --variants nvfp4:lutbf:0:2:0:1:m,fp4:lutbf:0:2:0:1:m --out $OUT | tee $OUT/idx_h100.log \
     | grep -v "^{" ;;
+8)  # on an H100: attention's ids_prefix (the decode step's default for compressed layers:
+    # the key-block bound from t in-kernel, no XLA reduce over the ids). GPU tests incl. the
+    # new bit-identity test, the op at the five cases with and without it, the decode check.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -rA -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 200 python3 benchmarks/attn_probe.py --cases $ATT --variants cpasync,cpasync+idp --events \
+    --rounds 2 | tee $OUT/probe.log | grep -E "^\||cpasync"
+  T 220 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
 esac
 true

@@ -205,16 +205,17 @@ ATTN_JOINED = os.environ.get("DSV4_ATTN_JOINED", "0") == "1"
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined", "gather",
-                                             "qk_split"))
+                                             "qk_split", "ids_prefix"))
 def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend,
-                          joined=False, gather="cpasync", qk_split=False):
+                          joined=False, gather="cpasync", qk_split=False, ids_prefix=False):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
     if backend == "triton":
         return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
                                        backend="triton", interpret=interpret is not None,
                                        joined=joined)
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, gather=gather,
-                                   qk_split=qk_split, interpret=interpret)
+                                   qk_split=qk_split, ids_prefix=ids_prefix,
+                                   interpret=interpret)
 
 
 # Experimental, off until a GPU run compares compile and step time: the in-place scatters
@@ -304,7 +305,9 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
                               interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED,
-                              gather=ATTN_GATHER, qk_split=ATTN_QK_SPLIT)
+                              gather=ATTN_GATHER, qk_split=ATTN_QK_SPLIT,
+                              # top-k output and hca_indices list their valid ids first
+                              ids_prefix=ratio > 0)
     return o[:, None].astype(F32)
 
 

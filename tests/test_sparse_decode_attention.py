@@ -142,6 +142,30 @@ def test_gpu_cpasync_ids_past_the_table_read_its_last_entry():
     np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.gpu
+def test_gpu_cpasync_ids_prefix_bounds_blocks_from_t():
+    """ids_prefix (the decode step's top-k / HCA lists): the kernel bounds its key blocks
+    by min(K, (t+1) // ratio) from t instead of XLA's search for the last valid id. With
+    the valid ids in that prefix the output is bit-identical to the search's, for a bound
+    below K (not a multiple of 64), one above K, HCA's one entry per block, and splits."""
+    cases = [make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(700, 4095),
+                         n_valid=(175, 512)),           # bounds 175 and 512 (CSA, ratio 4)
+             make_inputs(5, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(2999, 300),
+                         n_valid=(512, 40))]            # bounds 512 (750 capped at K) and
+    # 75 (past the 40 valid ids: one more block, all -1); then HCA, one entry a block
+    q, win, cmp, bt, _, t, sink = make_inputs(6, B=2, H=64, NB=80, EPB=1, MAXB=40, n_idx=40,
+                                              t=(1000, 5119), n_valid=(0, 0))
+    cases.append((q, win, cmp, bt, R.hca_indices(t, 40), t, sink))   # HCA: 7 and 40 entries
+    for args in cases:
+        for splits in (1, 2):
+            run = lambda prefix: np.asarray(jax.jit(functools.partial(
+                K.sparse_decode_attention, splits=splits, gather="cpasync",
+                ids_prefix=prefix))(*args)).astype(np.float32)
+            out = run(True)
+            assert np.isfinite(out).all()
+            np.testing.assert_array_equal(out, run(False))
+
+
 def test_kernel_hca_indices_and_empty_window_slots():
     # HCA-style: one entry per pool block, all visible entries listed; t = 20 leaves most
     # window slots empty (-1).
@@ -222,6 +246,11 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
                                     (3, "cpasync", True, True)):
         f = functools.partial(K.sparse_decode_attention, splits=splits, gather=gather,
                               warp_specialized=ws, qk_split=qks)
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+    for splits in (1, 3):   # the bound from t (ids_prefix): no reduce over the ids in XLA
+        f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
+                              ids_prefix=True)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 

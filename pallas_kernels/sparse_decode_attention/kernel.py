@@ -52,6 +52,7 @@ D = 512
 NOPE = 448
 ROPE = 64
 BLK = 64        # keys per step (the reference's online-softmax block)
+BLOCK_TOKENS = 128   # tokens a compressed pool block covers (EPB entries of 128 / EPB each)
 HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged", "cpasync")
@@ -135,7 +136,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
                             q_in_loop=False, col_split=1, joined=False, qk_split=False,
-                            interpret=None):
+                            ids_prefix=False, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -156,7 +157,12 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     program, num_warps, num_stages, q_in_loop (re-read q per key block instead of holding
     it), col_split (2: two programs per tile, one per output column half), joined (K and
     the output accumulator as whole [.., 512] tiles: 2 dots per key block instead of 16);
-    gather must be "direct"); interpret then only needs to be truthy."""
+    gather must be "direct"); interpret then only needs to be truthy.
+    ids_prefix: the caller promises that no valid id sits at a position >= min(K, (t+1) //
+    ratio) (ratio = BLOCK_TOKENS / EPB): true of both top-k paths' output (valid ids first,
+    as many as there are eligible entries) and of hca_indices. gather="cpasync" then bounds
+    its key blocks from t in-kernel instead of XLA searching for the last valid id (one
+    fusion fewer a call); the other gathers and backends ignore it."""
     H = q_BHD.shape[1]
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -180,13 +186,15 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
             gather = "direct"   # same values; the interpreter runs no inline PTX
         args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                                   splits=splits, gather=gather,
-                                  ctas_per_tile=1 if warp_specialized else 2)
+                                  ctas_per_tile=1 if warp_specialized else 2,
+                                  ids_prefix=ids_prefix)
         if qk_split and not warp_specialized:
             raise ValueError("qk_split needs warp_specialized=True (its two consumers split "
                              "the keys)")
         if warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
-                                   qk_split=qk_split, epb=cmp[0].shape[1])
+                                   qk_split=qk_split, epb=cmp[0].shape[1],
+                                   used_from_t=ids_prefix and gather == "cpasync")
         else:
             o, lse = _attn_call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
@@ -211,9 +219,10 @@ def merge_splits(o, lse, sink):
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
-                   gather="direct", ctas_per_tile=2, ctas_per_sm=1):
+                   gather="direct", ctas_per_tile=2, ctas_per_sm=1, ids_prefix=False):
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
-    gather) -> (kernel args, NS)."""
+    gather) -> (kernel args, NS). gather="cpasync" with ids_prefix: the `used` argument is
+    t itself (the kernel derives the bound; sparse_decode_attention)."""
     win_nope, win_scale, win_rope, win_pos = win
     cmp_nope, cmp_scale, cmp_rope = cmp
     B, H, Dq = q_BHD.shape
@@ -245,7 +254,13 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         # The producer derives each key's pool row, scale exponents and validity itself
         # (_cp_gather): XLA only finds the last valid id (one small fusion instead of three,
         # which took 6.4 us of GPU time at Flash B = 64: H200, 2026-11-26).
-        idx, used = _ids_used(idx_BK)
+        if ids_prefix:
+            K = idx_BK.shape[1]
+            idx = jnp.pad(idx_BK.astype(jnp.int32), ((0, 0), (0, -K % BLK)),
+                          constant_values=-1)
+            used = t_B.astype(jnp.int32)
+        else:
+            idx, used = _ids_used(idx_BK)
         n_blk = NW + idx.shape[1] // BLK
     else:
         crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
@@ -733,7 +748,8 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
-def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None):
+def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
+                  used_from_t=False):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
@@ -741,7 +757,8 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     full scores) and on `kfree` once both P V products have read the tile.
     args: crow, meta, n_blocks, sink (direct / staged: _prep's per-key metadata) or, for
     cpasync, idx, block_table, win_scale, cmp_scale, win_pos, t, used, sink (the producer
-    derives the metadata; epb = compressed entries per pool block; _ids_used)."""
+    derives the metadata; epb = compressed entries per pool block; _ids_used). used_from_t:
+    `used` holds t, and the bound is min(KP, (t + 1) * epb // BLOCK_TOKENS) (ids_prefix)."""
     B, HP, _ = q.shape
     keys = args[:-2]
     n_blk = NW + keys[0].shape[1] // BLK if gather == "cpasync" else keys[1].shape[1]
@@ -759,7 +776,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
         wg = lax.axis_index("wg")
         g0 = s_id * bps
-        nb = NW + (nb_g[b] + BLK - 1) // BLK if cpasync else nb_g[b]
+        used = nb_g[b]
+        if used_from_t:   # eligible compressed entries; the ids' valid prefix is no longer
+            used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS),
+                               keys[0].shape[1])
+        nb = NW + (used + BLK - 1) // BLK if cpasync else used
         n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
 
         def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree,
