@@ -151,17 +151,21 @@ def test_hc_interpret_matches_reference(M, D):
     kw = dict(eps=1e-6, rms_eps=1e-6, hc_eps=1e-6, rows=rows)
     y, yq = hc_norm_fp8(X, s, q, scale, base, w, N=4, interpret=True, **kw)
     ry, ryq = hc_norm_fp8_reference(X, s, q, scale, base, w, 4, **kw)
-    # Within 2 bf16 ulps (bit patterns; the values are finite). The kernel's collapse
-    # weights can differ from XLA's by an f32 ulp (sigmoid, fused multiply-adds); a collapsed
-    # value on a bf16 rounding boundary then rounds one ulp apart before the norm, whose own
-    # rounding can add one more. (rtol=2**-7 failed ~1 run in 5: 2 ulps at a binade's top.)
+    # Within 2 bf16 ulps (ordered bit distance), or f32 noise where the collapse cancels.
+    # The kernel's collapse weights can differ from XLA's by an f32 ulp (sigmoid, fused
+    # multiply-adds): a collapsed value on a bf16 rounding boundary then rounds one ulp apart
+    # before the norm, whose own rounding can add one more; a value that nearly cancels
+    # (|x| << its terms) keeps its terms' f32 rounding: many ulps, at ~1e-8 absolute in rows
+    # of RMS ~1 (a scan over 1080 random cases: 1005 identical, 66 at 1 ulp, 7 at 2, two at
+    # 18 / 34 ulps at |y| ~ 1e-8). rtol=2**-7 had failed ~1 run in 5.
     def order(a):   # bf16 bits -> integers in the values' order, ulp apart (+0 = -0)
         b = np.asarray(jax.lax.bitcast_convert_type(a, jnp.int16), np.int32)
         return np.where(b < 0, -(b & 0x7FFF), b)
     ulps = np.abs(order(y) - order(ry))
-    assert ulps.max() <= 2, ulps.max()
-    assert (ulps == 0).mean() > 0.9     # and mostly bit-identical
     y, yq, ry, ryq = (np.asarray(a, np.float32) for a in (y, yq, ry, ryq))
+    rms = np.sqrt((ry ** 2).mean(-1, keepdims=True))
+    assert ((ulps <= 2) | (np.abs(y - ry) <= 2.0 ** -20 * rms)).all(), ulps.max()
+    assert (ulps == 0).mean() > 0.9     # and mostly bit-identical
     own = np.asarray(fp8_block_sim(jnp.asarray(y, BF16), 128), np.float32)
     np.testing.assert_array_equal(yq[:M], own)
     assert (yq[M:] == 0).all()
