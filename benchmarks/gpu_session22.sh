@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Queued for the next session with device time (session 21 ended with ~210 s).
+# Session 22 (2026-11-26): the device calls as run, one PART each (PART=1-3 on an H200,
+# 4-8 on an H100, kind nvidia-h100-x1); output in benchmarks/results/session22_*/runN,
+# results in BENCHMARKS.md ("2026-11-26, session 22"). PART=3's defer variant was removed
+# after the run (no gain); its variants no longer parse.
 # PART=1: two changes made after session 21's last GPU run, compile-checked (no spills)
 #   and interpreter-tested only: the producer clamps the block-table column (one min.u32
 #   a key) and the epilogue multiplies by one reciprocal per row instead of dividing the
