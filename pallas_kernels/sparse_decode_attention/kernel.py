@@ -86,12 +86,17 @@ def _prep(win, cmp, block_table, idx_BK, t_B):
     return crow, meta, n_blocks.astype(jnp.int32)
 
 
+def _pad_ids(idx_BK):
+    """idx [B, K] -> int32 [B, KP], padded with -1 to whole key blocks."""
+    K = idx_BK.shape[1]
+    return jnp.pad(idx_BK.astype(jnp.int32), ((0, 0), (0, -K % BLK)), constant_values=-1)
+
+
 def _ids_used(idx_BK):
     """-> (idx [B, KP] i32 padded with -1 to whole key blocks, used [B] i32 = 1 + the
     position of the last valid id: the kernel runs NW + ceil(used / 64) key blocks)."""
-    B, K = idx_BK.shape
-    KP = -(-K // BLK) * BLK
-    idx = jnp.pad(idx_BK.astype(jnp.int32), ((0, 0), (0, KP - K)), constant_values=-1)
+    idx = _pad_ids(idx_BK)
+    KP = idx.shape[1]
     return idx, jnp.max(jnp.where(idx >= 0, jnp.arange(KP)[None, :] + 1, 0), axis=1)
 
 
@@ -255,10 +260,7 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         # (_cp_gather): XLA only finds the last valid id (one small fusion instead of three,
         # which took 6.4 us of GPU time at Flash B = 64: H200, 2026-11-26).
         if ids_prefix:
-            K = idx_BK.shape[1]
-            idx = jnp.pad(idx_BK.astype(jnp.int32), ((0, 0), (0, -K % BLK)),
-                          constant_values=-1)
-            used = t_B.astype(jnp.int32)
+            idx, used = _pad_ids(idx_BK), t_B.astype(jnp.int32)
         else:
             idx, used = _ids_used(idx_BK)
         n_blk = NW + idx.shape[1] // BLK
