@@ -7,7 +7,7 @@ plain run of one variant for Nsight Compute.
       python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants fp4:e4m3:8:2:0
 
 A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:barriers]] (chunks_per_cta 0:
-the default; barriers "a" auto / "m" manual, default the kernel's BARRIERS).
+the default; barriers "a" auto / "m" manual / "w" warp, default the kernel's BARRIERS).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
 .profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls
@@ -34,7 +34,7 @@ def parse_variant(v):
     if len(fields) not in (5, 6, 7):
         raise SystemExit(f"variant {v!r}: expected fmt:dequant:cpc:stages:overlap[:kreg[:barriers]]")
     fmt, dq, cpc, st, ov, *rest = fields
-    bar = {"a": "auto", "m": "manual"}[rest[1]] if len(rest) > 1 else None
+    bar = {"a": "auto", "m": "manual", "w": "warp"}[rest[1]] if len(rest) > 1 else None
     return dict(fmt=fmt, dequant=dq, chunks_per_cta=int(cpc) or None, stages=int(st),
                 overlap=ov == "1", kreg=rest[:1] == ["1"], barriers=bar)
 

@@ -391,7 +391,7 @@ def test_cuda_lowering_flash_shapes():
     for dq, st, ov, kr in (("e4m3", 2, False, False), ("fp8mma", 2, False, False),
                            ("e4m3", 4, True, False), ("e4m3", 2, False, True),
                            ("lut", 2, False, True), ("lutbf", 2, False, True)):
-        for barriers in ("auto", "manual"):
+        for barriers in ("auto", "manual", "warp"):
             f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr,
                                   barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -416,7 +416,7 @@ def test_cuda_lowering_every_chunks_per_cta():
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
     for cpc in range(1, 9):
-        for barriers in ("auto", "manual"):
+        for barriers in ("auto", "manual", "warp"):
             f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
@@ -469,8 +469,8 @@ def test_gpu_pipeline_variants(fmt, dequant, stages, overlap, kreg):
                                                 ("nvfp4", "lutbf", 2), ("fp8", "bits", 3)])
 def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
     """barriers="manual" (one warpgroup barrier a chunk, block-table loads an iteration
-    ahead): the same scores, bit for bit, as Pallas' automatic barriers, and the
-    reference's. 5 chunks per CTA (ring slots reused; the block-table prefetch runs past
+    ahead) and "warp" (as manual, the TMA issue in warp 0 only): the same scores, bit for
+    bit, as Pallas' automatic barriers, and the reference's. 5 chunks per CTA (ring slots reused; the block-table prefetch runs past
     the CTA's last chunk and past the table), a request with unused blocks, a partial
     last chunk; then the default split."""
     rng = np.random.default_rng()
@@ -486,6 +486,7 @@ def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
         out = run("manual")
         check_scores(out, ref)
         assert np.array_equal(out, run("auto"))
+        assert np.array_equal(out, run("warp"))
 
 
 @pytest.mark.gpu

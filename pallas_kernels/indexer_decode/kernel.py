@@ -85,8 +85,11 @@ KREG = True
 # entries for the next issue loaded an iteration ahead (register keys only; see
 # _indexer_call_blocks). "auto": Pallas' barriers, block-table loads at the issue. Manual
 # measured 118.9 vs 121.9 us (fp4, B = 64, 128K), 20.1 vs 20.9 (B = 8), 107.3 vs 109.2
-# (fp8), bit-identical scores (H200, 2026-11-26, gpu_session22.sh PART=2).
-BARRIERS = "manual"
+# (fp8), bit-identical scores (H200, 2026-11-26, gpu_session22.sh PART=2). "warp": manual,
+# and the loop's TMA issue (~60 SASS instructions, one lane issuing) runs in warp 0 only
+# (plgpu.warp_map); the other three warps skip it: fp4 chunk loop 412 -> 393 instructions
+# in warp 0 (one expect-tx arrival instead of 128) and 347 in warps 1-3 (sm_90a SASS).
+BARRIERS = "warp"
 # The fp4 keys' dequant when a call names none: "lutbf" measured 119.8 us against "lut"
 # 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where
 # it applies); nvfp4 keys: "lutbf" 152.3 against "lut" 164.7 (H200, 2026-11-26).
@@ -367,7 +370,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     is kept by one barrier at the top of each iteration (every warp is done reading the ring
     slot the next issue overwrites, read an iteration ago), one after -inf fills o_s and one
     before o_s is stored. The issuing lane's block-table loads are made an iteration ahead
-    (a loop carry), so no warp waits on them."""
+    (a loop carry), so no warp waits on them. "warp": as "manual", with the issue inside
+    plgpu.warp_map, run by warp 0 only."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -380,9 +384,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
     kreg = kreg and not mma8 and interpret is None
-    if barriers not in ("auto", "manual"):
-        raise ValueError(f"barriers must be 'auto' or 'manual', got {barriers!r}")
-    manual = barriers == "manual" and kreg   # SMEM keys need the store barriers
+    if barriers not in ("auto", "manual", "warp"):
+        raise ValueError(f"barriers must be 'auto', 'manual' or 'warp', got {barriers!r}")
+    manual = barriers in ("manual", "warp") and kreg   # SMEM keys need the store barriers
+    warp_issue = manual and barriers == "warp"
     B = qh.shape[0]
     MAXB = bt.shape[1]
     WG = plgpu.Layout.WGMMA
@@ -464,7 +469,16 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
 
             @pl.when(ahead < n_load)
             def _():
-                issue(ahead, lax.rem(ahead, stages), carry if manual else None)
+                if warp_issue:
+                    # Only warp 0 runs the issue's ~60 instructions (one lane issues
+                    # either way): the other three warps branch past them.
+                    @plgpu.warp_map
+                    def _(warp):
+                        @pl.when(warp == 0)
+                        def _():
+                            issue(ahead, lax.rem(ahead, stages), carry)
+                else:
+                    issue(ahead, lax.rem(ahead, stages), carry if manual else None)
             if manual:
                 carry = blocks(ahead + 1)   # used by the next iteration's issue
             plgpu.barrier_wait(bar.at[slot])
