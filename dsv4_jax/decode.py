@@ -205,16 +205,18 @@ ATTN_JOINED = os.environ.get("DSV4_ATTN_JOINED", "0") == "1"
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined", "gather",
-                                             "qk_split", "ids_prefix"))
+                                             "qk_split", "ids_prefix", "hca_entries"))
 def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend,
-                          joined=False, gather="cpasync", qk_split=False, ids_prefix=False):
+                          joined=False, gather="cpasync", qk_split=False, ids_prefix=False,
+                          hca_entries=None):
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
     if backend == "triton":
         return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
                                        backend="triton", interpret=interpret is not None,
-                                       joined=joined)
+                                       joined=joined, hca_entries=hca_entries)
     return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, gather=gather,
                                    qk_split=qk_split, ids_prefix=ids_prefix,
+                                   hca_entries=hca_entries,
                                    interpret=interpret)
 
 
@@ -254,7 +256,6 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from pallas_kernels.kv_scatter import append_window, flush_compressed
-    from pallas_kernels.sparse_decode_attention import hca_indices
     if DEDUP_SCATTER:
         append_window, flush_compressed = _append_window_jit, _flush_compressed_jit
     interp = plgpu.InterpretGPUParams() if cs.kernels == "interpret" else None
@@ -267,6 +268,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     lc["win"] = {"nope": win["win_nope"], "scale": win["win_scale"], "rope": win["win_rope"]}
     lc["win_pos"] = win["win_pos"]
     slots = jnp.arange(B)
+    hca = None   # HCA layers: the id list's length (the kernel derives the ids)
     if ratio > 0:
         st = _read_state(lc, slots, cfg, ratio)
         ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
@@ -296,8 +298,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
                                     topk=cfg.index_topk, interpret=interp, select=TOPK_SELECT,
                                     dequant="lut" if dq == "fp8mma" and not nm.act_quant
                                     else dq)
-        else:
-            idx = hca_indices(t, bt_rows.shape[1] * (BLOCK_TOKENS // ratio), ratio)
+        else:   # HCA: every visible entry; the kernel derives the ids from t (hca_indices)
+            idx, hca = None, bt_rows.shape[1] * (BLOCK_TOKENS // ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
     else:  # window only: an empty compressed list over a one-row dummy pool, never read
         cmp = _DUMMY_POOL
@@ -307,7 +309,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
                               interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED,
                               gather=ATTN_GATHER, qk_split=ATTN_QK_SPLIT,
                               # top-k output and hca_indices list their valid ids first
-                              ids_prefix=ratio > 0)
+                              ids_prefix=ratio > 0, hca_entries=hca)
     return o[:, None].astype(F32)
 
 

@@ -166,6 +166,38 @@ def test_gpu_cpasync_ids_prefix_bounds_blocks_from_t():
             np.testing.assert_array_equal(out, run(False))
 
 
+@pytest.mark.gpu
+def test_gpu_cpasync_implicit_hca_ids():
+    """idx_BK=None, hca_entries=K (the decode step's HCA layers): the producer derives the
+    ids from t instead of reading hca_indices' list; the output is bit-identical to the
+    list's, for a count below K (not a multiple of 64), t past the table (capped at K),
+    t < 127 (no entry) and t = -1, at 1 and 2 splits."""
+    q, win, cmp, bt, _, _, sink = make_inputs(7, B=4, H=64, NB=160, EPB=1, MAXB=150, n_idx=150,
+                                              t=(1000, 5119, 100, 4000), n_valid=(0,) * 4)
+    t = jnp.asarray([1000, 150 * 128 + 700, 100, -1], jnp.int32)  # 7, 150 (capped), 0, 0
+    for splits in (1, 2):
+        f = lambda idx, K_: np.asarray(jax.jit(functools.partial(
+            K.sparse_decode_attention, splits=splits, gather="cpasync", ids_prefix=True,
+            hca_entries=K_))(q, win, cmp, bt, idx, t, sink)).astype(np.float32)
+        out = f(None, 150)
+        assert np.isfinite(out).all()
+        np.testing.assert_array_equal(out, f(R.hca_indices(t, 150), None))
+
+
+def test_implicit_hca_ids_interpreted_take_the_list():
+    """idx_BK=None outside the GPU's cpasync path (here the interpreter) builds
+    hca_indices' list: the same output as passing it; bad uses are refused."""
+    args = make_inputs(3, NB=8, EPB=1, MAXB=4, n_idx=4, t=(200, 600), n_valid=(0, 4))
+    q, win, cmp, bt, _, t, sink = args
+    want = run_kernel((q, win, cmp, bt, R.hca_indices(t, 4), t, sink), splits=1)
+    out = run_kernel((q, win, cmp, bt, None, t, sink), splits=1, hca_entries=4)
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="hca_entries"):
+        K.sparse_decode_attention(q, win, cmp, bt, None, t, sink)
+    with pytest.raises(ValueError, match="hca_entries"):
+        K.sparse_decode_attention(q, win, cmp, bt, R.hca_indices(t, 4), t, sink, hca_entries=4)
+
+
 def test_kernel_hca_indices_and_empty_window_slots():
     # HCA-style: one entry per pool block, all visible entries listed; t = 20 leaves most
     # window slots empty (-1).
@@ -253,6 +285,14 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
                               ids_prefix=True)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
+    # HCA ids derived in-kernel (idx_BK=None): one custom call and nothing else in XLA
+    hargs = args[:2] + ((S((NB, 1, 448), f8), S((NB, 1, 8), jnp.uint8),
+                         S((NB, 1, 64), jnp.bfloat16)),) + args[3:4] + (None,) + args[5:]
+    for splits in (1, 3):
+        f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
+                              ids_prefix=True, hca_entries=MAXB)
+        text = jax.jit(f).trace(*hargs).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "iota" not in text
 
 
 @pytest.mark.gpu

@@ -41,6 +41,8 @@ import functools
 import math
 import os
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -141,7 +143,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
                             q_in_loop=False, col_split=1, joined=False, qk_split=False,
-                            ids_prefix=False, interpret=None):
+                            ids_prefix=False, hca_entries=None, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -167,8 +169,25 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     ratio) (ratio = BLOCK_TOKENS / EPB): true of both top-k paths' output (valid ids first,
     as many as there are eligible entries) and of hca_indices. gather="cpasync" then bounds
     its key blocks from t in-kernel instead of XLA searching for the last valid id (one
-    fusion fewer a call); the other gathers and backends ignore it."""
+    fusion fewer a call); the other gathers and backends ignore it.
+    idx_BK=None with hca_entries=K: the ids are an HCA layer's, hca_indices(t, K, ratio)
+    (entries 0 .. min(K, (t+1) // ratio) - 1, ratio = 128 / EPB). gather="cpasync" derives
+    them in-kernel from t (no id array, one fusion fewer a call); the other paths build
+    them with hca_indices."""
     H = q_BHD.shape[1]
+    implicit = 0
+    if idx_BK is None:
+        if not hca_entries or hca_entries < 1:
+            raise ValueError(f"idx_BK=None needs hca_entries >= 1 (the HCA id list's length), "
+                             f"got {hca_entries!r}")
+        if (backend == "mosaic" and gather == "cpasync" and warp_specialized
+                and not interpret):
+            implicit, ids_prefix = int(hca_entries), True
+        else:
+            from pallas_kernels.sparse_decode_attention.reference import hca_indices
+            idx_BK = hca_indices(t_B, int(hca_entries), BLOCK_TOKENS // cmp[0].shape[1])
+    elif hca_entries is not None:
+        raise ValueError("hca_entries is for idx_BK=None only")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
@@ -192,14 +211,15 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
         args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                                   splits=splits, gather=gather,
                                   ctas_per_tile=1 if warp_specialized else 2,
-                                  ids_prefix=ids_prefix)
+                                  ids_prefix=ids_prefix, implicit=implicit)
         if qk_split and not warp_specialized:
             raise ValueError("qk_split needs warp_specialized=True (its two consumers split "
                              "the keys)")
         if warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
                                    qk_split=qk_split, epb=cmp[0].shape[1],
-                                   used_from_t=ids_prefix and gather == "cpasync")
+                                   used_from_t=ids_prefix and gather == "cpasync",
+                                   implicit=implicit)
         else:
             o, lse = _attn_call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
@@ -224,10 +244,13 @@ def merge_splits(o, lse, sink):
 
 
 def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=None,
-                   gather="direct", ctas_per_tile=2, ctas_per_sm=1, ids_prefix=False):
+                   gather="direct", ctas_per_tile=2, ctas_per_sm=1, ids_prefix=False,
+                   implicit=0):
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
     gather) -> (kernel args, NS). gather="cpasync" with ids_prefix: the `used` argument is
-    t itself (the kernel derives the bound; sparse_decode_attention)."""
+    t itself (the kernel derives the bound; sparse_decode_attention). implicit = K > 0
+    (cpasync, ids_prefix; idx_BK None): the HCA ids are derived in-kernel; idx is a
+    one-row dummy constant (no XLA work)."""
     win_nope, win_scale, win_rope, win_pos = win
     cmp_nope, cmp_scale, cmp_rope = cmp
     B, H, Dq = q_BHD.shape
@@ -242,7 +265,10 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
     if cmp_rope.shape != cmp_nope.shape[:2] + (ROPE,) or cmp_scale.shape != cmp_nope.shape[:2] + (8,):
         raise ValueError(f"cmp_rope / cmp_scale must be [NB, EPB, 64] / [NB, EPB, 8], got "
                          f"{cmp_rope.shape} / {cmp_scale.shape}")
-    if win_nope.shape[0] < B or block_table.shape[0] < B or idx_BK.shape[0] != B or t_B.shape != (B,):
+    if implicit and not (gather == "cpasync" and ids_prefix and idx_BK is None):
+        raise ValueError("implicit HCA ids need gather='cpasync', ids_prefix and idx_BK=None")
+    if (win_nope.shape[0] < B or block_table.shape[0] < B or t_B.shape != (B,)
+            or (idx_BK is not None and idx_BK.shape[0] != B)):
         raise ValueError("window ring / block table need >= B rows; idx and t need B rows")
     if sink_H.shape != (H,):
         raise ValueError(f"attn_sink must be [H]={H}, got {sink_H.shape}")
@@ -259,11 +285,15 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         # The producer derives each key's pool row, scale exponents and validity itself
         # (_cp_gather): XLA only finds the last valid id (one small fusion instead of three,
         # which took 6.4 us of GPU time at Flash B = 64: H200, 2026-11-26).
-        if ids_prefix:
+        if implicit:   # (a NumPy constant: a literal in the program, no kernel)
+            idx, used = np.zeros((1, 8), np.int32), t_B.astype(jnp.int32)
+            n_blk = NW + -(-implicit // BLK)
+        elif ids_prefix:
             idx, used = _pad_ids(idx_BK), t_B.astype(jnp.int32)
+            n_blk = NW + idx.shape[1] // BLK
         else:
             idx, used = _ids_used(idx_BK)
-        n_blk = NW + idx.shape[1] // BLK
+            n_blk = NW + idx.shape[1] // BLK
     else:
         crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
         n_blk = meta.shape[1]
@@ -349,7 +379,7 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_ATTN_ABLATE", "").split("/")))
 
 
-def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb):
+def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
     this thread's copies (the caller's barrier_arrive releases them to the consumers).
@@ -359,7 +389,9 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb):
     [rows * 7, 64] e4m3, rope [rows, 64] bf16, idx [B, KP] i32, block_table [R, MAXB]
     i32, win_scale [R * 128, 8] u8, cmp_scale [rows, 8] u8, win_pos [R, 128] i32, t [B]
     i32) in GMEM; s_refs = (n_s [2, 7, 64, 64] (chunk-major, tiled and swizzled: see
-    below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX)."""
+    below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX).
+    implicit = K > 0 (HCA): idx is not read; the id at list position idx_off + key is the
+    position itself, valid below min(K, (t[b] + 1) * epb // 128) (what hca_indices lists)."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
     EPB_, MAXB = epb, refs[3].shape[1]
@@ -395,10 +427,17 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb):
             ok = arith.andi(arith.andi(sge(pos, c32(0)), sge(tb, pos)),
                             sge(pos, arith.subi(tb, c32(WINDOW - 1))))
             g_sc = gaddr(wsc_g)
-        else:
-            i = ld32(gaddr(idx_g), arith.addi(io, key))
-            ok = sge(i, c32(0))
-            safe = arith.maxsi(i, c32(0))
+        elif implicit:   # HCA: the list position is the id; valid below min(K, n(t))
+            i, tb = arith.addi(io, key), ld32(gaddr(t_g), bb)
+            n = arith.divsi(arith.muli(arith.maxsi(arith.addi(tb, c32(1)), c32(0)), c32(EPB_)),
+                            c32(BLOCK_TOKENS))
+            ok = arith.cmpi(arith.CmpIPredicate.slt, i, arith.minsi(n, c32(implicit)))
+            safe = i
+        if not window:
+            if not implicit:
+                i = ld32(gaddr(idx_g), arith.addi(io, key))
+                ok = sge(i, c32(0))
+                safe = arith.maxsi(i, c32(0))
             # (an id past the table reads its last entry, as XLA's clamping gather did,
             # instead of another request's row or past the table's end)
             col = arith.minui(arith.divui(safe, c32(EPB_)), c32(MAXB - 1))
@@ -451,11 +490,12 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb):
     gather(*refs, *s_refs, row_base, idx_off, b, slot)
 
 
-def _cp_issuer(b, g_refs, s_refs, epb):
+def _cp_issuer(b, g_refs, s_refs, epb, implicit=0):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
     on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
-    cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t)."""
+    cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t). implicit: as
+    _cp_gather's (then idx is a dummy, never read)."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     gather = (lambda *a: None) if "copy" in _ablated() else _cp_gather
@@ -464,13 +504,14 @@ def _cp_issuer(b, g_refs, s_refs, epb):
         @pl.when(g < NW)
         def _():
             gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                   i32(0), i32(b), i32(slot), epb)
+                   i32(0), i32(b), i32(slot), epb, implicit)
             plgpu.barrier_arrive(wbar.at[slot])
 
         @pl.when(g >= NW)
         def _():
-            gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0),
-                   i32(b * idx_g.shape[1] + (g - NW) * BLK), i32(b), i32(slot), epb)
+            off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
+            gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
+                   i32(slot), epb, implicit)
             plgpu.barrier_arrive(cbar.at[slot])
     return issue
 
@@ -751,7 +792,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
 
 
 def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
-                  used_from_t=False):
+                  used_from_t=False, implicit=0):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
@@ -760,10 +801,13 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     args: crow, meta, n_blocks, sink (direct / staged: _prep's per-key metadata) or, for
     cpasync, idx, block_table, win_scale, cmp_scale, win_pos, t, used, sink (the producer
     derives the metadata; epb = compressed entries per pool block; _ids_used). used_from_t:
-    `used` holds t, and the bound is min(KP, (t + 1) * epb // BLOCK_TOKENS) (ids_prefix)."""
+    `used` holds t, and the bound is min(KP, (t + 1) * epb // BLOCK_TOKENS) (ids_prefix).
+    implicit = K > 0 (cpasync, used_from_t): HCA ids derived in-kernel (_cp_gather); idx is
+    a dummy and KP = K rounded up to whole key blocks."""
     B, HP, _ = q.shape
     keys = args[:-2]
-    n_blk = NW + keys[0].shape[1] // BLK if gather == "cpasync" else keys[1].shape[1]
+    kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
+    n_blk = NW + kp // BLK if gather == "cpasync" else keys[1].shape[1]
     bps = -(-n_blk // NS)
     direct = gather == "direct"
     cpasync = gather == "cpasync"
@@ -780,8 +824,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
         g0 = s_id * bps
         used = nb_g[b]
         if used_from_t:   # eligible compressed entries; the ids' valid prefix is no longer
-            used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS),
-                               keys[0].shape[1])
+            used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS), kp)
         nb = NW + (used + BLK - 1) // BLK if cpasync else used
         n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
 
@@ -793,7 +836,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
                                         action="decrease")
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
-                issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), epb) if cpasync else
+                issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), epb, implicit) if cpasync else
                          _issuer(b, g_refs, (n_s, r_s, m_s), direct))
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
