@@ -19,4 +19,25 @@ case "${PART:-1}" in
     --out $OUT | tee $OUT/idx_h100.log | grep -v "^{"
   T 180 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
+2)
+  # Attention: approx_math (exp as ex2.approx: the softmax phase of a block 577 -> 371 SASS
+  # instructions a consumer thread) and HCA ids derived in-kernel (idx_BK=None,
+  # hca_entries: no hca_indices fusion). Attention GPU tests incl. the implicit-ids test,
+  # the op (precise exp vs approx; HCA list vs in-kernel ids), the decode check, and the
+  # 4-layer stream step at B = 1 and 64.
+  T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  ATT="flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768"
+  T 240 python3 benchmarks/attn_probe.py --cases $ATT --rounds 3 \
+    --variants cpasync+idp:DSV4_ATTN_APPROX=0,cpasync+idp | tee $OUT/probe.log | grep "^|"
+  T 150 python3 benchmarks/attn_probe.py --cases flash:hca:1:131072,flash:hca:8:131072,flash:hca:64:131072 \
+    --rounds 3 --events --variants cpasync+idp,cpasync+hid | tee $OUT/probe_hca.log \
+    | grep -v "^{"
+  T 180 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  for b in 1 64; do
+    T 150 python3 $BENCH --batch $b --context 131072 --steps 10 | tee $OUT/b$b.log \
+      | grep -E "stream step" | head -1
+  done ;;
 esac

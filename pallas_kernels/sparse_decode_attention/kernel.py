@@ -723,8 +723,14 @@ def _params():
     # warp-specialised kernel needs those 2 KB of SMEM.
     # DSV4_ATTN_PROFILE=<dir>: Mosaic's in-kernel profiler records the named scopes of the
     # warp-specialised kernel per warpgroup into <dir> (benchmarks/attn_timeline.py).
+    # approx_math: exp(x) as ex2.approx.ftz(x * log2 e) (FMUL + MUFU.EX2) instead of the
+    # precise expf (~9 SASS instructions: the softmax phase of a block was 577 instructions
+    # a consumer thread, 34 exps); the official kernels' exp2f is the approximate one too.
+    # Its error (~2^-22 relative) is far below the bf16 rounding of P. DSV4_ATTN_APPROX=0
+    # restores the precise exp for A/B runs.
     prof = os.environ.get("DSV4_ATTN_PROFILE", "")
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                approx_math=os.environ.get("DSV4_ATTN_APPROX", "1") != "0",
                                 unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
                                 profile_space=64 if prof else 0, profile_dir=prof,
                                 # (a CTA with > ~10 key blocks fills the 64 ranges: truncate
