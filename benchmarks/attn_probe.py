@@ -4,7 +4,9 @@ gather[:k=v,...] where k=v are environment knobs read while the kernel is traced
 (e.g. cpasync:DSV4_ATTN_PREG=40:DSV4_ATTN_CREG=232); gather+qks splits the keys between the
 consumers (qk_split), gather+sN runs N key-block splits (default: kernel.default_splits),
 gather+idp bounds the key blocks from t (ids_prefix), gather+hid (HCA cases) derives the
-ids in-kernel (idx_BK=None, hca_entries; implies idp), e.g. cpasync+qks+s3. Usage:
+ids in-kernel (idx_BK=None, hca_entries; implies idp), gather+hix builds them with
+hca_indices inside the program as the decode step did before (implies idp), e.g.
+cpasync+qks+s3. Usage:
   python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants direct,cpasync"""
 import argparse
 import functools
@@ -22,7 +24,8 @@ from pallas_kernels.sparse_decode_attention import reference as R
 def build(spec, args):
     gather, *kv = spec.split(":")
     gather, *opts = gather.split("+")   # +qks: the consumers split the keys; +sN: N splits
-    qks, idp, hid = "qks" in opts, "idp" in opts or "hid" in opts, "hid" in opts
+    qks, hid, hix = "qks" in opts, "hid" in opts, "hix" in opts
+    idp = "idp" in opts or hid or hix
     splits = next((int(o[1:]) for o in opts if o[:1] == "s" and o[1:].isdigit()), None)
     env = dict(x.split("=") for x in kv)
     old = {k: os.environ.get(k) for k in env}
@@ -31,10 +34,11 @@ def build(spec, args):
         kw = (dict(backend="triton", head_tile=64, num_warps=8) if gather == "triton"
               else dict(gather=gather, warp_specialized=True, qk_split=qks, ids_prefix=idp))
         kw["splits"] = splits
-        if hid:   # the case's idx (hca_indices) is passed but not read
+        if hid or hix:   # the case's idx (hca_indices) is passed but not read
             K_ = args[4].shape[1]
             f = jax.jit(lambda q, win, cmp, bt, idx, t, sink: K.sparse_decode_attention(
-                q, win, cmp, bt, None, t, sink, hca_entries=K_, **kw))
+                q, win, cmp, bt, R.hca_indices(t, K_) if hix else None, t, sink,
+                hca_entries=None if hix else K_, **kw))
         else:
             f = jax.jit(functools.partial(K.sparse_decode_attention, **kw))
         out = jax.block_until_ready(f(*args))     # traced and compiled with env set

@@ -40,4 +40,16 @@ case "${PART:-1}" in
     T 150 python3 $BENCH --batch $b --context 131072 --steps 10 | tee $OUT/b$b.log \
       | grep -E "stream step" | head -1
   done ;;
+3)
+  # After run2: the implicit-ids GPU test fixed (its pool was too small for its table) and
+  # the implicit kernel's idx stand-in (a constant had become a broadcast kernel) is the
+  # block table. The test, the HCA op (list built in the program as the step did, vs
+  # in-kernel ids), and the 4-layer B = 64 stream step that run2 ran out of time for.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "implicit or prefix" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 150 python3 benchmarks/attn_probe.py --cases flash:hca:1:131072,flash:hca:8:131072,flash:hca:64:131072 \
+    --rounds 3 --events --variants cpasync+hix,cpasync+hid | tee $OUT/probe_hca.log | grep -v "^{"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  T 250 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
+      | grep -E "stream step" | head -1 ;;
 esac

@@ -172,7 +172,7 @@ def test_gpu_cpasync_implicit_hca_ids():
     ids from t instead of reading hca_indices' list; the output is bit-identical to the
     list's, for a count below K (not a multiple of 64), t past the table (capped at K),
     t < 127 (no entry) and t = -1, at 1 and 2 splits."""
-    q, win, cmp, bt, _, _, sink = make_inputs(7, B=4, H=64, NB=160, EPB=1, MAXB=150, n_idx=150,
+    q, win, cmp, bt, _, _, sink = make_inputs(7, B=4, H=64, NB=640, EPB=1, MAXB=150, n_idx=150,
                                               t=(1000, 5119, 100, 4000), n_valid=(0,) * 4)
     t = jnp.asarray([1000, 150 * 128 + 700, 100, -1], jnp.int32)  # 7, 150 (capped), 0, 0
     for splits in (1, 2):

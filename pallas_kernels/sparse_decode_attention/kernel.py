@@ -41,8 +41,6 @@ import functools
 import math
 import os
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -249,8 +247,8 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
     """The XLA side of the op (checks, per-key metadata, and for gather="staged" the staging
     gather) -> (kernel args, NS). gather="cpasync" with ids_prefix: the `used` argument is
     t itself (the kernel derives the bound; sparse_decode_attention). implicit = K > 0
-    (cpasync, ids_prefix; idx_BK None): the HCA ids are derived in-kernel; idx is a
-    one-row dummy constant (no XLA work)."""
+    (cpasync, ids_prefix; idx_BK None): the HCA ids are derived in-kernel; idx is the
+    block table, passed but never read as ids (no XLA work)."""
     win_nope, win_scale, win_rope, win_pos = win
     cmp_nope, cmp_scale, cmp_rope = cmp
     B, H, Dq = q_BHD.shape
@@ -285,8 +283,9 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         # The producer derives each key's pool row, scale exponents and validity itself
         # (_cp_gather): XLA only finds the last valid id (one small fusion instead of three,
         # which took 6.4 us of GPU time at Flash B = 64: H200, 2026-11-26).
-        if implicit:   # (a NumPy constant: a literal in the program, no kernel)
-            idx, used = np.zeros((1, 8), np.int32), t_B.astype(jnp.int32)
+        if implicit:   # idx is never read: the block table stands in (a constant array
+            # here became a broadcast kernel of its own: H100, 2026-11-26)
+            idx, used = block_table.astype(jnp.int32), t_B.astype(jnp.int32)
             n_blk = NW + -(-implicit // BLK)
         elif ids_prefix:
             idx, used = _pad_ids(idx_BK), t_B.astype(jnp.int32)
@@ -809,7 +808,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     derives the metadata; epb = compressed entries per pool block; _ids_used). used_from_t:
     `used` holds t, and the bound is min(KP, (t + 1) * epb // BLOCK_TOKENS) (ids_prefix).
     implicit = K > 0 (cpasync, used_from_t): HCA ids derived in-kernel (_cp_gather); idx is
-    a dummy and KP = K rounded up to whole key blocks."""
+    not read (the block table stands in) and KP = K rounded up to whole key blocks."""
     B, HP, _ = q.shape
     keys = args[:-2]
     kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
