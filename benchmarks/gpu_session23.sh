@@ -52,4 +52,21 @@ case "${PART:-1}" in
   BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
   T 250 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
       | grep -E "stream step" | head -1 ;;
+4)
+  # merge="cluster": the two key splits of a (request, head tile) as a cluster of 2 CTAs,
+  # merged in-kernel through distributed SMEM (no partials in HBM, no XLA merge), now the
+  # default at 2 splits; producer registers 56 -> 64 (56 spilled two scalars with it).
+  # Attention GPU tests incl. cluster vs XLA merge; the op (old: XLA merge, 56 regs; XLA
+  # merge, 64; cluster); the decode check at B = 1, 8, 64; the 4-layer B = 64 stream step.
+  T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "not triton" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 200 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768 \
+    --rounds 3 --events --variants \
+    cpasync+idp:DSV4_ATTN_MERGE=xla:DSV4_ATTN_PREG=56,cpasync+idp:DSV4_ATTN_MERGE=xla,cpasync+idp \
+    | tee $OUT/probe.log | grep -v "^{"
+  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 64 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
+      | grep -E "stream step" | head -1 ;;
 esac
