@@ -378,12 +378,13 @@ def _issuer(b, g_refs, s_refs, direct):
 # bounds (BENCHMARKS.md, session 20): P V in place, the half-row mapping, 56 / 224
 # registers and the swizzled buffer below removed them.
 CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
-# Registers a thread of the warp-specialised kernel: producer / consumer warpgroups
-# (p + 2 c <= 512). 56 / 224 measured 1-2% faster than 40 / 232 (H200, 2026-11-26,
-# benchmarks/attn_probe.py); 64 / 224 fills the register file, and with the in-kernel
-# split merge (merge="cluster") 56 spilled two scalars of the producer (sm_90a SASS,
-# 2026-11-26). DSV4_ATTN_PREG / DSV4_ATTN_CREG override them for A/B runs.
-P_REGS, C_REGS = 64, 224
+# Registers a thread of the warp-specialised kernel: producer / consumer warpgroups.
+# setmaxnreg moves registers within what the CTA was launched with (ptxas' count, 168, for
+# 384 threads), so p + 2 c <= 504: 64 / 224 hung the kernel (consumers waiting for
+# registers that never came; H100, 2026-11-26). 56 / 224 measured 1-2% faster than
+# 40 / 232 (H200, 2026-11-26, benchmarks/attn_probe.py). DSV4_ATTN_PREG / DSV4_ATTN_CREG
+# override them for A/B runs.
+P_REGS, C_REGS = 56, 224
 
 
 def _ablated():
