@@ -4,7 +4,13 @@
   store: consumer c != s sends a [64, 256] bf16 tile into CTA c's SMEM (async_store_smem,
          st.async + the receiver's mbarrier); consumer c == s waits and writes it out
   both:  bar, then store (what _cluster_merge does)
-Usage: python3 benchmarks/cluster_probe.py MODE"""
+Usage: python3 benchmarks/cluster_probe.py MODE
+H100, 2026-11-26 (session 23 run5, benchmarks/results/session23_h100/run5): "bar" passes
+(each CTA writes its own values); "store" printed nothing within 60 s (killed: a hang) and
+the GPU stayed blocked for the rest of that call, so "both" is unknown. The in-kernel split
+merge built on this (merge="cluster") hung the same way and was taken out; debug "store"
+alone first (e.g. the receiver's barrier initialised before the peer's st.async: a cluster
+sync after run_scoped's init; or async_store_smem's remote arrive_expect_tx)."""
 import functools
 import sys
 

@@ -53,7 +53,8 @@ case "${PART:-1}" in
   T 250 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
       | grep -E "stream step" | head -1 ;;
 4)
-  # merge="cluster": the two key splits of a (request, head tile) as a cluster of 2 CTAs,
+  # (hung from its first test, the register count: see PART=5; merge="cluster" was taken
+  # out after PART=5.) merge="cluster": the two key splits of a (request, head tile) as a cluster of 2 CTAs,
   # merged in-kernel through distributed SMEM (no partials in HBM, no XLA merge), now the
   # default at 2 splits; producer registers 56 -> 64 (56 spilled two scalars with it).
   # Attention GPU tests incl. cluster vs XLA merge; the op (old: XLA merge, 56 regs; XLA
@@ -83,4 +84,17 @@ case "${PART:-1}" in
     | tee $OUT/probe.log | grep -v "^{"
   T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 64 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
+6)
+  # PART=5: "bar" passed, "store" hung, and everything after it hung (the GPU stayed
+  # blocked). merge="cluster" was taken out; the tree is run2/run3's kernels (approx exp,
+  # in-kernel HCA ids) with the register comment fixed. Final check of that tree: the
+  # attention and indexer GPU tests, the op at the five cases, the decode check.
+  T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    tests/test_indexer_decode.py -rA -k "not triton" | tee $OUT/gpu_tests.log \
+    | grep -E "passed|failed|FAILED|Error"
+  ATT="flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768,flash:csa:8:32768,flash:csa:1:32768"
+  T 150 python3 benchmarks/attn_probe.py --cases $ATT --rounds 2 --variants cpasync+idp,triton \
+    | tee $OUT/probe.log | grep "^|"
+  T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
 esac
