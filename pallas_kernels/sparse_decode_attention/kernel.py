@@ -286,13 +286,12 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
         if implicit:   # idx is never read: the block table stands in (a constant array
             # here became a broadcast kernel of its own: H100, 2026-11-26)
             idx, used = block_table.astype(jnp.int32), t_B.astype(jnp.int32)
-            n_blk = NW + -(-implicit // BLK)
-        elif ids_prefix:
-            idx, used = _pad_ids(idx_BK), t_B.astype(jnp.int32)
-            n_blk = NW + idx.shape[1] // BLK
+            KP = -(-implicit // BLK) * BLK
         else:
-            idx, used = _ids_used(idx_BK)
-            n_blk = NW + idx.shape[1] // BLK
+            idx, used = ((_pad_ids(idx_BK), t_B.astype(jnp.int32)) if ids_prefix
+                         else _ids_used(idx_BK))
+            KP = idx.shape[1]
+        n_blk = NW + KP // BLK
     else:
         crow, meta, n_blocks = _prep(win, cmp, block_table, idx_BK, t_B)
         n_blk = meta.shape[1]
@@ -497,7 +496,7 @@ def _cp_issuer(b, g_refs, s_refs, epb, implicit=0):
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
     on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
     cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t). implicit: as
-    _cp_gather's (then idx is a dummy, never read)."""
+    _cp_gather's (then idx is not read)."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     gather = (lambda *a: None) if "copy" in _ablated() else _cp_gather
