@@ -7,10 +7,12 @@
 Usage: python3 benchmarks/cluster_probe.py MODE
 H100, 2026-11-26 (session 23 run5, benchmarks/results/session23_h100/run5): "bar" passes
 (each CTA writes its own values); "store" printed nothing within 60 s (killed: a hang) and
-the GPU stayed blocked for the rest of that call, so "both" is unknown. The in-kernel split
-merge built on this (merge="cluster") hung the same way and was taken out; debug "store"
-alone first (e.g. the receiver's barrier initialised before the peer's st.async: a cluster
-sync after run_scoped's init; or async_store_smem's remote arrive_expect_tx)."""
+the GPU stayed blocked for the rest of that call, so "both" is unknown. Found afterwards in
+the PTX: Pallas counts a Barrier's arrivals per warpgroup in Lane semantics (mbarrier.init
+with num_arrivals * 128), while async_store_smem arrives once from each of the sender's
+128 threads. The receiver's Barrier(num_arrivals=128) waited for 16384 arrivals; it is
+Barrier(num_arrivals=1) now, not yet run on a GPU. The kernel's merge="cluster" had the
+same bug (3 * 128 for 3 stores)."""
 import functools
 import sys
 
@@ -73,7 +75,8 @@ def run(mode):
 
         pl.run_scoped(scoped, plgpu.SMEM((64, 512), jnp.bfloat16, transforms=TILED),
                       plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=2),
-                      plgpu.Barrier(num_arrivals=128), collective_axes="wg")
+                      # per warpgroup: init count 128, one st.async sender's threads
+                      plgpu.Barrier(num_arrivals=1), collective_axes="wg")
 
     f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16),
                      grid=(1,), grid_names=("b",), cluster=(2,), cluster_names=("s",),

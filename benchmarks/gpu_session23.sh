@@ -97,4 +97,18 @@ case "${PART:-1}" in
     | tee $OUT/probe.log | grep "^|"
   T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
+7)
+  # NOT RUN in session 23 (no device time left). After run6 the PTX showed why the cluster
+  # exchange hung: Pallas counts a Barrier's arrivals per warpgroup in Lane semantics (init
+  # count num_arrivals x 128) and async_store_smem arrives from each of the sender's 128
+  # threads; the receive barriers expected 128x too many. Fixed (cluster_probe: 1, the
+  # kernel: 3) and merge="cluster" restored behind merge="xla" (the default). To run: the
+  # probe's three modes, the cluster-vs-XLA-merge GPU test, then the op with the merge on.
+  for m in bar store both; do timeout -s KILL 60 python3 benchmarks/cluster_probe.py $m 2>&1 \
+    | grep -E "^(bar|store|both)|Error" | tee -a $OUT/cluster_probe.log; done
+  T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py -rA \
+    -k "cluster" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 200 python3 benchmarks/attn_probe.py --cases flash:csa:64:32768,flash:hca:64:131072,pro:csa:32:32768 \
+    --rounds 3 --events --variants cpasync+idp,cpasync+idp:DSV4_ATTN_MERGE=auto \
+    | tee $OUT/probe.log | grep -v "^{" ;;
 esac

@@ -184,6 +184,36 @@ def test_gpu_cpasync_implicit_hca_ids():
         np.testing.assert_array_equal(out, f(R.hca_indices(t, 150), None))
 
 
+@pytest.mark.gpu
+def test_gpu_cluster_merge_matches_xla_merge():
+    """merge="cluster" (2 key splits as a cluster of 2 CTAs, merged through distributed
+    SMEM) against the XLA merge of the same kernel's partials: within a bf16 ulp (the
+    kernel's exp is the approximate one), mostly bit-identical, and as close to the
+    reference. A request whose second split has no valid key, Flash (1 head tile) and
+    Pro (2) head counts, top-k ids and in-kernel HCA ids."""
+    cases = [(make_inputs(8, B=3, H=64, NB=64, MAXB=32, n_idx=512, t=(700, 4095, 300),
+                          n_valid=(175, 512, 20)), None),
+             (make_inputs(9, B=2, H=128, NB=64, MAXB=32, n_idx=512, t=(4095, 2000),
+                          n_valid=(512, 300)), None)]
+    q, win, cmp, bt, _, _, sink = make_inputs(10, B=2, H=64, NB=320, EPB=1, MAXB=150,
+                                              n_idx=150, t=(5000, 19000), n_valid=(0, 0))
+    t = jnp.asarray([5000, 19000], jnp.int32)
+    cases.append(((q, win, cmp, bt, None, t, sink), 150))
+    for args, hca in cases:
+        run = lambda merge: np.asarray(jax.jit(functools.partial(
+            K.sparse_decode_attention, splits=2, gather="cpasync", ids_prefix=True,
+            hca_entries=hca, merge=merge))(*args))
+        a, x = run("cluster"), run("xla")
+        assert np.isfinite(a.astype(np.float32)).all()
+        ai, xi = (v.view(np.int16).astype(np.int32) for v in (a, x))
+        ulps = np.abs(np.where(ai < 0, -32768 - ai, ai) - np.where(xi < 0, -32768 - xi, xi))
+        assert ulps.max() <= 1 and (ulps == 0).mean() > 0.9, (ulps.max(), (ulps == 0).mean())
+        ids = R.hca_indices(t, 150) if hca else args[4]
+        ref = np.asarray(R.sparse_decode_attention_reference(
+            *args[:4], ids, *args[5:])).astype(np.float32)
+        assert rel_err(a.astype(np.float32), ref) < 5e-3
+
+
 def test_implicit_hca_ids_interpreted_take_the_list():
     """idx_BK=None outside the GPU's cpasync path (here the interpreter) builds
     hca_indices' list: the same output as passing it; bad uses are refused."""
@@ -196,6 +226,11 @@ def test_implicit_hca_ids_interpreted_take_the_list():
         K.sparse_decode_attention(q, win, cmp, bt, None, t, sink)
     with pytest.raises(ValueError, match="hca_entries"):
         K.sparse_decode_attention(q, win, cmp, bt, R.hca_indices(t, 4), t, sink, hca_entries=4)
+    # the in-kernel merge needs the GPU's cpasync kernel; bad merge names are refused
+    with pytest.raises(ValueError, match="merge='cluster'"):
+        run_kernel(args, splits=2, merge="cluster")
+    with pytest.raises(ValueError, match="merge must be"):
+        K.sparse_decode_attention(*args, merge="smem")
 
 
 def test_kernel_hca_indices_and_empty_window_slots():
@@ -285,6 +320,11 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
                               ids_prefix=True)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
+    # 2 key splits merged in-kernel by a cluster of 2 CTAs: no merge in XLA
+    f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
+                          ids_prefix=True, merge="cluster")
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "exponential" not in text
     # HCA ids derived in-kernel (idx_BK=None): one custom call and nothing else in XLA
     hargs = args[:2] + ((S((NB, 1, 448), f8), S((NB, 1, 8), jnp.uint8),
                          S((NB, 1, 64), jnp.bfloat16)),) + args[3:4] + (None,) + args[5:]

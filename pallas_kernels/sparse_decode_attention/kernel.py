@@ -141,7 +141,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
                             q_in_loop=False, col_split=1, joined=False, qk_split=False,
-                            ids_prefix=False, hca_entries=None, interpret=None):
+                            ids_prefix=False, hca_entries=None, merge=None, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -171,8 +171,17 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     idx_BK=None with hca_entries=K: the ids are an HCA layer's, hca_indices(t, K, ratio)
     (entries 0 .. min(K, (t+1) // ratio) - 1, ratio = 128 / EPB). gather="cpasync" derives
     them in-kernel from t (no id array, one fusion fewer a call); the other paths build
-    them with hca_indices."""
+    them with hca_indices.
+    merge (key splits' merge; None: $DSV4_ATTN_MERGE, else "xla"): "xla" merges in XLA
+    (merge_splits); "auto" merges 2 splits in-kernel (the cpasync kernel on a GPU, no
+    qk_split) and more in XLA; "cluster" requires the in-kernel merge (_cluster_merge).
+    The in-kernel merge has not yet run correctly on a GPU (session 23: its first version
+    hung, from a barrier count found afterwards in the PTX and fixed, not re-run), so
+    "xla" is the default."""
     H = q_BHD.shape[1]
+    merge = merge or os.environ.get("DSV4_ATTN_MERGE", "xla")
+    if merge not in ("auto", "xla", "cluster"):
+        raise ValueError(f"merge must be 'auto', 'xla' or 'cluster', got {merge!r}")
     implicit = 0
     if idx_BK is None:
         if not hca_entries or hca_entries < 1:
@@ -213,11 +222,19 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
         if qk_split and not warp_specialized:
             raise ValueError("qk_split needs warp_specialized=True (its two consumers split "
                              "the keys)")
+        can = warp_specialized and gather == "cpasync" and not qk_split and NS == 2
+        if merge == "cluster" and not can:
+            raise ValueError(f"merge='cluster' needs the cpasync kernel on a GPU, 2 key splits "
+                             f"and no qk_split (got gather={gather!r}, splits={NS}, "
+                             f"qk_split={qk_split})")
+        cluster = can and merge != "xla"
         if warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
                                    qk_split=qk_split, epb=cmp[0].shape[1],
                                    used_from_t=ids_prefix and gather == "cpasync",
-                                   implicit=implicit)
+                                   implicit=implicit, cluster_merge=cluster)
+            if cluster:
+                NS = 1   # merged in-kernel: o [1, B, HP, 512] is final
         else:
             o, lse = _attn_call(*args, NS=NS, gather=gather, interpret=interpret)
     sink = args[-1]
@@ -367,8 +384,9 @@ CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
 # setmaxnreg moves registers within what the CTA was launched with (ptxas' count, 168, for
 # 384 threads), so p + 2 c <= 504: 64 / 224 hung the kernel (consumers waiting for
 # registers that never came; H100, 2026-11-26, session 23). 56 / 224 measured 1-2% faster
-# than 40 / 232 (H200, 2026-11-26, benchmarks/attn_probe.py). DSV4_ATTN_PREG /
-# DSV4_ATTN_CREG override them for A/B runs.
+# than 40 / 232 (H200, 2026-11-26, benchmarks/attn_probe.py); with merge="cluster" the
+# producer spills two scalars at 56 (8 bytes, reloaded a few times a block). DSV4_ATTN_PREG
+# / DSV4_ATTN_CREG override them for A/B runs.
 P_REGS, C_REGS = 56, 224
 
 
@@ -651,20 +669,9 @@ def _init_carry():
     return a0, m0, l0
 
 
-def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
-    """Normalise (sink in the denominator when final, else emit lse) and store the half
-    [64 heads, 256] through q_s columns of half c."""
-    if final:
-        sk = plgpu.load(v_s, layout=ROW)
-        mm = jnp.maximum(m, sk)
-        den = l * jnp.exp(m - mm) + jnp.exp(sk - mm)
-        out = acc * lax.broadcast_in_dim(jnp.exp(m - mm) / den, acc.shape, [0])
-    else:
-        # one reciprocal per row, then multiplies: dividing the tile was 128 div.full.f32
-        # a thread (each several instructions) in the epilogue
-        inv = 1.0 / jnp.where(l > 0, l, 1.0)
-        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-
+def _store_half(out, q_s, o_g, s_id, b, ht, c):
+    """out [64 heads, 256] f32 -> bf16 through q_s columns of half c -> o_g[s_id, b, rows
+    of head tile ht, half c] (8-row strips, TMA)."""
     def store(h):
         def f():
             q_s[:, pl.ds(h * (D // 2), D // 2)] = out.astype(jnp.bfloat16)
@@ -678,6 +685,82 @@ def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
                 plgpu.copy_smem_to_gmem(q_s.at[pl.ds(r * 8, 8), pl.ds(h * (D // 2), D // 2)],
                                         o_g.at[s_id, b, pl.ds(ht * HT + r * 8, 8),
                                                pl.ds(h * (D // 2), D // 2)])
+
+
+def _cluster_merge(acc, m, l, q_s, k_s, p_s, v_s, o_g, b, ht, c, s_id, cbar, rbar):
+    """merge="cluster" (2 key splits, a cluster of 2 CTAs): CTA s finalises output column
+    half s. Consumer c != s sends its half's normalised partial (bf16, as the XLA merge
+    reads it) into the other CTA's q_s half and its log-sum-exp (f32 bits as two bf16 side
+    tiles) into that CTA's p_s, by st.async into distributed SMEM (rbar completes there);
+    consumer c == s parks its own partial in k_s, merges the two 64 columns at a time
+    (merge_splits' formula, with the kernel's approximate exp) and stores the final half.
+    No partials in HBM, no XLA merge. Needs q_s / k_s / p_s free in both CTAs: `cbar`."""
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    o_own = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    # every consumer of both CTAs is past its key loop: q_s, k_s and p_s are free in both
+    plgpu.barrier_arrive(cbar)
+    plgpu.barrier_wait(cbar)
+
+    @pl.when(c != s_id)
+    def _send():
+        for h in range(2):
+            @pl.when(c == h)
+            def _():
+                plgpu.async_store_smem(o_own, q_s.at[:, pl.ds(h * (D // 2), D // 2)], rbar,
+                                       cluster_idx=jnp.int32(h), cluster_dim="s")
+        bits = lax.bitcast_convert_type(lse, jnp.uint32)
+        for k, part in enumerate((bits >> 16, bits & 0xFFFF)):
+            t = lax.bitcast_convert_type(part.astype(jnp.uint16), jnp.bfloat16)
+            plgpu.async_store_smem(lax.broadcast_in_dim(t, (HT, BLK), [0]), p_s.at[k], rbar,
+                                   cluster_idx=c, cluster_dim="s")
+
+    @pl.when(c == s_id)
+    def _merge():
+        for h in range(2):   # own partial -> k_s (registers stay low for the merge)
+            @pl.when(c == h)
+            def _():
+                k_s[:, pl.ds(h * (D // 2), D // 2)] = o_own
+        plgpu.barrier_wait(rbar)
+        # the side tiles' rows are constant: a row max recovers each 16-bit half exactly
+        half = lambda k: (lax.bitcast_convert_type(plgpu.load(p_s.at[k], layout=WG), jnp.uint16)
+                          .astype(jnp.float32).max(axis=1).astype(jnp.uint32))
+        lse_peer = lax.bitcast_convert_type((half(0) << 16) | half(1), jnp.float32)
+        sk = plgpu.load(v_s, layout=ROW)
+        mm = jnp.maximum(sk, jnp.maximum(lse, lse_peer))
+        w_own, w_peer = jnp.exp(lse - mm), jnp.exp(lse_peer - mm)
+        inv_den = 1.0 / (jnp.exp(sk - mm) + (w_own + w_peer))   # the same in both CTAs
+        bc = lambda v: lax.broadcast_in_dim(v, (HT, BLK), [0])
+        for h in range(2):
+            @pl.when(c == h)
+            def _():
+                for j in range(D // 2 // BLK):
+                    cols = pl.ds(h * (D // 2) + j * BLK, BLK)
+                    mix = (bc(w_own) * plgpu.load(k_s.at[:, cols], layout=WG).astype(jnp.float32)
+                           + bc(w_peer) * plgpu.load(q_s.at[:, cols], layout=WG).astype(jnp.float32))
+                    q_s[:, cols] = (mix * bc(inv_den)).astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                for r in range(HT // 8):
+                    plgpu.copy_smem_to_gmem(q_s.at[pl.ds(r * 8, 8), pl.ds(h * (D // 2), D // 2)],
+                                            o_g.at[0, b, pl.ds(ht * HT + r * 8, 8),
+                                                   pl.ds(h * (D // 2), D // 2)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, final):
+    """Normalise (sink in the denominator when final, else emit lse) and store the half
+    [64 heads, 256] through q_s columns of half c."""
+    if final:
+        sk = plgpu.load(v_s, layout=ROW)
+        mm = jnp.maximum(m, sk)
+        den = l * jnp.exp(m - mm) + jnp.exp(sk - mm)
+        out = acc * lax.broadcast_in_dim(jnp.exp(m - mm) / den, acc.shape, [0])
+    else:
+        # one reciprocal per row, then multiplies: dividing the tile was 128 div.full.f32
+        # a thread (each several instructions) in the epilogue
+        inv = 1.0 / jnp.where(l > 0, l, 1.0)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    _store_half(out, q_s, o_g, s_id, b, ht, c)
     if not final:
         @pl.when(c == 0)
         def _():
@@ -799,7 +882,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
 
 
 def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
-                  used_from_t=False, implicit=0):
+                  used_from_t=False, implicit=0, cluster_merge=False):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
@@ -810,7 +893,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     derives the metadata; epb = compressed entries per pool block; _ids_used). used_from_t:
     `used` holds t, and the bound is min(KP, (t + 1) * epb // BLOCK_TOKENS) (ids_prefix).
     implicit = K > 0 (cpasync, used_from_t): HCA ids derived in-kernel (_cp_gather); idx is
-    not read (the block table stands in) and KP = K rounded up to whole key blocks."""
+    not read (the block table stands in) and KP = K rounded up to whole key blocks.
+    cluster_merge (NS == 2): the two splits of a (request, head tile) run as a cluster and
+    merge in-kernel (_cluster_merge); the output is then o [1, B, HP, 512], final."""
     B, HP, _ = q.shape
     keys = args[:-2]
     kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
@@ -836,8 +921,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
         n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
 
         def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree,
-                   *split_refs):   # qk_split: x_s, xbar, pfull
-            x_s, xbar, pfull = split_refs if qk_split else (None,) * 3
+                   *extra_refs):   # qk_split: x_s, xbar, pfull; cluster_merge: clbar, rbar
+            x_s, xbar, pfull = extra_refs[:3] if qk_split else (None,) * 3
+            clbar, rbar = extra_refs[-2:] if cluster_merge else (None,) * 2
             @pl.when(wg == 2)
             def _producer():
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
@@ -927,7 +1013,11 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                         plgpu.barrier_wait(kfree)   # both are done reading q_s
                     if qk_split:   # each consumer summed only its keys' P
                         l = l + _exchange(x_s, xbar, c, l)
-                    _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
+                    if cluster_merge:
+                        _cluster_merge(acc, m, l, q_s, k_s, p_s, v_s, o_g, b, ht, c, s_id,
+                                       clbar, rbar)
+                    else:
+                        _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
 
         pl.run_scoped(
             scoped,
@@ -941,14 +1031,28 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
             # qk_split: the row-vector exchange and its barrier, and "both P halves stored"
             *([plgpu.SMEM((2, HT), jnp.float32), plgpu.Barrier(num_arrivals=2),
                plgpu.Barrier(num_arrivals=2)] if qk_split else []),
+            # cluster_merge: both CTAs' consumers are past their loops; the partial and
+            # the two side tiles landed. A Barrier's count is per warpgroup here (init
+            # count = num_arrivals * 128), and each async_store_smem arrives from the
+            # sender's 128 threads: 3. (3 * 128 expected 49152 arrivals: the H100 hang of
+            # session 23, found afterwards in the PTX.)
+            *([plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=2),
+               plgpu.Barrier(num_arrivals=3)] if cluster_merge else []),
             collective_axes="wg",
         )
 
+    if cluster_merge:
+        if NS != 2 or qk_split:
+            raise ValueError(f"cluster_merge needs 2 splits and no qk_split, got NS={NS}")
+        grid = dict(grid=(B, HP // HT), grid_names=("b", "h"), cluster=(2,),
+                    cluster_names=("s",))
+    else:
+        grid = dict(grid=(B, NS, HP // HT), grid_names=("b", "s", "h"))
     return plgpu.kernel(
         kernel,
-        out_type=_out_types(NS, B, HP),
-        grid=(B, NS, HP // HT), grid_names=("b", "s", "h"),
+        out_type=_out_types(1 if cluster_merge else NS, B, HP),
         num_threads=3, thread_name="wg",
         compiler_params=_params(),
         interpret=interpret,
+        **grid,
     )(q, wn, wr, cn, cr, *args)
