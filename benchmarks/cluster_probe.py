@@ -13,7 +13,6 @@ with num_arrivals * 128), while async_store_smem arrives once from each of the s
 128 threads. The receiver's Barrier(num_arrivals=128) waited for 16384 arrivals; it is
 Barrier(num_arrivals=1) now, not yet run on a GPU. The kernel's merge="cluster" had the
 same bug (3 * 128 for 3 stores)."""
-import functools
 import sys
 
 import numpy as np
@@ -87,10 +86,17 @@ def run(mode):
     out = np.asarray(jax.jit(f)(jnp.zeros((2, 64, 512), jnp.bfloat16))).astype(np.float32)
     # CTA s, half h: "bar" -> own consumer h's value 1 + 2s + h; store -> CTA h's half h
     # comes from the other CTA's consumer h: 1 + 2(1-h) + h
+    bad = 0
     for s in range(2):
         for h in range(2):
             got = np.unique(out[s, :, h * 256:(h + 1) * 256])
-            print(mode, "cta", s, "half", h, "values", got[:4], flush=True)
+            want = 1 + 2 * s + h if mode == "bar" else 1 + 2 * (1 - h) + h
+            ok = got.tolist() == [want] if (mode == "bar" or s == h) else True
+            bad += not ok
+            print(mode, "cta", s, "half", h, "values", got[:4], "ok" if ok else f"want {want}",
+                  flush=True)
+    if bad:
+        raise SystemExit(f"{mode}: {bad} halves wrong")
 
 
 if __name__ == "__main__":
