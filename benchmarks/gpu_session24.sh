@@ -35,4 +35,20 @@ case "${PART:-1}" in
   V=$V,cpasync+idp:DSV4_ATTN_DEQ=bf16:DSV4_ATTN_PIPE=1
   T 300 python3 benchmarks/attn_probe.py --cases $ATT --rounds 2 --variants $V \
     | tee $OUT/probe.log | grep "^|" ;;
+3)
+  # (run2: pipe 1-7% slower at every case, the bf16 dequant at parity (-0.3..+0.2 us); the
+  # pytest call ran out of its 240 s; run2b: the bf16 dequant bit-exact on every non-NaN
+  # code and exponent 1..254, subnormals included: the H100's bf16 multiply keeps them.)
+  # The indexer's "place" dequant: e2m1 bits placed into bf16 (value * 2^-126; q * 2^64 in
+  # SMEM; key factor 2^(E - 65)): 7 instructions per 4 values (4 ALU) against lutbf's 9 (8
+  # ALU); chunk loop 393 -> 381 SASS instructions, PRMT 80 -> 36. GPU tests (place
+  # bit-identical to bits / lutbf, every code, reference, manual / warp barriers, nvfp4),
+  # then the sweep lutbf vs place for fp4 and nvfp4 keys.
+  T 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    -k "place or lut_dequant_every_code or matches_reference or manual or nvfp4_every" \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:lutbf:0:2:0:1:w,fp4:place:0:2:0:1:w,nvfp4:lutbf:0:2:0:1:w,nvfp4:place:0:2:0:1:w
+  V=$V,fp8:bits:0:2:0:1:w
+  T 240 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 --variants $V \
+    --out $OUT | tee $OUT/idx_h100.log | grep -v "^{" ;;
 esac

@@ -210,7 +210,7 @@ def test_kernel_pipeline_variants(fmt, dequant, stages, overlap, kreg):
 
 
 def _run_ptx(program, x, tables=()):
-    """Run _lut_program's PTX (and / shr / shl / or / prmt in prmt's default mode) on an
+    """Run _lut_program's PTX (and / shr / shl / or / prmt, default and sign-replicate modes) on an
     independent emulator, for every u32 input in the uint32 array x ($3, $4...: the table
     words given as registers) -> ($0, $1)."""
     import re
@@ -236,8 +236,10 @@ def _run_ptx(program, x, tables=()):
             out = np.zeros_like(x, np.uint64)
             for i in range(4):
                 nib = (sel >> np.uint64(4 * i)) & np.uint64(15)
-                assert not np.any(nib & np.uint64(8)), "sign-replicate mode is not emulated"
-                byte = (src >> (np.uint64(8) * nib)) & np.uint64(0xFF)
+                byte = (src >> (np.uint64(8) * (nib & np.uint64(7)))) & np.uint64(0xFF)
+                # sign-replicate mode (selector bit 3): the byte's msb, 8 times
+                rep = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                byte = np.where(nib & np.uint64(8), rep, byte)
                 out |= byte << np.uint64(8 * i)
             regs[d] = out
         else:
@@ -268,6 +270,23 @@ def test_lut_program_every_code_pair(to):
         for g, w in zip(got, want):
             assert np.array_equal(g.view(np.uint8 if to == "e4m3" else np.uint16),
                                   w.view(np.uint8 if to == "e4m3" else np.uint16))
+
+
+def test_place_program_every_code_pair():
+    """The "place" dequant's PTX (_PLACE_PROGRAM, on the emulator) on all 65536 pairs of
+    code bytes: each nibble's bf16 is its e2m1 value * 2^-126 exactly (zero, -0, the 0.5
+    code as a bf16 subnormal), low nibbles in $0, high in $1, byte 0's in the low lane."""
+    import ml_dtypes
+    x = np.arange(1 << 16, dtype=np.uint32)
+    lo, hi = _run_ptx(K._PLACE_PROGRAM, x)
+    e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    for out, shift in ((lo, 0), (hi, 4)):
+        for k in range(2):
+            code = (x >> (shift + 8 * k)) & 15
+            got = ((out >> np.uint64(16 * k)) & np.uint64(0xFFFF)).astype(np.uint16)
+            val = got.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
+            np.testing.assert_array_equal(val, e2m1[code])
+            np.testing.assert_array_equal(np.signbit(val), code >= 8)
 
 
 def test_e4m3_bits_decode_every_byte():
@@ -390,7 +409,8 @@ def test_cuda_lowering_flash_shapes():
     assert "mosaic_gpu" in lowered.as_text()
     for dq, st, ov, kr in (("e4m3", 2, False, False), ("fp8mma", 2, False, False),
                            ("e4m3", 4, True, False), ("e4m3", 2, False, True),
-                           ("lut", 2, False, True), ("lutbf", 2, False, True)):
+                           ("lut", 2, False, True), ("lutbf", 2, False, True),
+                           ("place", 2, False, True), ("place", 3, False, False)):
         for barriers in ("auto", "manual", "warp"):
             f = functools.partial(K.indexer_scores, dequant=dq, stages=st, overlap=ov, kreg=kr,
                                   barriers=barriers)
@@ -401,7 +421,7 @@ def test_cuda_lowering_flash_shapes():
     lowered = jax.jit(K.indexer_scores_fp8).trace(*args8).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
-    for dq in ("lut", "lutbf", "e4m3"):
+    for dq in ("lut", "lutbf", "place", "e4m3"):
         f = functools.partial(K.indexer_scores_nvfp4, dequant=dq)
         lowered = jax.jit(f).trace(*argsn).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
@@ -440,11 +460,12 @@ def test_gpu_lut_dequant_every_code():
     for kreg in (False, True):
         assert np.array_equal(run("lut", kreg), a)
         assert np.array_equal(run("lutbf", kreg), a)
+        assert np.array_equal(run("place", kreg), a)
         assert np.array_equal(run("e4m3", kreg), a)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma", "lut", "lutbf"])
+@pytest.mark.parametrize("dequant", ["bits", "e4m3", "fp8mma", "lut", "lutbf", "place"])
 def test_gpu_kernel_matches_reference(dequant):
     q, w, keys, bt, t = make_inputs(5, B=4, NB=256, MAXB=64)
     f = functools.partial(K.indexer_scores, dequant=dequant)
@@ -466,7 +487,8 @@ def test_gpu_pipeline_variants(fmt, dequant, stages, overlap, kreg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,dequant,stages", [("fp4", "lutbf", 2), ("fp4", "lutbf", 3),
-                                                ("nvfp4", "lutbf", 2), ("fp8", "bits", 3)])
+                                                ("nvfp4", "lutbf", 2), ("fp8", "bits", 3),
+                                                ("fp4", "place", 2), ("nvfp4", "place", 2)])
 def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
     """barriers="manual" (one warpgroup barrier a chunk, block-table loads an iteration
     ahead) and "warp" (as manual, the TMA issue in warp 0 only): the same scores, bit for

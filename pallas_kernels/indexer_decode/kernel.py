@@ -39,7 +39,7 @@ DIM = 128
 EPB = 32          # indexer entries per pool block (128 tokens / ratio 4)
 CHUNK = 64        # entries per kernel step (two pool blocks): the wgmma M tile
 RATIO = 4
-DEQUANTS = ("bits", "e4m3", "fp8mma", "lut", "lutbf")
+DEQUANTS = ("bits", "e4m3", "fp8mma", "lut", "lutbf", "place")
 
 
 def _check_common(q, w, block_table, t):
@@ -183,6 +183,62 @@ def _lut_program(to):
     return "{\n.reg .b32 idx, sgn, pos, neg, r, lb;\n" + "\n".join(prep + body) + "\n}"
 
 
+# "place": each e2m1 nibble's bits put straight into a bf16 (no tables): magnitude bits
+# s e1 e0 m -> bf16 bit 15 (s), exponent bits 8..7 (e1 e0) and mantissa bit 6 (m). That is
+# the value * 2^-126 exactly, zero and the 0.5 code (a bf16 subnormal) included: both
+# formats' subnormals are linear. The key scale's multiply then takes 2^126 back (folded
+# with q's 2^64: _PLACE_Q_LOG2); the H100's bf16 multiply keeps subnormal inputs (the
+# attention kernel's e4m3 placement, bit-exact on every code and exponent: session 24).
+# Per register of two code bytes b0 | b1 << 8 (nibbles lo0 hi0 lo1 hi1): prmt puts each
+# byte in a 16-bit lane with a sign-replicated copy above it (selector 0x9180), so the
+# high nibble's sign lands on bit 13 and its magnitude on bits 4-6; << 2 and one mask make
+# the bf16 pair. The low nibbles first shift up 4 to become the high ones. 7 instructions
+# for 4 values, 4 of them ALU (prmt / and) where "lutbf" spends 9, 8 ALU (the pipe session
+# 22's Nsight Compute found throttling).
+_PLACE_PROGRAM = "\n".join([
+    "{", ".reg .b32 t, a, b;",
+    "shl.b32 t, $2, 4;",                 # low nibbles into the bytes' high halves
+    "prmt.b32 a, t, 0, 0x9180;",         # [lo0 << 4, sign(lo0) x8, lo1 << 4 | hi0, sign(lo1) x8]
+    "prmt.b32 b, $2, 0, 0x9180;",        # [b0, sign(hi0) x8, b1, sign(hi1) x8]
+    "shl.b32 a, a, 2;",
+    "and.b32 $0, a, 0x81C081C0;",        # bf16 pair of lo0, lo1: s e1 e0 m at bits 15, 8-6
+    "shl.b32 b, b, 2;",
+    "and.b32 $1, b, 0x81C081C0;",        # bf16 pair of hi0, hi1
+    "}"])
+# q is scaled by 2^64 in SMEM (exact for |q| < 2^63) so that the keys' factor 2^(E - 65)
+# = 2^(E - 127) * 2^126 / 2^64 stays a bf16 normal for every scale in use: exact for
+# e8m0 exponents E in [59, 192] (scales 2^-68 .. 2^65); E >= 193 reads as inf.
+_PLACE_Q_LOG2 = 64
+
+
+def _e2m1_place(byte_WG):
+    """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): bf16 [64, n] of the low / high
+    nibbles' e2m1 values * 2^-126, exact (_PLACE_PROGRAM). Mosaic GPU only (inline PTX)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    out = plgpu.ShapeDtypeStruct(byte_WG.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
+    def convert(ctx, x):
+        del ctx
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        lo_regs, hi_regs = np.empty_like(x.registers), np.empty_like(x.registers)
+        for idx, reg in np.ndenumerate(x.registers):
+            w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [w],
+                                  _PLACE_PROGRAM, "=r,=r,r")
+            for k, regs in enumerate((lo_regs, hi_regs)):
+                regs[idx] = mu.bitcast(llvm.extractvalue(i32, res, [k]),
+                                       ir.VectorType.get((2,), ir.BF16Type.get()))
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=x.layout, _is_signed=None)
+                     for r in (lo_regs, hi_regs))
+
+    return convert(byte_WG)
+
+
 def _e2m1_lut(byte_WG, to="e4m3", tables=None):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
@@ -249,8 +305,9 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     prmt tables, to bf16 / e4m3, as indexer_scores) or "e4m3" (the nibble re-packed); None:
     NVFP4_DEQUANT ("lutbf")."""
     dequant = NVFP4_DEQUANT if dequant is None else dequant
-    if dequant not in ("lut", "lutbf", "e4m3"):
-        raise ValueError(f"nvfp4 keys take dequant 'lut', 'lutbf' or 'e4m3', got {dequant!r}")
+    if dequant not in ("lut", "lutbf", "place", "e4m3"):
+        raise ValueError(f"nvfp4 keys take dequant 'lut', 'lutbf', 'place' or 'e4m3', got "
+                         f"{dequant!r}")
     B = q_BHD.shape[0]
     _check_common(q_BHD, w_BH, block_table, t_B)
     _check_codes(idx_codes)
@@ -379,7 +436,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
     mma8 = fmt == "fp4" and dequant == "fp8mma"
-    if dequant in ("lut", "lutbf") and interpret is not None:
+    if dequant in ("lut", "lutbf", "place") and interpret is not None:
         dequant = "e4m3"   # inline Mosaic GPU code has no interpreter; the same key values
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
@@ -452,6 +509,11 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         @pl.when(n_load > 0)
         def _():
             plgpu.barrier_wait(qbar)
+            if dequant == "place":   # q * 2^64 (exact): the keys come * 2^-64 (_PLACE_Q_LOG2)
+                for half in range(2):
+                    x = plgpu.load(q_s.at[half], layout=WG)
+                    q_s[half] = x * jnp.bfloat16(2.0 ** _PLACE_Q_LOG2)
+                plgpu.commit_smem()   # (fence + warpgroup barrier) before any wgmma reads it
         # the head weights, loaded once (garbage if n_load == 0: then no chunk runs)
         wv = plgpu.load(w_s, layout=COL)
 
@@ -498,17 +560,23 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 if dequant in ("lut", "lutbf"):   # both halves' e2m1 values, from the tables
                     e8_halves = (_e2m1_lut(byte8, "e4m3") if dequant == "lut" else
                                  _e2m1_lut(byte8, "bf16", tables=tb_s))
+                elif dequant == "place":   # both halves' values * 2^-126, no tables
+                    e8_halves = _e2m1_place(byte8)
 
             def keys(half):
                 """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
                 if fmt == "fp8":   # e4m3 -> bf16 is exact
                     x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
                     return x.astype(jnp.float32).astype(jnp.bfloat16)
-                if fmt == "fp4" and dequant in ("lut", "lutbf"):
+                if fmt == "fp4" and dequant in ("lut", "lutbf", "place"):
                     # e2m1 values as e4m3 from the prmt tables; exact in f16 and bf16; the
-                    # block scale 2^(E-127) in bf16 is exact.
-                    s0, s1 = ((lax.bitcast_convert_type(((sc >> (16 * half + 8 * i)) & 0xFF) << 23,
-                                                         jnp.float32)) for i in range(2))
+                    # block scale 2^(E-127) in bf16 is exact. "place": values * 2^-126 and
+                    # q * 2^64, so the factor is 2^(E - 65) (E >= 193: exponent 255, inf).
+                    off = 126 - _PLACE_Q_LOG2 if dequant == "place" else 0
+                    ex = lambda i: (sc >> (16 * half + 8 * i)) & 0xFF
+                    s0, s1 = ((lax.bitcast_convert_type(
+                        (jnp.minimum(ex(i) + off, 255) if off else ex(i)) << 23, jnp.float32))
+                        for i in range(2))
                     blk = jnp.where(col < 32, lax.broadcast_in_dim(s0, (CHUNK, 64), [0]),
                                     lax.broadcast_in_dim(s1, (CHUNK, 64), [0]))
                     v = e8_halves[half]
@@ -517,6 +585,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     return v * blk.astype(jnp.bfloat16)
                 if dequant in ("lut", "lutbf"):   # nvfp4: true e2m1 values (no 2^-6 to undo)
                     e8, unit = e8_halves[half], 1.0
+                elif dequant == "place":   # values * 2^-126, q * 2^64: 2^62 back
+                    e8, unit = e8_halves[half], 2.0 ** (126 - _PLACE_Q_LOG2)
                 elif fmt == "nvfp4" or dequant == "e4m3":
                     unit = 64.0
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
@@ -536,12 +606,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     blk = None
                     # lutbf: the values are bf16 already; e2m1 * e4m3 (at most 6 significant
                     # bits) is exact in bf16 too.
-                    sdt = jnp.bfloat16 if dequant == "lutbf" else jnp.float16
+                    sdt = jnp.bfloat16 if dequant in ("lutbf", "place") else jnp.float16
                     for part in range(3, -1, -1):
                         s16 = lax.broadcast_in_dim(_e4m3_bits_to_f32(word >> (8 * part), unit),
                                                    (CHUNK, 64), [0]).astype(sdt)
                         blk = s16 if blk is None else jnp.where(col < 16 * (part + 1), s16, blk)
-                    if dequant == "lutbf":
+                    if dequant in ("lutbf", "place"):
                         return e8 * blk
                     return (e8.astype(jnp.float16) * blk).astype(jnp.bfloat16)
                 elif dequant == "e4m3":
