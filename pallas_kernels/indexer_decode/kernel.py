@@ -186,8 +186,8 @@ def _lut_program(to):
 # "place": each e2m1 nibble's bits put straight into a bf16 (no tables): magnitude bits
 # s e1 e0 m -> bf16 bit 15 (s), exponent bits 8..7 (e1 e0) and mantissa bit 6 (m). That is
 # the value * 2^-126 exactly, zero and the 0.5 code (a bf16 subnormal) included: both
-# formats' subnormals are linear. The key scale's multiply then takes 2^126 back (folded
-# with q's 2^64: _PLACE_Q_LOG2); the H100's bf16 multiply keeps subnormal inputs (the
+# formats' subnormals are linear. The key scale's multiply then takes 2^126 back (but
+# 2^64: _PLACE_LOG2); the H100's bf16 multiply keeps subnormal inputs (the
 # attention kernel's e4m3 placement, bit-exact on every code and exponent: session 24).
 # Per register of two code bytes b0 | b1 << 8 (nibbles lo0 hi0 lo1 hi1): prmt puts each
 # byte in a 16-bit lane with a sign-replicated copy above it (selector 0x9180), so the
@@ -205,10 +205,12 @@ _PLACE_PROGRAM = "\n".join([
     "shl.b32 b, b, 2;",
     "and.b32 $1, b, 0x81C081C0;",        # bf16 pair of hi0, hi1
     "}"])
-# q is scaled by 2^64 in SMEM (exact for |q| < 2^63) so that the keys' factor 2^(E - 65)
-# = 2^(E - 127) * 2^126 / 2^64 stays a bf16 normal for every scale in use: exact for
-# e8m0 exponents E in [59, 192] (scales 2^-68 .. 2^65); E >= 193 reads as inf.
-_PLACE_Q_LOG2 = 64
+# The keys are made k * 2^-64, so that their factor 2^(E - 65) = 2^(E - 127) * 2^126 / 2^64
+# stays a bf16 normal for every scale in use: exact for e8m0 exponents E in [59, 192]
+# (scales 2^-68 .. 2^65; E >= 193 reads as inf). The scores come * 2^-64 from the f32
+# accumulator (a power of two: the same roundings) and the head weights take 2^64 back,
+# once a CTA. (A first version scaled q in SMEM instead: 0.1-0.2 us more at B = 1.)
+_PLACE_LOG2 = 64
 
 
 def _e2m1_place(byte_WG):
@@ -509,13 +511,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         @pl.when(n_load > 0)
         def _():
             plgpu.barrier_wait(qbar)
-            if dequant == "place":   # q * 2^64 (exact): the keys come * 2^-64 (_PLACE_Q_LOG2)
-                for half in range(2):
-                    x = plgpu.load(q_s.at[half], layout=WG)
-                    q_s[half] = x * jnp.bfloat16(2.0 ** _PLACE_Q_LOG2)
-                plgpu.commit_smem()   # (fence + warpgroup barrier) before any wgmma reads it
         # the head weights, loaded once (garbage if n_load == 0: then no chunk runs)
         wv = plgpu.load(w_s, layout=COL)
+        if dequant == "place":   # the keys come * 2^-64, so do the scores: w * 2^64 (exact)
+            wv = wv * jnp.float32(2.0 ** _PLACE_LOG2)
 
         def epilogue(j, s):
             score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
@@ -571,8 +570,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 if fmt == "fp4" and dequant in ("lut", "lutbf", "place"):
                     # e2m1 values as e4m3 from the prmt tables; exact in f16 and bf16; the
                     # block scale 2^(E-127) in bf16 is exact. "place": values * 2^-126 and
-                    # q * 2^64, so the factor is 2^(E - 65) (E >= 193: exponent 255, inf).
-                    off = 126 - _PLACE_Q_LOG2 if dequant == "place" else 0
+                    # keys * 2^-64, so the factor is 2^(E - 65) (E >= 193: exponent 255, inf).
+                    off = 126 - _PLACE_LOG2 if dequant == "place" else 0
                     ex = lambda i: (sc >> (16 * half + 8 * i)) & 0xFF
                     s0, s1 = ((lax.bitcast_convert_type(
                         (jnp.minimum(ex(i) + off, 255) if off else ex(i)) << 23, jnp.float32))
@@ -585,8 +584,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     return v * blk.astype(jnp.bfloat16)
                 if dequant in ("lut", "lutbf"):   # nvfp4: true e2m1 values (no 2^-6 to undo)
                     e8, unit = e8_halves[half], 1.0
-                elif dequant == "place":   # values * 2^-126, q * 2^64: 2^62 back
-                    e8, unit = e8_halves[half], 2.0 ** (126 - _PLACE_Q_LOG2)
+                elif dequant == "place":   # values * 2^-126, keys * 2^-64: 2^62 back
+                    e8, unit = e8_halves[half], 2.0 ** (126 - _PLACE_LOG2)
                 elif fmt == "nvfp4" or dequant == "e4m3":
                     unit = 64.0
                     # The nibble s e1 e0 m placed as the e4m3 byte s 0 0 e1 e0 m 0 0 is the
