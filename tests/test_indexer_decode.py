@@ -192,10 +192,11 @@ def _keys(rng, fmt, NB):
 # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma ("Expected shape
 # (6,) but got (64, 64)"): the kreg variants run on the GPU (test_gpu_pipeline_variants) and
 # in the CUDA lowering test; their dequant code is the SMEM variants' (keys()). Nor does
-# it run inline Mosaic GPU code: "lut" / "lutbf" would silently run as "e4m3" here, so
+# it run inline Mosaic GPU code: "lut" / "lutbf" / "place" would silently run as "e4m3" here, so
 # they are GPU-only too (their tables: test_lut_program_every_code_pair).
 @pytest.mark.parametrize("fmt,dequant,stages,overlap,kreg",
-                         [p for p in PIPELINES if not p[4] and p[1] not in ("lut", "lutbf")])
+                         [p for p in PIPELINES
+                          if not p[4] and p[1] not in ("lut", "lutbf", "place")])
 def test_kernel_pipeline_variants(fmt, dequant, stages, overlap, kreg):
     """Deeper TMA rings (stages) and the overlapped second-half dequant: 5 chunks per CTA
     (more than the ring holds, so slots are reused), a partial last chunk, unused blocks."""
@@ -513,7 +514,7 @@ def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
 
 @pytest.mark.gpu
 def test_gpu_nvfp4_every_code_and_scale():
-    """The default nvfp4 kernel (register keys, lutbf, the hardware's e4m3 scale
+    """The default nvfp4 kernel (register keys, place, the hardware's e4m3 scale
     conversion) on raw random bytes: every e2m1 code pair, every non-NaN e4m3 scale
     (subnormals, zero, 448, negative), against the reference."""
     rng = np.random.default_rng()

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4_jax import kvformat
@@ -185,98 +184,6 @@ def test_gpu_cpasync_implicit_hca_ids():
         np.testing.assert_array_equal(out, f(R.hca_indices(t, 150), None))
 
 
-def _e4m3_bf16_probe(x_u8, e_u8, form):
-    """One [64, 64] chunk through the kernel's dequant as the cpasync path runs it: e4m3
-    rows in a 64-byte swizzled SMEM tile, scale exponents in ROW layout, the result stored
-    into a 128-byte swizzled bf16 tile. form: "bf16" (_e4m3_scaled_bf16) or "f32"."""
-    def kernel(x_g, e_g, o_g):
-        def scoped(x_s, e_s, o_s, bar):
-            plgpu.copy_gmem_to_smem(x_g, x_s, bar)
-            plgpu.copy_gmem_to_smem(e_g, e_s, bar)
-            plgpu.barrier_wait(bar)
-            x = plgpu.load(x_s, layout=K.WG)
-            e = plgpu.load(e_s.at[0], layout=K.ROW).astype(jnp.int32)
-            if form == "bf16":
-                o_s[...] = K._e4m3_scaled_bf16(x, e)
-            else:
-                f = jax.lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
-                o_s[...] = (x.astype(jnp.float32)
-                            * jax.lax.broadcast_in_dim(f, (64, 64), [0])).astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_g)
-            plgpu.wait_smem_to_gmem(0)
-        pl.run_scoped(scoped, plgpu.SMEM((64, 64), jnp.float8_e4m3fn, transforms=K.SWZ64),
-                      plgpu.SMEM((2, 64), jnp.uint8),   # (a copy moves >= 128 B)
-                      plgpu.SMEM((64, 64), jnp.bfloat16, transforms=K.TILED),
-                      plgpu.Barrier(num_arrivals=2))
-    f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),
-                     compiler_params=K._params())
-    x = jax.lax.bitcast_convert_type(jnp.asarray(x_u8), jnp.float8_e4m3fn)
-    return np.asarray(jax.jit(f)(x, jnp.asarray(np.stack([e_u8, e_u8]))))
-
-
-@pytest.mark.gpu
-def test_gpu_e4m3_scaled_bf16_is_exact():
-    """The bit-placement dequant (DSV4_ATTN_DEQ=bf16) against float64 math rounded once to
-    bf16, and against the f32 form, bit for bit: every e4m3 code (subnormals included) at
-    scale exponents from 1 to 254 (both multiplies' ranges, the 134 switch). The NaN codes
-    (0x7F, 0xFF; the cache never stores them) come out finite in the bf16 form."""
-    rng = np.random.default_rng(11)
-    es = np.array([1, 2, 7, 10, 60, 100, 118, 120, 122, 124, 126, 127, 128, 133, 134, 135,
-                   136, 142, 143, 160, 200, 240, 253, 254] * 3, np.uint8)[:64]
-    rng.shuffle(es)
-    for rep in range(4):   # each row sees 64 codes; 4 reps cover all 256 in every row
-        codes = ((np.arange(64)[None, :] * 4 + rep + 7 * np.arange(64)[:, None]) % 256
-                 ).astype(np.uint8)
-        ok = (codes & 0x7F) != 0x7F
-        x = codes.view(jnp.float8_e4m3fn).astype(np.float64)
-        want = (x * np.exp2(es.astype(np.float64) - 127)[:, None]).astype(jnp.bfloat16)
-        got, f32 = (_e4m3_bf16_probe(codes, es, form) for form in ("bf16", "f32"))
-        bits = lambda a: np.asarray(a).view(np.uint16)
-        bad = np.argwhere((bits(got) != bits(want)) & ok)
-        assert bad.size == 0, [(int(codes[i, j]), int(es[i]), float(got[i, j]),
-                                float(want[i, j])) for i, j in bad[:8]]
-        np.testing.assert_array_equal(bits(f32)[ok], bits(want)[ok])
-        assert np.isfinite(got.astype(np.float32)[~ok]).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("deq", ["f32", "bf16"])
-def test_gpu_pipe_and_bf16_dequant(deq, monkeypatch):
-    """pipe=True (each consumer's dequant interleaved with its score wgmmas) and the bf16
-    dequant against the default kernel: the bf16 dequant alone is bit-identical (the same
-    K tile); with pipe, column half 0 is bit-identical (consumer 0 sums the score chunks in
-    the default order) and half 1 within a few bf16 ulps (consumer 1 sums chunks 4-7 first),
-    and both are as close to the reference. Edge cases, CSA and in-kernel HCA ids, 1 and 2
-    splits, Flash and Pro head counts."""
-    cases = [(edge_inputs(), None),
-             (make_inputs(12, B=3, H=128, NB=96, MAXB=32, n_idx=512, t=(700, 4095, 300),
-                          n_valid=(175, 512, 20)), None)]
-    q, win, cmp, bt, _, _, sink = make_inputs(13, B=2, H=64, NB=320, EPB=1, MAXB=150,
-                                              n_idx=150, t=(5000, 19000), n_valid=(0, 0))
-    t = jnp.asarray([5000, 19000], jnp.int32)
-    cases.append(((q, win, cmp, bt, None, t, sink), 150))
-
-    def run(args, hca, splits, pipe, mode):
-        monkeypatch.setenv("DSV4_ATTN_DEQ", mode)
-        return np.asarray(jax.jit(functools.partial(
-            K.sparse_decode_attention, splits=splits, gather="cpasync", ids_prefix=hca is not None,
-            hca_entries=hca, pipe=pipe))(*args)).astype(np.float32)
-    for args, hca in cases:
-        ids = R.hca_indices(args[5], 150) if hca else args[4]
-        ref = np.asarray(R.sparse_decode_attention_reference(
-            *args[:4], ids, *args[5:])).astype(np.float32)
-        for splits in (1, 2):
-            base = run(args, hca, splits, False, "f32")
-            out = run(args, hca, splits, True, deq)
-            assert np.isfinite(out).all()
-            if deq == "bf16":
-                np.testing.assert_array_equal(run(args, hca, splits, False, "bf16"), base)
-            np.testing.assert_array_equal(out[..., :256], base[..., :256])
-            np.testing.assert_allclose(out[..., 256:], base[..., 256:], rtol=0.04, atol=1e-2)
-            assert rel_err(out, ref) < 5e-3
-
-
 @pytest.mark.gpu
 def test_gpu_cluster_merge_matches_xla_merge():
     """merge="cluster" (2 key splits as a cluster of 2 CTAs, merged through distributed
@@ -426,48 +333,6 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
                               ids_prefix=True, hca_entries=MAXB)
         text = jax.jit(f).trace(*hargs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and "iota" not in text
-
-
-@pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])
-def test_cuda_lowering_pipe_and_bf16_dequant(H, topk, monkeypatch):
-    """pipe=True and DSV4_ATTN_DEQ=bf16 lower at Flash / Pro shapes (CSA and HCA ids);
-    bad settings are refused by name."""
-    B, NB, EPB, MAXB = 8, 4096, 32, 512
-    S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    args = (S((B, H, 512), jnp.bfloat16),
-            (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-             S((B, 128), jnp.int32)),
-            (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
-            S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
-            S((H,), jnp.float32))
-    hargs = args[:2] + ((S((NB, 1, 448), f8), S((NB, 1, 8), jnp.uint8),
-                         S((NB, 1, 64), jnp.bfloat16)),) + args[3:4] + (None,) + args[5:]
-    for deq in ("f32", "bf16"):
-        monkeypatch.setenv("DSV4_ATTN_DEQ", deq)
-        for splits, pipe in ((1, True), (3, True), (2, False)):
-            f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
-                                  ids_prefix=True, pipe=pipe)
-            assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(
-                lowering_platforms=("cuda",)).as_text()
-        f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
-                              ids_prefix=True, hca_entries=MAXB, pipe=True)
-        assert "mosaic_gpu" in jax.jit(f).trace(*hargs).lower(
-            lowering_platforms=("cuda",)).as_text()
-    monkeypatch.setenv("DSV4_ATTN_DEQ", "f16")
-    f = functools.partial(K.sparse_decode_attention, splits=1, gather="cpasync")
-    with pytest.raises(ValueError, match="DSV4_ATTN_DEQ"):
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    monkeypatch.setenv("DSV4_ATTN_DEQ", "f32")
-    with pytest.raises(ValueError, match="pipe=True"):
-        jax.jit(functools.partial(K.sparse_decode_attention, gather="direct", pipe=True)
-                ).trace(*args)
-    with pytest.raises(ValueError, match="pipe=True"):
-        jax.jit(functools.partial(K.sparse_decode_attention, gather="cpasync", qk_split=True,
-                                  pipe=True)).trace(*args)
-    monkeypatch.setenv("DSV4_ATTN_PIPE", "yes")
-    with pytest.raises(ValueError, match="DSV4_ATTN_PIPE"):
-        jax.jit(functools.partial(K.sparse_decode_attention, gather="cpasync")).trace(*args)
 
 
 @pytest.mark.gpu

@@ -10,9 +10,10 @@ For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
 K_i is read straight from the `fp4` indexer key pool (split-half packed e2m1 nibbles + one
 e8m0 exponent per 32 dims, see pallas_kernels/CACHE_LAYOUT.md) and dequantised in-kernel
-(Hopper has no e2m1 casts: by default prmt lookup tables turn code bytes into e4m3 bytes,
-_e2m1_lut). The top-k is a separate kernel (pallas_kernels/topk_select) reading
-this kernel's untrimmed score row, or XLA's lax.top_k.
+(Hopper has no e2m1 casts: by default each nibble's bits are placed into a bf16 by prmt /
+shift / mask, _e2m1_place; prmt lookup tables, _e2m1_lut, are the alternative). The top-k
+is a separate kernel (pallas_kernels/topk_select) reading this kernel's untrimmed score
+row, or XLA's lax.top_k.
 
 Kernel shape pipeline, per CTA (request b, a range of `cpc` chunks of 64 entries):
     codes u8 [64 e, 64 bytes]   (2 pool blocks, TMA)    scale u32 [64 e] (4 e8m0 bytes)
@@ -90,11 +91,13 @@ KREG = True
 # (plgpu.warp_map); the other three warps skip it: fp4 chunk loop 412 -> 393 instructions
 # in warp 0 (one expect-tx arrival instead of 128) and 347 in warps 1-3 (sm_90a SASS).
 BARRIERS = "warp"
-# The fp4 keys' dequant when a call names none: "lutbf" measured 119.8 us against "lut"
-# 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K, each with kreg where
-# it applies); nvfp4 keys: "lutbf" 152.3 against "lut" 164.7 (H200, 2026-11-26).
-DEQUANT = "lutbf"
-NVFP4_DEQUANT = "lutbf"
+# The fp4 keys' dequant when a call names none: "place" (bits placed, no tables) measured
+# 92.3 us against "lutbf" 100.4 at B = 64, 128K and 13.5 against 15.3 at B = 8; nvfp4
+# keys 100.4 against 110.2 and 14.7 against 16.7; B = 1, 32K 2.5-2.6 both (H100,
+# 2026-11-26, session 24 run4, bit-identical scores). Before: "lutbf" 119.8 us against
+# "lut" 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K).
+DEQUANT = "place"
+NVFP4_DEQUANT = "place"
 
 
 def _pipeline(stages, overlap, kreg=None, barriers=None):
@@ -303,9 +306,9 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
-    significant bits). GPU-tested on an H200 (2026-11-26). dequant: "lutbf" / "lut" (the
-    prmt tables, to bf16 / e4m3, as indexer_scores) or "e4m3" (the nibble re-packed); None:
-    NVFP4_DEQUANT ("lutbf")."""
+    significant bits). GPU-tested on an H200 (2026-11-26). dequant: "place" (the code bits
+    placed into bf16, as indexer_scores), "lutbf" / "lut" (the prmt tables, to bf16 /
+    e4m3) or "e4m3" (the nibble re-packed); None: NVFP4_DEQUANT ("place")."""
     dequant = NVFP4_DEQUANT if dequant is None else dequant
     if dequant not in ("lut", "lutbf", "place", "e4m3"):
         raise ValueError(f"nvfp4 keys take dequant 'lut', 'lutbf', 'place' or 'e4m3', got "
@@ -344,7 +347,7 @@ def q_fp8_groups(q_BHD):
 def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **kw):
     """Kernel scores from a pool given as its dict of fields (as in reference.py), any of
     the three key formats. dequant: how e2m1 codes become values (indexer_scores; None:
-    DEQUANT); nvfp4 takes "lutbf", "lut" or "e4m3" (None: NVFP4_DEQUANT); fp8 has one path (None or
+    DEQUANT); nvfp4 takes "place", "lutbf", "lut" or "e4m3" (None: NVFP4_DEQUANT); fp8 has one path (None or
     "bits" stands for it)."""
     if fmt == "fp4":
         return indexer_scores(q_BHD, w_BH, keys["idx_codes"], keys["idx_scale"], block_table,
@@ -375,8 +378,10 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     2026-11-22: rel err 8.8e-8 vs the reference, identical top-k.
     trim=False: the kernel's whole output [B, W >= MAXB*32], scores in the first MAXB*32
     columns (past them -inf), without the slice (a copy kernel in XLA).
-    dequant: "lutbf" (e2m1 -> bf16 pairs by prmt lookup tables on whole registers, inline
-    Mosaic GPU code; the default, DEQUANT; interpreted calls take "e4m3"), "lut" (the same
+    dequant: "place" (each nibble's bits placed into a bf16 by prmt / shift / mask, value *
+    2^-126, the factor 2^126 / 2^64 on the scale and 2^64 on the head weights; inline
+    Mosaic GPU code; the default, DEQUANT; interpreted calls take "e4m3"), "lutbf" (e2m1 ->
+    bf16 pairs by prmt lookup tables on whole registers), "lut" (the same
     tables to e4m3, then converted), "bits" (integer ops
     build the f32 bits), "e4m3" (the nibble re-packed as an e4m3 byte, converted by the
     hardware; same values) or "fp8mma"
@@ -416,8 +421,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     (f32 [NB, 32],) (applied to the scores: relu(q . k * s) = s * relu(q . k) for s >= 0).
     dequant (fp4 / nvfp4): "bits" builds each value's f32 bits with integer ops; "e4m3"
     re-packs the nibble as an e4m3 byte and lets the hardware convert it; "lut" looks the
-    e4m3 bytes up with prmt (_e2m1_lut; same values); "lutbf" looks up bf16 pairs (not yet
-    run on a GPU).
+    e4m3 bytes up with prmt (_e2m1_lut; same values); "lutbf" looks up bf16 pairs; "place"
+    puts the code bits into bf16 (_e2m1_place: values * 2^-126; key factor 2^(E - 65),
+    head weights * 2^64).
     stages: depth of the TMA ring of code blocks (chunks in flight + the one in use).
     overlap: the second half's dequant runs while the first half's wgmma is in flight (the
     tensor cores and the ALUs overlap within one warpgroup; no extra SMEM).

@@ -41,8 +41,6 @@ import functools
 import math
 import os
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -143,8 +141,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
                             q_in_loop=False, col_split=1, joined=False, qk_split=False,
-                            ids_prefix=False, hca_entries=None, merge=None, pipe=None,
-                            interpret=None):
+                            ids_prefix=False, hca_entries=None, merge=None, interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -178,21 +175,11 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     merge (key splits' merge; None: $DSV4_ATTN_MERGE, else "xla"): "xla" merges in XLA
     (merge_splits); "auto" merges 2 splits in-kernel (the cpasync kernel on a GPU, no
     qk_split) and more in XLA; "cluster" requires the in-kernel merge (_cluster_merge).
-    The in-kernel merge has not yet run correctly on a GPU (session 23: its first version
-    hung, from a barrier count found afterwards in the PTX and fixed, not re-run), so
-    "xla" is the default.
-    pipe (None: $DSV4_ATTN_PIPE == "1", applied where it can run): each consumer
-    warpgroup's dequant interleaved with the score wgmmas of the chunks it already stored
-    (_scores_pipelined); the cpasync kernel on a GPU without qk_split only (True elsewhere
-    is refused)."""
+    The in-kernel merge runs on the H100 with the XLA merge's error (session 24 run1), but
+    the op is slower: the kernel grows by more than the two merge fusions it saves (Flash
+    CSA B=64 33.2 -> 33.9 us, HCA B=64 50.3 -> 52.4, Pro CSA B=32 47.4 -> 48.0), so "xla"
+    is the default."""
     H = q_BHD.shape[1]
-    if pipe is None:
-        env = os.environ.get("DSV4_ATTN_PIPE", "0")
-        if env not in ("0", "1"):
-            raise ValueError(f"DSV4_ATTN_PIPE must be 0 or 1, got {env!r}")
-        pipe, pipe_asked = env == "1", False
-    else:
-        pipe_asked = bool(pipe)
     merge = merge or os.environ.get("DSV4_ATTN_MERGE", "xla")
     if merge not in ("auto", "xla", "cluster"):
         raise ValueError(f"merge must be 'auto', 'xla' or 'cluster', got {merge!r}")
@@ -242,16 +229,11 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                              f"and no qk_split (got gather={gather!r}, splits={NS}, "
                              f"qk_split={qk_split})")
         cluster = can and merge != "xla"
-        can_pipe = warp_specialized and gather == "cpasync" and not qk_split
-        if pipe_asked and not can_pipe:
-            raise ValueError(f"pipe=True needs the cpasync kernel on a GPU and no qk_split "
-                             f"(got gather={gather!r}, qk_split={qk_split})")
         if warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
                                    qk_split=qk_split, epb=cmp[0].shape[1],
                                    used_from_t=ids_prefix and gather == "cpasync",
-                                   implicit=implicit, cluster_merge=cluster,
-                                   pipe=bool(pipe) and can_pipe)
+                                   implicit=implicit, cluster_merge=cluster)
             if cluster:
                 NS = 1   # merged in-kernel: o [1, B, HP, 512] is final
         else:
@@ -564,20 +546,6 @@ def _wait_block(g, slot, wbar, cbar):
         plgpu.barrier_wait(cbar.at[slot])
 
 
-def _deq_bf16():
-    """$DSV4_ATTN_DEQ: "bf16" (the dequant by bit placement and two bf16 multiplies,
-    _e4m3_scaled_bf16) or "f32" (e4m3 -> f16 -> f32, f32 multiply, pack to bf16)."""
-    v = os.environ.get("DSV4_ATTN_DEQ", "f32")
-    if v not in ("bf16", "f32"):
-        raise ValueError(f"DSV4_ATTN_DEQ must be bf16 or f32, got {v!r}")
-    return v == "bf16"
-
-
-def _cols(j):
-    """Columns of 64-wide chunk j (static or traced) of a [.., 512] tile."""
-    return pl.ds(j * 64 if isinstance(j, int) else pl.multiple_of(j * 64, 64), 64)
-
-
 def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, swizzled=False):
     """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is.
     swizzled: n_s is [2, 8, 64, 64] chunk-major, tiled (8, 64) and 64-byte swizzled
@@ -588,55 +556,11 @@ def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, swizzled=False):
         else:   # row stride of 512 B: bank conflicts, accepted (optimized=False)
             x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
         e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
-        if swizzled and _deq_bf16():   # (inline PTX: GPU only, as the cpasync gather)
-            k_s[:, _cols(j)] = _e4m3_scaled_bf16(x, e)
-        else:
-            f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
-            kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
-            k_s[:, _cols(j)] = kx.astype(jnp.bfloat16)
+        f = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
+        kx = x.astype(jnp.float32) * lax.broadcast_in_dim(f, (BLK, 64), [0])
+        k_s[:, pl.ds(j * 64, 64)] = kx.astype(jnp.bfloat16)
     if rope:
         k_s[:, pl.ds(NOPE, ROPE)] = plgpu.load(r_s.at[slot], layout=WG, optimized=False)
-
-
-def _e4m3_as_bf16_scaled_down(x_WG):
-    """e4m3 [64, n] (WGMMA layout) -> bf16 [64, n] = x * 2^-120, exact (bit placement: the
-    e4m3 exponent / mantissa bits become the low exponent / top mantissa bits of a bf16,
-    subnormals included: both formats' subnormals are linear). Per register (2 values):
-    prmt (each byte and its sign-replicated copy into a 16-bit lane), shl 4, and."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mu
-
-    out = plgpu.ShapeDtypeStruct(x_WG.shape, jnp.bfloat16, layout=WG)
-
-    @plgpu.inline_mgpu(arg_types=(WG,), return_type=out)
-    def convert(ctx, x):
-        del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        regs = np.empty_like(x.registers)
-        for idx, reg in np.ndenumerate(x.registers):
-            w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
-            v = llvm.inline_asm(i32, [w],
-                                "{\n.reg .b32 t;\nprmt.b32 t, $1, 0, 0x9180;\n"
-                                "shl.b32 t, t, 4;\nand.b32 $0, t, 0x87F087F0;\n}",
-                                "=r,r")
-            regs[idx] = mu.bitcast(v, ir.VectorType.get((2,), ir.BF16Type.get()))
-        return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
-
-    return convert(x_WG)
-
-
-def _e4m3_scaled_bf16(x_WG, e_ROW):
-    """x * 2^(e - 127) as bf16 (exact) for e4m3 x [64, n] and scale exponents e [64]
-    (int32, clipped to [1, 254] as the f32 form does): the x * 2^-120 bit placement times
-    2^(e - 7) in two exact bf16 multiplies (2^(e - 7) itself overflows bf16 past e = 134)."""
-    e = jnp.clip(e_ROW, 1, 254)
-    pw = lambda k: lax.bitcast_convert_type(k << 23, jnp.float32).astype(jnp.bfloat16)
-    f1 = pw(jnp.minimum(e, 134) + 120)          # 2^(min(e, 134) - 7)
-    f2 = pw(jnp.maximum(e, 134) - 7)            # 2^(max(e, 134) - 134)
-    bc = lambda f: lax.broadcast_in_dim(f, x_WG.shape, [0])
-    return _e4m3_as_bf16_scaled_down(x_WG) * bc(f1) * bc(f2)
 
 
 def _bias(m_s, slot, keys=None):
@@ -663,50 +587,8 @@ def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
         if "qk" not in _ablated():
             plgpu.wgmma(acc_ref, q_s, k_s.T)
         return acc_ref[...]
-    return _softmax(pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)), p_s, bias, m, l, acc)
-
-
-def _scores_pipelined(q_s, k_s, n_s, r_s, m_s, slot, c, sync):
-    """S [64 heads, 64 keys] f32 = q K^T for the block, with consumer c's dequant of its
-    own chunks (c0: 0-3, c1: 4-6 + rope) interleaved with the score wgmmas of the chunks
-    already stored: chunk j's wgmma (async) runs while chunk j + 1 is dequantised. Then
-    sync() (the kfull meeting: the other consumer's chunks are stored) and the wgmmas of
-    the other half. Both consumers get the same S up to the f32 summation order.
-    (The default form dequantises first and runs all 32 wgmmas after the meeting: nothing
-    overlaps the dequant.) Chunk indices are dynamic (4 c + i), c read from SMEM each block
-    by the caller: a wgmma inside a branch on c (two static forms), or c as the loop
-    invariant it is, had ptxas precompute the 64 wgmma descriptors out of the loop and
-    spill 256-316 B (compile-only sm_90a, 2026-11-26); the re-read c: no spills."""
-    def mma(acc_ref, j):
-        cols = _cols(j)
-        plgpu.wgmma(acc_ref, q_s.at[:, cols], k_s.at[:, cols].T)
-
-    def qk(acc_ref):
-        for i in range(4):
-            j = 4 * c + i
-            if i < 3:
-                _dequant(n_s, r_s, m_s, k_s, slot, [j], False, True)
-            else:
-                @pl.when(c == 0)
-                def _():
-                    _dequant(n_s, r_s, m_s, k_s, slot, [3], False, True)
-
-                @pl.when(c == 1)
-                def _():
-                    k_s[:, pl.ds(NOPE, ROPE)] = plgpu.load(r_s.at[slot], layout=WG,
-                                                           optimized=False)
-            plgpu.commit_smem()   # this chunk's stores, visible to the wgmma
-            mma(acc_ref, j)
-        sync()
-        for i in range(4):
-            mma(acc_ref, 4 * (1 - c) + i)
-        return acc_ref[...]
-    return pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
-
-
-def _softmax(s, p_s, bias, m, l, acc):
-    """The online-softmax step of _scores_softmax for scores s = q K^T (unscaled)."""
-    s = s * (1.0 / math.sqrt(D)) + lax.broadcast_in_dim(bias, s.shape, [1])
+    s = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)) * (1.0 / math.sqrt(D))
+    s = s + lax.broadcast_in_dim(bias, s.shape, [1])
     m_new = jnp.maximum(m, s.max(axis=1))
     p, l, acc = _online_update(s, m_new, m, l, acc)
     p_s[...] = p.astype(jnp.bfloat16)
@@ -1001,7 +883,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
 
 
 def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
-                  used_from_t=False, implicit=0, cluster_merge=False, pipe=False):
+                  used_from_t=False, implicit=0, cluster_merge=False):
     """Warp-specialised: one CTA per (request, split, head tile) with 3 warpgroups. wg 2
     issues the row copies (double-buffered, released by the consumers' `free` barrier);
     wg 0 / 1 own output column halves 0 / 1, dequantise half of the K tile each (chunks
@@ -1013,8 +895,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     `used` holds t, and the bound is min(KP, (t + 1) * epb // BLOCK_TOKENS) (ids_prefix).
     implicit = K > 0 (cpasync, used_from_t): HCA ids derived in-kernel (_cp_gather); idx is
     not read (the block table stands in) and KP = K rounded up to whole key blocks.
-    pipe (cpasync, no qk_split): each consumer's dequant interleaved with the score wgmmas
-    (_scores_pipelined) instead of all 32 after the meeting.
     cluster_merge (NS == 2): the two splits of a (request, head tile) run as a cluster and
     merge in-kernel (_cluster_merge); the output is then o [1, B, HP, 512], final."""
     B, HP, _ = q.shape
@@ -1028,8 +908,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     # producer warpgroup's one arrival after its cp.async copies landed
     n_w = 1 if cpasync else N_ROW_COPIES
     n_c = 1 if cpasync else N_ROW_COPIES if direct else 3
-    if pipe and (not cpasync or qk_split):
-        raise ValueError("pipe needs gather='cpasync' and no qk_split")
     ablated = _ablated()
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
@@ -1047,7 +925,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                    *extra_refs):   # qk_split: x_s, xbar, pfull; cluster_merge: clbar, rbar
             x_s, xbar, pfull = extra_refs[:3] if qk_split else (None,) * 3
             clbar, rbar = extra_refs[-2:] if cluster_merge else (None,) * 2
-            c_s = extra_refs[3 if qk_split else 0] if pipe else None
             @pl.when(wg == 2)
             def _producer():
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
@@ -1085,8 +962,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                 plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)),
                                         action="increase")
                 c = wg
-                if pipe:
-                    c_s[c] = c
 
                 def body(i, carry):
                     acc, m, l = carry
@@ -1098,22 +973,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
                         @pl.when(i > 0)
                         def _():
                             plgpu.barrier_wait(kfree)   # both P V of block i-1 read k_s
-
-                    if pipe:   # dequant interleaved with the score wgmmas
-                        def sync():
-                            plgpu.barrier_arrive(free.at[slot])
-                            plgpu.barrier_arrive(kfull)
-                            plgpu.barrier_wait(kfull)
-                        with jax.named_scope("deq_qk"):
-                            bias = _bias(m_s, slot)   # (read before `free`, in sync)
-                            s = _scores_pipelined(q_s, k_s, n_s, r_s, m_s, slot, c_s[c],
-                                                  sync)
-                        with jax.named_scope("softmax"):
-                            m, l, acc = _softmax(s, p_s.at[c], bias, m, l, acc)
-                        with jax.named_scope("pv"):
-                            acc = _pv(p_s.at[c], k_s, c, acc)
-                            plgpu.barrier_arrive(kfree)
-                        return acc, m, l
 
                     with jax.named_scope("deq"):
                         @pl.when((c == 0) & ("deq" not in ablated))
@@ -1178,8 +1037,6 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
             # count = num_arrivals * 128), and each async_store_smem arrives from the
             # sender's 128 threads: 3. (3 * 128 expected 49152 arrivals: the H100 hang of
             # session 23, found afterwards in the PTX.)
-            # pipe: the consumer index, re-read each block (see _scores_pipelined)
-            *([plgpu.SMEM((2,), jnp.int32)] if pipe else []),
             *([plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=2),
                plgpu.Barrier(num_arrivals=3)] if cluster_merge else []),
             collective_axes="wg",
