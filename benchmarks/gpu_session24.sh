@@ -64,4 +64,32 @@ case "${PART:-1}" in
   V=$V,nvfp4:lutbf:0:2:0:1:w,nvfp4:place:0:2:0:1:w
   T 240 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 --variants $V \
     --out $OUT | tee $OUT/idx_h100.log | grep -v "^{" ;;
+5)
+  # place is the default for fp4 and nvfp4 keys since run4 (fp4 B=64 92.3 us, 54.4%). The
+  # final checks: every indexer GPU test and the attention cluster test (its pool fixed);
+  # the indexer against XLA's scores + top-k in the same run (the issue's table); the
+  # 4-layer decode check (kernels vs pure JAX; fp4 and nvfp4 index keys); the 4-layer stream
+  # step at 128K, B = 1 and 64; the in-kernel timeline of the cluster merge vs XLA's.
+  T 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    tests/test_sparse_decode_attention.py -rA -k "not triton and (indexer or cluster)" \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 200 python3 benchmarks/indexer_attention.py --out $OUT --only indexer --dequant lutbf,place \
+    --formats nvfp4,fp8 --cases idx:64:131072:512,idx:8:131072:512,idx:1:4096:512 \
+    | tee $OUT/indexer.log | grep -E "^\| indexer|ceiling"
+  T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median" ;;
+6)
+  # PART=5's second half (one call would pass the 600 s limit).
+  T 120 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 --index-format nvfp4 \
+    | tee $OUT/check_nvfp4.log | grep -E "median"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  for b in 1 64; do
+    T 150 python3 $BENCH --batch $b --context 131072 --steps 10 | tee $OUT/b$b.log \
+      | grep -E "stream step" | head -1
+  done
+  for m in xla auto; do
+    DSV4_ATTN_MERGE=$m T 60 python3 benchmarks/attn_timeline.py --case flash:csa:64:32768 \
+      --variant cpasync | tee -a $OUT/timeline.log
+  done ;;
 esac

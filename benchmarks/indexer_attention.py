@@ -9,7 +9,7 @@ read high). bytes = cache bytes the op must read + outputs; % = of the HBM ceili
 in the same run (benchmarks.common.hbm_bandwidth); speedup = pure-JAX reference / kernel
 path (indexer: GPU times; attention: wall times).
 Options: --cases idx:B:ctx:topk,csa:B:H:K,hca:B (single cases),
---sets N, --check-attn SPLITS (small attention check), --dequant lut,e4m3,bits,fp8mma (the indexer's
+--sets N, --check-attn SPLITS (small attention check), --dequant place,lutbf,lut,e4m3,bits,fp8mma (the indexer's
 FP4 dequant paths, each timed; "+topk" is the topk_select kernel after the scores),
 --formats fp4,nvfp4,fp8 (the indexer key formats for --cases idx).
 """
@@ -151,8 +151,8 @@ def main():
     ap.add_argument("--cases", default="",
                     help="comma list: idx:B:ctx:topk, csa:B:H:K or hca:B")
     ap.add_argument("--sets", type=int, default=0, help="input sets per timing (0: by size)")
-    ap.add_argument("--dequant", default="lutbf",
-                    help="comma list of the indexer's FP4 dequant paths to time (lutbf,lut,e4m3,bits,fp8mma)")
+    ap.add_argument("--dequant", default="place",
+                    help="comma list of the indexer's FP4 dequant paths to time (place,lutbf,lut,e4m3,bits,fp8mma)")
     ap.add_argument("--formats", default="fp4",
                     help="comma list of indexer key formats for --cases idx (fp4 timed once "
                          "per --dequant path; nvfp4, fp8)")
