@@ -92,4 +92,17 @@ case "${PART:-1}" in
     DSV4_ATTN_MERGE=$m T 60 python3 benchmarks/attn_timeline.py --case flash:csa:64:32768 \
       --variant cpasync | tee -a $OUT/timeline.log
   done ;;
+7)
+  # Run6's B = 1 stream step read 1.99 ms against session 23's 1.30 (B = 64: 6.29 against
+  # 6.26). The step's only kernel change is the indexer's place dequant: the B = 1 step
+  # with the indexer's defaults set back to lutbf, then with place, in one call.
+  for dq in lutbf place; do
+    T 140 python3 -c "import sys, runpy; import pallas_kernels.indexer_decode.kernel as K
+K.DEQUANT = K.NVFP4_DEQUANT = '$dq'
+sys.argv = ['decode_bench', 'decode', '--preset', 'flash', '--layers', '4', '--kernels', 'on',
+            '--matmul', 'pallas', '--what', 'stream', '--batch', '1', '--context', '131072',
+            '--steps', '10']
+runpy.run_module('benchmarks.decode_bench', run_name='__main__')" | tee $OUT/b1_$dq.log \
+      | grep -E "stream step" | head -1
+  done ;;
 esac
