@@ -164,19 +164,22 @@ def _indexer_topk_jit(q, w, keys, block_table, t, *, fmt, topk, interpret, selec
 TOPK_SELECT = os.environ.get("DSV4_TOPK", "kernel")
 if TOPK_SELECT not in ("xla", "kernel"):
     raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
-# The indexer kernel's FP4 key dequant (pallas_kernels/indexer_decode): "lut" (e2m1 ->
-# e4m3 by prmt lookup tables on whole registers), "e4m3" (the nibble re-packed as e4m3,
-# converted by the hardware), "bits" (integer ops) or "fp8mma" (e4m3 keys into an e4m3
-# wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
-# Numerics.act_quant). All give the same values and are GPU-tested; on an H200 (B = 64,
-# 128K, GPU time) the scoring kernel took 120 us with "lutbf" (the tables give bf16 pairs
-# directly) and 133 / 168 / 207 / 212 us with lut / e4m3 / bits / fp8mma: "lutbf" is the
-# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "lutbf", "lut" or "e4m3").
-IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "lutbf")
+# The indexer kernel's FP4 key dequant (pallas_kernels/indexer_decode): "place" (each
+# e2m1 nibble's bits placed into a bf16 by prmt / shift / mask: the value * 2^-126, scaled
+# back by the key scale's multiply and the head weights), "lutbf" / "lut" (e2m1 -> bf16
+# pairs / e4m3 by prmt lookup tables on whole registers), "e4m3" (the nibble re-packed as
+# e4m3, converted by the hardware), "bits" (integer ops) or "fp8mma" (e4m3 keys into an
+# e4m3 wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
+# Numerics.act_quant). All give the same scores, bit for bit, and are GPU-tested. On an
+# H100 (GPU time, 2026-11-26, session 24 run4) the scoring kernel took 92.3 us with
+# "place" against 100.4 with "lutbf" at B = 64, 128K (13.5 / 15.3 us at B = 8); on an H200
+# before, lutbf / lut / e4m3 / bits / fp8mma 120 / 133 / 168 / 207 / 212 us: "place" is the
+# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "place", "lutbf", "lut" or "e4m3").
+IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "place")
 # (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
-if IDX_DEQUANT not in ("lut", "lutbf", "e4m3", "bits", "fp8mma"):
-    raise ValueError(f"DSV4_IDX_DEQUANT must be 'lut', 'lutbf', 'e4m3', 'bits' or 'fp8mma', "
-                     f"got {IDX_DEQUANT!r}")
+if IDX_DEQUANT not in ("place", "lut", "lutbf", "e4m3", "bits", "fp8mma"):
+    raise ValueError(f"DSV4_IDX_DEQUANT must be 'place', 'lut', 'lutbf', 'e4m3', 'bits' or "
+                     f"'fp8mma', got {IDX_DEQUANT!r}")
 
 
 # Attention kernel backend: "mosaic" (kernel.py, warp-specialised: a producer warpgroup
@@ -292,7 +295,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            nv = IDX_DEQUANT if IDX_DEQUANT in ("lut", "lutbf", "e4m3") else None
+            nv = IDX_DEQUANT if IDX_DEQUANT in ("place", "lut", "lutbf", "e4m3") else None
             dq = {"fp4": IDX_DEQUANT, "nvfp4": nv}.get(cs.index_format)   # fp8 keys: one path
             idx = _indexer_topk_jit(qI, wI, lc["idx"], bt_rows, t, fmt=cs.index_format,
                                     topk=cfg.index_topk, interpret=interp, select=TOPK_SELECT,
