@@ -105,4 +105,22 @@ sys.argv = ['decode_bench', 'decode', '--preset', 'flash', '--layers', '4', '--k
 runpy.run_module('benchmarks.decode_bench', run_name='__main__')" | tee $OUT/b1_$dq.log \
       | grep -E "stream step" | head -1
   done ;;
+  # (Run7 measured nothing about place: the decode step passes decode.IDX_DEQUANT, then
+  # still "lutbf", and ignores the kernel module's default. Both runs were lutbf: 1.33 /
+  # 1.34 ms, so run6's 1.99 was noise.)
+8)
+  # NOT RUN in session 24 (no device time left): the decode step with the indexer's place
+  # dequant (decode.IDX_DEQUANT = "place" since the session's last code commit): the decode
+  # check with fp4 and nvfp4 index keys, and the 4-layer stream step, place vs lutbf
+  # (DSV4_IDX_DEQUANT) in one call.
+  T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
+  T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 1 8 --context 32768 --steps 3 --index-format nvfp4 \
+    | tee $OUT/check_nvfp4.log | grep -E "median"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  for dq in lutbf place; do
+    DSV4_IDX_DEQUANT=$dq T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 \
+      | tee $OUT/b64_$dq.log | grep -E "stream step" | head -1
+  done ;;
 esac
