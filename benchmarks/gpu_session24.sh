@@ -112,12 +112,19 @@ runpy.run_module('benchmarks.decode_bench', run_name='__main__')" | tee $OUT/b1_
   # NOT RUN in session 24 (no device time left): the decode step with the indexer's place
   # dequant (decode.IDX_DEQUANT = "place" since the session's last code commit): the decode
   # check with fp4 and nvfp4 index keys, and the 4-layer stream step, place vs lutbf
-  # (DSV4_IDX_DEQUANT) in one call.
+  # (DSV4_IDX_DEQUANT) in one call (may need two calls: 600 s a call).
   T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
   T 150 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 --index-format nvfp4 \
     | tee $OUT/check_nvfp4.log | grep -E "median"
+  # w_in_loop (built after the device time ran out): the head weights re-read every chunk,
+  # 109 -> 93 registers, 5 CTAs an SM instead of 4. Its GPU test, then the sweep.
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+    -k "weights_in_loop" | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:place:0:2:0:1:w:0,fp4:place:0:2:0:1:w:1,nvfp4:place:0:2:0:1:w:0,nvfp4:place:0:2:0:1:w:1
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072,1:32768 --variants $V \
+    --out $OUT | tee $OUT/idx_h100.log | grep -v "^{"
   BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
   for dq in lutbf place; do
     DSV4_IDX_DEQUANT=$dq T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 \

@@ -210,6 +210,19 @@ def test_kernel_pipeline_variants(fmt, dequant, stages, overlap, kreg):
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "nvfp4", "fp8"])
+def test_kernel_weights_in_loop(fmt):
+    """w_in_loop (head weights re-read every chunk) in the interpreter: the same scores as
+    the weights held a whole CTA, and the reference's; 3 chunks a CTA, a partial chunk."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=2, NB=24, MAXB=11)
+    keys = _keys(rng, fmt, 24)
+    t = jnp.asarray([4 * 32 * 7 - 5, 4 * 32 * 11 - 1], jnp.int32)
+    out = run_keys(q, w, keys, bt, t, fmt, chunks_per_cta=3, w_in_loop=True)
+    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
+    np.testing.assert_array_equal(out, run_keys(q, w, keys, bt, t, fmt, chunks_per_cta=3))
+
+
 def _run_ptx(program, x, tables=()):
     """Run _lut_program's PTX (and / shr / shl / or / prmt, default and sign-replicate modes) on an
     independent emulator, for every u32 input in the uint32 array x ($3, $4...: the table
@@ -426,6 +439,12 @@ def test_cuda_lowering_flash_shapes():
         f = functools.partial(K.indexer_scores_nvfp4, dequant=dq)
         lowered = jax.jit(f).trace(*argsn).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
+    # the head weights re-read every chunk (w_in_loop), each key format
+    for f, a in ((functools.partial(K.indexer_scores, w_in_loop=True), args),
+                 (functools.partial(K.indexer_scores, w_in_loop=True, dequant="lutbf"), args),
+                 (functools.partial(K.indexer_scores_nvfp4, w_in_loop=True), argsn),
+                 (functools.partial(K.indexer_scores_fp8, w_in_loop=True), args8)):
+        assert "mosaic_gpu" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_cuda_lowering_every_chunks_per_cta():
@@ -510,6 +529,29 @@ def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
         check_scores(out, ref)
         assert np.array_equal(out, run("auto"))
         assert np.array_equal(out, run("warp"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant", [("fp4", "place"), ("fp4", "lutbf"), ("nvfp4", "place"),
+                                         ("fp8", "bits")])
+def test_gpu_weights_in_loop_match(fmt, dequant):
+    """w_in_loop (the head weights re-read from SMEM every chunk; with "place" the 2^64 then
+    goes on each chunk's scores): the same scores, bit for bit, as the weights held in
+    registers, and the reference's. 5 chunks a CTA, unused blocks, a partial chunk, then
+    the default split. (Written in session 24 after its device time ran out: not yet run.)"""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=63)
+    keys = _keys(rng, fmt, 256)
+    bt = bt.at[1, 40:].set(-1)
+    t = jnp.asarray([4 * 32 * 63 - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
+    ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt))
+    for cpc in (5, None):
+        run = lambda wl: np.asarray(jax.jit(functools.partial(
+            K.score_keys, fmt=fmt, dequant=dequant, chunks_per_cta=cpc,
+            w_in_loop=wl))(q, w, keys, bt, t))
+        out = run(True)
+        check_scores(out, ref)
+        assert np.array_equal(out, run(False))
 
 
 @pytest.mark.gpu

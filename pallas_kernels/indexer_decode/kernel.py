@@ -91,6 +91,11 @@ KREG = True
 # (plgpu.warp_map); the other three warps skip it: fp4 chunk loop 412 -> 393 instructions
 # in warp 0 (one expect-tx arrival instead of 128) and 347 in warps 1-3 (sm_90a SASS).
 BARRIERS = "warp"
+# w_in_loop: the head weights re-read from SMEM every chunk (8 LDS) instead of held in 16
+# registers: 109 -> 93 registers with "place" (compile-only sm_90a), 5 CTAs an SM instead
+# of 4 (register-bound), 10 instructions more a chunk. Built in session 24 after the
+# device time ran out: not yet timed, so off.
+W_IN_LOOP = False
 # The fp4 keys' dequant when a call names none: "place" (bits placed, no tables) measured
 # 92.3 us against "lutbf" 100.4 at B = 64, 128K and 13.5 against 15.3 at B = 8; nvfp4
 # keys 100.4 against 110.2 and 14.7 against 16.7; B = 1, 32K 2.5-2.6 both (H100,
@@ -100,11 +105,12 @@ DEQUANT = "place"
 NVFP4_DEQUANT = "place"
 
 
-def _pipeline(stages, overlap, kreg=None, barriers=None):
+def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None):
     return dict(stages=STAGES if stages is None else stages,
                 overlap=OVERLAP if overlap is None else overlap,
                 kreg=KREG if kreg is None else kreg,
-                barriers=BARRIERS if barriers is None else barriers)
+                barriers=BARRIERS if barriers is None else barriers,
+                w_in_loop=W_IN_LOOP if w_in_loop is None else w_in_loop)
 
 
 def _grid(B, block_table, t_B, chunks_per_cta):
@@ -123,7 +129,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                       overlap=None, kreg=None, barriers=None):
+                       overlap=None, kreg=None, barriers=None, w_in_loop=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
@@ -136,7 +142,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap, kreg, barriers))
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
     return out[:, :n_max] if trim else out
 
 
@@ -302,7 +308,8 @@ def _e4m3_bits_to_f32(x_u32, scale=1.0):
 
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                         overlap=None, kreg=None, dequant=None, barriers=None):
+                         overlap=None, kreg=None, dequant=None, barriers=None,
+                         w_in_loop=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -325,7 +332,8 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32),
                                idx_codes, words, bt, t,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant=dequant, **_pipeline(stages, overlap, kreg, barriers))
+                               dequant=dequant,
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
     return out[:, :n_max] if trim else out
 
 
@@ -367,7 +375,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **k
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant=None,
-                   stages=None, overlap=None, kreg=None, barriers=None):
+                   stages=None, overlap=None, kreg=None, barriers=None, w_in_loop=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -405,13 +413,13 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                t, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
-                               **_pipeline(stages, overlap, kreg, barriers))
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
-                         barriers="auto"):
+                         barriers="auto", w_in_loop=False):
     """The scoring kernel, reading the stored key blocks: qh bf16 [B, 64 h, 128] (loaded as
     the two tiles of dims 0..63 and 64..127; "fp8mma": q_fp8_groups' [B, 4, 64 h, 32]),
     bt int32 [R >= B, MAXB] (the raw block table, -1 unused), t int32 [B]. fmt "fp4": codes
@@ -436,7 +444,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     slot the next issue overwrites, read an iteration ago), one after -inf fills o_s and one
     before o_s is stored. The issuing lane's block-table loads are made an iteration ahead
     (a loop carry), so no warp waits on them. "warp": as "manual", with the issue inside
-    plgpu.warp_map, run by warp 0 only."""
+    plgpu.warp_map, run by warp 0 only.
+    w_in_loop: the head weights re-read from SMEM for every chunk's scores instead of held
+    in registers a whole CTA (W_IN_LOOP)."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -518,12 +528,20 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         def _():
             plgpu.barrier_wait(qbar)
         # the head weights, loaded once (garbage if n_load == 0: then no chunk runs)
-        wv = plgpu.load(w_s, layout=COL)
-        if dequant == "place":   # the keys come * 2^-64, so do the scores: w * 2^64 (exact)
-            wv = wv * jnp.float32(2.0 ** _PLACE_LOG2)
+        # "place": the keys come * 2^-64, so do the scores. The 2^64 goes on the head
+        # weights once a CTA (exact), or, with the weights re-read from SMEM every chunk
+        # (w_in_loop), on each chunk's scores (the same roundings unless a head's term
+        # relu(q . k) w is below 2^-62).
+        if not w_in_loop:
+            wv0 = plgpu.load(w_s, layout=COL)
+            if dequant == "place":
+                wv0 = wv0 * jnp.float32(2.0 ** _PLACE_LOG2)
 
         def epilogue(j, s):
+            wv = plgpu.load(w_s, layout=COL) if w_in_loop else wv0
             score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
+            if w_in_loop and dequant == "place":
+                score = score * jnp.float32(2.0 ** _PLACE_LOG2)
             ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
             o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
 
@@ -771,7 +789,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
               interpret=None, select="xla", dequant=None, stages=None, overlap=None,
-              kreg=None, barriers=None):
+              kreg=None, barriers=None, w_in_loop=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -781,7 +799,8 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
         raise ValueError(f"select must be 'xla' or 'kernel', got {select!r}")
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
-                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers)
+                   stages=stages, overlap=overlap, kreg=kreg, barriers=barriers,
+                   w_in_loop=w_in_loop)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
