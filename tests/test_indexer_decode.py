@@ -505,6 +505,18 @@ def test_gpu_pipeline_variants(fmt, dequant, stages, overlap, kreg):
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
 
 
+def _split_edge_case(fmt):
+    """Fresh random inputs for the GPU pipeline comparisons: 63-block table (the last CTA's
+    block-table prefetch runs past it), a request with unused (-1) blocks, a partial last
+    chunk, a request with 3 positions -> (q, w, keys, bt, t, reference scores)."""
+    rng = np.random.default_rng()
+    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=63)
+    keys = _keys(rng, fmt, 256)
+    bt = bt.at[1, 40:].set(-1)
+    t = jnp.asarray([4 * 32 * 63 - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
+    return q, w, keys, bt, t, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,dequant,stages", [("fp4", "lutbf", 2), ("fp4", "lutbf", 3),
                                                 ("nvfp4", "lutbf", 2), ("fp8", "bits", 3),
@@ -515,12 +527,7 @@ def test_gpu_manual_barriers_match_auto(fmt, dequant, stages):
     bit, as Pallas' automatic barriers, and the reference's. 5 chunks per CTA (ring slots reused; the block-table prefetch runs past
     the CTA's last chunk and past the table), a request with unused blocks, a partial
     last chunk; then the default split."""
-    rng = np.random.default_rng()
-    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=63)
-    keys = _keys(rng, fmt, 256)
-    bt = bt.at[1, 40:].set(-1)
-    t = jnp.asarray([4 * 32 * 63 - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
-    ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt))
+    q, w, keys, bt, t, ref = _split_edge_case(fmt)
     for cpc in (5, None):
         run = lambda barriers: np.asarray(jax.jit(functools.partial(
             K.score_keys, fmt=fmt, dequant=dequant, stages=stages, chunks_per_cta=cpc,
@@ -539,12 +546,7 @@ def test_gpu_weights_in_loop_match(fmt, dequant):
     goes on each chunk's scores): the same scores, bit for bit, as the weights held in
     registers, and the reference's. 5 chunks a CTA, unused blocks, a partial chunk, then
     the default split. (Written in session 24 after its device time ran out: not yet run.)"""
-    rng = np.random.default_rng()
-    q, w, _, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=63)
-    keys = _keys(rng, fmt, 256)
-    bt = bt.at[1, 40:].set(-1)
-    t = jnp.asarray([4 * 32 * 63 - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
-    ref = np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt))
+    q, w, keys, bt, t, ref = _split_edge_case(fmt)
     for cpc in (5, None):
         run = lambda wl: np.asarray(jax.jit(functools.partial(
             K.score_keys, fmt=fmt, dequant=dequant, chunks_per_cta=cpc,
