@@ -195,9 +195,11 @@ def _lut_program(to):
 # "place": each e2m1 nibble's bits put straight into a bf16 (no tables): magnitude bits
 # s e1 e0 m -> bf16 bit 15 (s), exponent bits 8..7 (e1 e0) and mantissa bit 6 (m). That is
 # the value * 2^-126 exactly, zero and the 0.5 code (a bf16 subnormal) included: both
-# formats' subnormals are linear. The key scale's multiply then takes 2^126 back (but
-# 2^64: _PLACE_LOG2); the H100's bf16 multiply keeps subnormal inputs (the
-# attention kernel's e4m3 placement, bit-exact on every code and exponent: session 24).
+# formats' subnormals are linear. The key scale's multiply takes 2^(126 - 64) back and
+# the head weights the other 2^64 (_PLACE_LOG2). The H100's bf16 multiply keeps subnormal
+# inputs: this path's GPU tests are bit-identical to "bits" on every code, and an e4m3
+# placement tried in the attention kernel (session 24 run2b, since removed) was bit-exact
+# on every code at scale exponents 1-254.
 # Per register of two code bytes b0 | b1 << 8 (nibbles lo0 hi0 lo1 hi1): prmt puts each
 # byte in a 16-bit lane with a sign-replicated copy above it (selector 0x9180), so the
 # high nibble's sign lands on bit 13 and its magnitude on bits 4-6; << 2 and one mask make
