@@ -130,4 +130,20 @@ runpy.run_module('benchmarks.decode_bench', run_name='__main__')" | tee $OUT/b1_
     DSV4_IDX_DEQUANT=$dq T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 \
       | tee $OUT/b64_$dq.log | grep -E "stream step" | head -1
   done ;;
+9)
+  # NOT RUN in session 24: the routed experts' FP4 decode with the prmt sign-replicate
+  # program (DSV4_QMM_FP4_PTX=prmt; compile-only sm_90a: the w13 kernel's loop 1235 -> 1098
+  # SASS instructions, LOP3 258 -> 130, IMAD 239 -> 171, PRMT 72 -> 136). Its GPU tests, the
+  # experts as the step groups them (mad vs prmt), the 4-layer B = 64 stream step.
+  DSV4_QMM_FP4_PTX=prmt T 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_quant_matmul.py -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  for f in mad prmt; do
+    DSV4_QMM_FP4_PTX=$f T 200 python3 benchmarks/quant_matmul.py --sweep-only --fmt fp4 \
+      --moe 64 8 --budget 150 --out $OUT/moe_$f | grep -E "^\|" | tee -a $OUT/moe.log
+  done
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  for f in mad prmt; do
+    DSV4_QMM_FP4_PTX=$f T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 \
+      | tee $OUT/b64_$f.log | grep -E "stream step" | head -1
+  done ;;
 esac

@@ -276,13 +276,16 @@ def _lanes(w):
     return f(w & 0xFFFF), f(w >> 16)
 
 
-def test_fp4_swar_ptx_exact_all_codes_and_scales():
+@pytest.mark.parametrize("ptx", ["FP4_SWAR_PTX", "FP4_SWAR_PTX_PRMT"])
+def test_fp4_swar_ptx_exact_all_codes_and_scales(ptx):
     """Every pair of packed bytes' nibbles x every e8m0 scale byte 0..254: the PTX gives
-    exactly bf16(e2m1 * 2^(e-127)) (rounding only where that overflows bf16)."""
+    exactly bf16(e2m1 * 2^(e-127)) (rounding only where that overflows bf16); both
+    programs (the mad form and the prmt sign-replicate form)."""
+    ptx = getattr(K, ptx)
     b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 37), np.arange(255), indexing="ij")
     b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
     sa, sb = _bf16_words("fp4", e)
-    lo, hi = run_ptx(K.FP4_SWAR_PTX, ["lo", "hi"], [b0 | (b1 << 8), sa, sb])
+    lo, hi = run_ptx(ptx, ["lo", "hi"], [b0 | (b1 << 8), sa, sb])
     dec = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     scale = 2.0 ** (e.astype(np.float64) - 127)
     want = lambda n: (dec(n) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -291,7 +294,7 @@ def test_fp4_swar_ptx_exact_all_codes_and_scales():
         np.testing.assert_array_equal(g0, want(n0))
         np.testing.assert_array_equal(g1, want(n1))
     # the interesting corner: the e2m1 subnormal (0.5) at the smallest scales
-    assert _lanes(run_ptx(K.FP4_SWAR_PTX, ["lo", "hi"], [np.uint32(1), *_bf16_words("fp4", 0)])[0])[0] == 2.0 ** -128
+    assert _lanes(run_ptx(ptx, ["lo", "hi"], [np.uint32(1), *_bf16_words("fp4", 0)])[0])[0] == 2.0 ** -128
 
 
 def test_fp8_swar_ptx_exact_all_codes_and_scales():

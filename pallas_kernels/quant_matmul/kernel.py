@@ -214,6 +214,36 @@ mul.rn.bf16x2 $1, n, $4;
 # $0 <- low nibbles of B0, B1 (even k); $1 <- high nibbles (odd k); $2 = B0 | B1 << 8;
 # $3, $4 = SA, SB as bf16x2 words (the same value in both halves).
 
+# The same values with the sign moved by prmt's sign-replicate mode (the indexer's "place"
+# program, GPU-proven there in session 24): selector 0x9180 puts each byte in a 16-bit lane
+# with its sign bit repeated above it, so a nibble in a byte's high half has its
+# magnitude on bits 4-6 and its sign on bit 13 (and 15): << 2 and one mask make the bf16
+# bits (e2m1 * 2^-126); the low nibbles first move up 4. 11 instructions for 4 weights
+# instead of 13 (4 of them prmt / and on the ALU pipe instead of 5; no mad). Selected by
+# $DSV4_QMM_FP4_PTX=prmt (default "mad", the program above): not yet run on a GPU.
+FP4_SWAR_PTX_PRMT = """{
+.reg .b32 t, a, b;
+shl.b32 t, $2, 4;
+prmt.b32 a, t, 0, 0x9180;
+prmt.b32 b, $2, 0, 0x9180;
+shl.b32 a, a, 2;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 a, a, $3;
+mul.rn.bf16x2 $0, a, $4;
+shl.b32 b, b, 2;
+and.b32 b, b, 0x81C081C0;
+mul.rn.bf16x2 b, b, $3;
+mul.rn.bf16x2 $1, b, $4;
+}"""
+
+
+def fp4_swar_ptx():
+    """The FP4 decode program $DSV4_QMM_FP4_PTX names (read when a kernel is traced)."""
+    form = os.environ.get("DSV4_QMM_FP4_PTX", "mad")
+    if form not in ("mad", "prmt"):
+        raise ValueError(f"DSV4_QMM_FP4_PTX must be 'mad' or 'prmt', got {form!r}")
+    return FP4_SWAR_PTX_PRMT if form == "prmt" else FP4_SWAR_PTX
+
 FP8_SWAR_PTX = """{
 .reg .b32 y, n, s;
 prmt.b32 y, $1, 0, 0x4140;
@@ -274,6 +304,7 @@ def fp4_swar_decode(b_u8, sa, sb, col=None):
     shuffle per row and word instead of a masked row sum)."""
     R, C = b_u8.shape
     out = plgpu.ShapeDtypeStruct((R, C), jnp.bfloat16, layout=WG)
+    ptx = fp4_swar_ptx()
 
     @plgpu.inline_mgpu(arg_types=(WG, WG, WG), return_type=(out, out))
     def dec(ctx, w, sa, sb):
@@ -298,7 +329,7 @@ def fp4_swar_decode(b_u8, sa, sb, col=None):
             assert sa.shape == (R, 8) and sa.registers.shape[1] == 1, sa.registers.shape
         for idx, reg in np.ndenumerate(w.registers):
             r0, r1 = mgpu.utils.inline_ptx(
-                FP4_SWAR_PTX, _pair_i32(reg), *words(idx), result_types=[i32, i32])
+                ptx, _pair_i32(reg), *words(idx), result_types=[i32, i32])
             lo[idx] = mgpu.utils.bitcast(r0, bf2)
             hi[idx] = mgpu.utils.bitcast(r1, bf2)
         mk = lambda r: mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT,
