@@ -172,12 +172,14 @@ if TOPK_SELECT not in ("xla", "kernel"):
 # e4m3 wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
 # Numerics.act_quant). All give the same scores, bit for bit, and are GPU-tested. On an
 # H100 (GPU time, 2026-11-26, session 24 run4) the scoring kernel took 92.3 us with
-# "place" against 100.4 with "lutbf" at B = 64, 128K (13.5 / 15.3 us at B = 8); on an H200
-# before, lutbf / lut / e4m3 / bits / fp8mma 120 / 133 / 168 / 207 / 212 us: "place" is the
-# default. DSV4_IDX_DEQUANT picks another (nvfp4 keys: "place", "lutbf", "lut" or "e4m3").
-IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT", "place")
+# "place" against 100.4 with "lutbf" at B = 64, 128K (13.5 / 15.3 us at B = 8).
+# DSV4_IDX_DEQUANT picks one (nvfp4 keys: "place", "lutbf", "lut" or "e4m3"); unset, the
+# kernel's own defaults (indexer_decode.kernel.DEQUANT / NVFP4_DEQUANT, "place") apply:
+# one default, not two (a default kept here too went stale in session 24, so its step
+# checks ran the old path).
+IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT") or None
 # (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
-if IDX_DEQUANT not in ("place", "lut", "lutbf", "e4m3", "bits", "fp8mma"):
+if IDX_DEQUANT not in (None, "place", "lut", "lutbf", "e4m3", "bits", "fp8mma"):
     raise ValueError(f"DSV4_IDX_DEQUANT must be 'place', 'lut', 'lutbf', 'e4m3', 'bits' or "
                      f"'fp8mma', got {IDX_DEQUANT!r}")
 

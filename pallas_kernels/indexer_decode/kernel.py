@@ -227,29 +227,7 @@ _PLACE_LOG2 = 64
 def _e2m1_place(byte_WG):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): bf16 [64, n] of the low / high
     nibbles' e2m1 values * 2^-126, exact (_PLACE_PROGRAM). Mosaic GPU only (inline PTX)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mu
-
-    out = plgpu.ShapeDtypeStruct(byte_WG.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
-    def convert(ctx, x):
-        del ctx
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        lo_regs, hi_regs = np.empty_like(x.registers), np.empty_like(x.registers)
-        for idx, reg in np.ndenumerate(x.registers):
-            w = arith.extui(i32, mu.bitcast(reg, i16))        # bytes b0 | b1 << 8
-            res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [w],
-                                  _PLACE_PROGRAM, "=r,=r,r")
-            for k, regs in enumerate((lo_regs, hi_regs)):
-                regs[idx] = mu.bitcast(llvm.extractvalue(i32, res, [k]),
-                                       ir.VectorType.get((2,), ir.BF16Type.get()))
-        return tuple(mgpu.FragmentedArray(_registers=r, _layout=x.layout, _is_signed=None)
-                     for r in (lo_regs, hi_regs))
-
-    return convert(byte_WG)
+    return _nibble_pairs(byte_WG, _PLACE_PROGRAM, "bf16")
 
 
 def _e2m1_lut(byte_WG, to="e4m3", tables=None):
@@ -257,8 +235,19 @@ def _e2m1_lut(byte_WG, to="e4m3", tables=None):
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
     on the registers (Mosaic's int4 -> e4m3 conversion, with e2m1 tables): per register of
     two code bytes (four nibbles), five prmt and three or four integer ops give both
-    halves' pairs (_lut_program). Mosaic GPU only (no interpreter). to="bf16" needs tables: a u32 [2] SMEM ref holding
-    _BF16_TABLE_REGS."""
+    halves' pairs (_lut_program). Mosaic GPU only (no interpreter). to="bf16" needs tables:
+    a u32 [2] SMEM ref holding _BF16_TABLE_REGS."""
+    if (to == "bf16") != (tables is not None):
+        raise ValueError("the bf16 tables come from SMEM (tables=), the e4m3 ones need none")
+    return _nibble_pairs(byte_WG, _lut_program(to), to, tables)
+
+
+def _nibble_pairs(byte_WG, program, to, tables=None):
+    """Runs `program` (PTX: $2 = two code bytes b0 | b1 << 8, then the table words if
+    tables; $0 / $1 = the low / high nibbles' value pairs) on every register of u8 [64, n]
+    code bytes (WGMMA layout) -> (lo, hi) [64, n] arrays of dtype `to` ("e4m3": the pair
+    in the low two bytes; "bf16": a bf16x2 word). tables: a u32 SMEM ref whose words are
+    passed as register operands."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic import gpu as mgpu
@@ -266,10 +255,6 @@ def _e2m1_lut(byte_WG, to="e4m3", tables=None):
 
     dtype = {"e4m3": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}[to]
     out = plgpu.ShapeDtypeStruct(byte_WG.shape, dtype, layout=plgpu.Layout.WGMMA)
-    program = _lut_program(to)
-
-    if (to == "bf16") != (tables is not None):
-        raise ValueError("the bf16 tables come from SMEM (tables=), the e4m3 ones need none")
     arg_types = (plgpu.Layout.WGMMA,) + ((plgpu.RefType(),) if tables is not None else ())
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out))
