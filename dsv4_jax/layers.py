@@ -518,15 +518,19 @@ def row_merge_views(p: dict) -> dict:
 # ---------------------------------------------------------------------------------------
 # MoE
 # ---------------------------------------------------------------------------------------
-def route(p, x, tokens, cfg: Config, hash_layer: bool):
+def route(p, x, tokens, cfg: Config, hash_layer: bool, debug=None):
     """Gate scores sqrt(softplus(x W^T)) (fp32, unquantised) -> expert ids [..., k] and
-    routing weights [..., k]."""
+    routing weights [..., k]. debug["router_scores"]: what top-k ranks (score + bias),
+    [..., E], on score-routed layers."""
     logits = f32_dot_bf16(x, p["gate.weight"])
     s = jnp.sqrt(jax.nn.softplus(logits))
     if hash_layer:
         idx = p["gate.tid2eid"][tokens]
     else:
-        _, idx = jax.lax.top_k(s + p["gate.bias"].astype(F32), cfg.num_experts_per_tok)
+        ranked = s + p["gate.bias"].astype(F32)
+        _, idx = jax.lax.top_k(ranked, cfg.num_experts_per_tok)
+        if debug is not None:
+            debug["router_scores"] = ranked
     w = jnp.take_along_axis(s, idx, -1)
     w = w / w.sum(-1, keepdims=True) * cfg.routed_scaling_factor
     return idx, w
@@ -556,7 +560,7 @@ def moe(p, x, tokens, cfg: Config, nm: Numerics, hash_layer: bool, debug=None, x
     """x [B, T, D], tokens [B, T] -> [B, T, D]. Routing, then the routed experts
     (`routed_experts`, or the expert-parallel hook), then the shared expert. xq: x's padded
     FP8 simulation (norm_act), if made: the experts take it instead of simulating x."""
-    idx, w = route(p, x, tokens, cfg, hash_layer)
+    idx, w = route(p, x, tokens, cfg, hash_layer, debug)
     if debug is not None:
         debug["router_idx"], debug["router_w"] = idx, w
     routed = ROUTED_EXPERTS_HOOK or routed_experts

@@ -22,6 +22,11 @@ MESHES = {1: (1, 1, 1), 2: (1, 2, 1), 4: (1, 2, 2), 8: (2, 2, 2)}
 DECODE_MESHES = (2, 8)  # the decode step (a second big program per mesh) on these
 T_FWD, N_STEPS = 136, 10  # forward crosses an HCA block; decode emits CSA entries
 TOL = 1e-5
+# The forward makes ~1100 top-k choices (indexer blocks, routed experts); sharding moves
+# their scores by ~1e-6 (relative), which flips a near-tied choice and then the logits by
+# ~1e-2 (CI saw it once). A draw whose smallest gap is under MARGIN (relative to the
+# scores' scale) is drawn again: 20x the movement, about 1 draw in 5 redrawn.
+MARGIN, MAX_DRAWS = 2e-5, 20
 
 
 # ---------------------------------------------------------------------------------------
@@ -47,6 +52,33 @@ def _expert_allgathers(hlo: str):
     return bad
 
 
+def _decision_margin(dbg: dict, cfg, T: int):
+    """Smallest gap between the last picked and the first unpicked score of every top-k
+    the forward made (model.forward's debug dict), relative to those scores' largest
+    magnitude: the indexer's compressed blocks (where more than index_topk are visible)
+    and the routed experts."""
+    import jax
+    import jax.numpy as jnp
+    out = jnp.inf
+    for d in (v for k, v in dbg.items() if isinstance(k, int)):
+        for key, k in (("router_scores", cfg.num_experts_per_tok),
+                       ("indexer_scores", cfg.index_topk)):
+            if key not in d:
+                continue
+            s = d[key]
+            ok = jnp.ones(s.shape, bool)
+            if key == "indexer_scores":  # block j is visible from token t when j < (t+1)/4
+                n = s.shape[-1]
+                ok = jnp.broadcast_to(jnp.arange(n) < ((jnp.arange(T) + 1) // 4)[:, None],
+                                      s.shape)
+            if s.shape[-1] <= k:
+                continue
+            top = jax.lax.top_k(jnp.where(ok, s, -jnp.inf), k + 1)[0]
+            gap = jnp.where(ok.sum(-1) > k, top[..., k - 1] - top[..., k], jnp.inf)
+            out = jnp.minimum(out, gap.min() / jnp.abs(jnp.where(ok, s, 0)).max())
+    return out
+
+
 def _collectives(hlo: str) -> dict:
     out = {}
     for m in re.finditer(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
@@ -69,12 +101,25 @@ def worker(out_path):
     cfg = config.tiny()
     nm = Numerics(act_quant=False, dtype="float32")
     rng = np.random.default_rng()
-    params = P.init_params(cfg, int(rng.integers(1 << 30)))
     meshes = {n: DI.make_mesh(n, data=d, expert=e, model=m) for n, (d, e, m) in MESHES.items()}
 
-    # ---- forward: B=2 rows (split over "data" on 8 devices)
-    tokens = rng.integers(0, cfg.vocab_size, (2, T_FWD)).astype(np.int32)
-    ref = np.asarray(jax.jit(lambda p, t: M.forward(p, t, cfg, nm))(params, tokens))
+    def ref_fwd(p, t):
+        dbg = {}
+        logits = M.forward(p, t, cfg, nm, dbg)
+        return logits, _decision_margin(dbg, cfg, T_FWD)
+
+    # ---- forward: B=2 rows (split over "data" on 8 devices), on a draw whose top-k
+    # choices are not near-tied (MARGIN)
+    ref_fwd = jax.jit(ref_fwd)
+    for draw in range(MAX_DRAWS):
+        params = P.init_params(cfg, int(rng.integers(1 << 30)))
+        tokens = rng.integers(0, cfg.vocab_size, (2, T_FWD)).astype(np.int32)
+        ref, margin = ref_fwd(params, tokens)
+        if float(margin) >= MARGIN:
+            break
+        print(f"draw {draw}: smallest top-k gap {float(margin):.1e} < {MARGIN:.0e}, drawn again")
+    res["forward_margin"], res["forward_draws"] = float(margin), draw + 1
+    ref = np.asarray(ref)
     for n, mesh in meshes.items():
         sp = DI.shard_params(params, cfg, mesh)
         w1 = sp["layers.2.ffn.experts.w1"].packed
@@ -192,6 +237,8 @@ def results(tmp_path_factory):
 
 
 def test_sharded_forward_equals_single_device(results):
+    assert results["forward_margin"] >= MARGIN, (
+        f"{results['forward_draws']} draws, all with near-tied top-k choices")
     assert sorted(results["forward"]) == [str(n) for n in sorted(MESHES)]
     for n, err in results["forward"].items():
         assert err < TOL, f"{n} devices: forward logits differ by {err:.2e} (relative)"
