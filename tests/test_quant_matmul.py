@@ -297,6 +297,32 @@ def test_fp4_swar_ptx_exact_all_codes_and_scales(ptx):
     assert _lanes(run_ptx(ptx, ["lo", "hi"], [np.uint32(1), *_bf16_words("fp4", 0)])[0])[0] == 2.0 ** -128
 
 
+def test_fp4_place_ptx_exact_in_its_scale_range():
+    """The one-multiply "place" program with its SA word (place_scale_word): every pair of
+    packed bytes' nibbles x every e8m0 byte in [59, 192] gives exactly bf16(e2m1 *
+    2^(e-127)) * 2^-PLACE_LOG2, which the kernel's accumulator takes back by 2^PLACE_LOG2;
+    from 193 on the nonzero codes read as inf (documented, no trained weight's scale)."""
+    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 37), np.arange(59, 193),
+                            indexing="ij")
+    b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
+    sa = np.asarray(K.place_scale_word(jnp.asarray(e, jnp.int32))).astype(np.uint32)
+    lo, hi = run_ptx(K.FP4_SWAR_PTX_PLACE, ["lo", "hi"], [b0 | (b1 << 8), sa])
+    dec = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    scale = 2.0 ** (e.astype(np.float64) - 127)
+    want = lambda n: (dec(n) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
+    for got, (n0, n1) in ((lo, (b0 & 15, b1 & 15)), (hi, (b0 >> 4, b1 >> 4))):
+        g0, g1 = _lanes(got)
+        np.testing.assert_array_equal(g0 * 2.0 ** K.PLACE_LOG2, want(n0))
+        np.testing.assert_array_equal(g1 * 2.0 ** K.PLACE_LOG2, want(n1))
+    # the smallest code at the smallest exact scale: a bf16 subnormal, kept
+    lo, _ = run_ptx(K.FP4_SWAR_PTX_PLACE, ["lo", "hi"],
+                    [np.uint32(1), np.asarray(K.place_scale_word(jnp.int32(59))).astype(np.uint32)])
+    assert _lanes(lo)[0] == 2.0 ** (59 - 128 - K.PLACE_LOG2)
+    big = np.asarray(K.place_scale_word(jnp.arange(193, 255, dtype=jnp.int32))).astype(np.uint32)
+    lo, _ = run_ptx(K.FP4_SWAR_PTX_PLACE, ["lo", "hi"], [np.full(big.shape, 0x22, np.uint32), big])
+    assert np.isinf(_lanes(lo)[0]).all()
+
+
 def test_fp8_swar_ptx_exact_all_codes_and_scales():
     b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 29), np.arange(255), indexing="ij")
     b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
@@ -340,6 +366,26 @@ def test_cuda_lowering_register_a(M):
             lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32),
                                        w).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("form", ["prmt", "place"])
+def test_cuda_lowering_fp4_programs(form, monkeypatch):
+    """The FP4 decode programs other than the default lower through both swar paths (the
+    "place" form without SB words and with the accumulator's 2^64); a bad name is an
+    error that names the variable."""
+    S = jax.ShapeDtypeStruct
+    w = Fp4Weight(S((256, 2048, 2048), jnp.int8), S((256, 2048, 128), jnp.float8_e8m0fnu))
+    monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
+    for decode in ("swar", "swar-shfl"):
+        f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode=decode)
+        text = jax.jit(f).trace(S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32),
+                                w).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "81C081C0" in text   # the program's mask
+    monkeypatch.setenv("DSV4_QMM_FP4_PTX", "fast")
+    with pytest.raises(ValueError, match="DSV4_QMM_FP4_PTX"):
+        jax.jit(lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode="swar")).trace(
+            S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32), w).lower(
+            lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
@@ -402,3 +448,31 @@ def test_gpu_swar_full_scale_range(fmt):
     y = np.asarray(jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode="swar"))(x, ex, w))
     W = dequant_np(w)[0]                                        # f64 [N, K], exact
     np.testing.assert_array_equal(y[0], W[:, cols].T.astype(np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["prmt", "place"])
+def test_gpu_fp4_programs(form, monkeypatch):
+    """The FP4 decode programs other than the default ($DSV4_QMM_FP4_PTX, read at trace
+    time): random experts against the reference, then single weights read out through an
+    identity-like x at scales 2^-61 .. 2^65 ("place": e8m0 bytes 66 .. 192, where the
+    weights * 2^-64 and their products with x = 1 are normal; "prmt": 10 .. 227, as
+    test_gpu_swar_full_scale_range), each exactly the numpy dequantisation."""
+    monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
+    rng = np.random.default_rng()
+    E, N, Kd = 8, 1024, 2048
+    w = rand_fp4(rng, E, N, Kd)
+    ex = jnp.asarray([5, 0, -1, 7, 5, 2], jnp.int32)
+    x = rand_x(rng, 6, 8, Kd)
+    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w))
+    check(f(x, ex, w), ref_np(x, ex, w), ex, E)
+    lo, hi = (66, 193) if form == "place" else (10, 228)
+    w = rand_fp4(rng, 1, 256, 512)
+    sc = rng.integers(lo, hi, w.scale.shape, dtype=np.uint8)
+    w = Fp4Weight(w.packed, jnp.asarray(sc.view(ml_dtypes.float8_e8m0fnu)))
+    cols = rng.choice(512, 16, replace=False)
+    xi = np.zeros((1, 16, 512), np.float32)
+    xi[0, np.arange(16), cols] = 1.0
+    y = np.asarray(jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w))(
+        jnp.asarray(xi, jnp.bfloat16), jnp.asarray([0], jnp.int32), w))
+    np.testing.assert_array_equal(y[0], dequant_np(w)[0][:, cols].T.astype(np.float32))

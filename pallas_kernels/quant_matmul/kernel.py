@@ -236,13 +236,45 @@ mul.rn.bf16x2 b, b, $3;
 mul.rn.bf16x2 $1, b, $4;
 }"""
 
+# "place": the prmt program with ONE multiply a weight pair instead of two. SA = 2^(e - 65)
+# (place_scale_word) gives the weights * 2^-64, and the accumulator is * 2^64 before its
+# store (exact: powers of two). 9 instructions for 4 weights instead of 11, and no SB word
+# to build or shuffle. bf16(e2m1 * 2^(e - 127)) exactly for e8m0 bytes e in [59, 192]
+# (the weights the wgmma sees are normal bf16 for e >= 66, subnormal for 59..65); e >= 193
+# (scales above 2^65) reads as inf. Real checkpoints' expert scales lie far inside (a
+# weight block of scale 2^65 or 2^-61 is no trained weight). Selected by
+# $DSV4_QMM_FP4_PTX=place: not yet run on a GPU.
+FP4_SWAR_PTX_PLACE = """{
+.reg .b32 t, a, b;
+shl.b32 t, $2, 4;
+prmt.b32 a, t, 0, 0x9180;
+prmt.b32 b, $2, 0, 0x9180;
+shl.b32 a, a, 2;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $0, a, $3;
+shl.b32 b, b, 2;
+and.b32 b, b, 0x81C081C0;
+mul.rn.bf16x2 $1, b, $3;
+}"""
+# $0 <- low nibbles (even k); $1 <- high nibbles (odd k); $2 = B0 | B1 << 8; $3 = SA.
+PLACE_LOG2 = 64   # the "place" weights come * 2^-64; the accumulator takes it back
+FP4_SWAR_FORMS = {"mad": FP4_SWAR_PTX, "prmt": FP4_SWAR_PTX_PRMT, "place": FP4_SWAR_PTX_PLACE}
 
-def fp4_swar_ptx():
-    """The FP4 decode program $DSV4_QMM_FP4_PTX names (read when a kernel is traced)."""
+
+def fp4_swar_form():
+    """The FP4 decode program's name, $DSV4_QMM_FP4_PTX (read when a kernel is traced):
+    "mad" (default), "prmt" or "place"."""
     form = os.environ.get("DSV4_QMM_FP4_PTX", "mad")
-    if form not in ("mad", "prmt"):
-        raise ValueError(f"DSV4_QMM_FP4_PTX must be 'mad' or 'prmt', got {form!r}")
-    return FP4_SWAR_PTX_PRMT if form == "prmt" else FP4_SWAR_PTX
+    if form not in FP4_SWAR_FORMS:
+        raise ValueError(f"DSV4_QMM_FP4_PTX must be one of {sorted(FP4_SWAR_FORMS)}, got "
+                         f"{form!r}")
+    return form
+
+
+def place_scale_word(e):
+    """int32 e8m0 bytes -> the "place" program's SA: 2^(e - 1 - PLACE_LOG2) as a bf16x2 word
+    (int32); normal for e <= 192, inf (exponent 255) above."""
+    return (jnp.minimum(e + 126 - PLACE_LOG2, 255) << 7) * 0x10001
 
 FP8_SWAR_PTX = """{
 .reg .b32 y, n, s;
@@ -296,18 +328,23 @@ def _shfl_column(reg, c):
                                  v, result_types=i32, convergent=True)
 
 
-def fp4_swar_decode(b_u8, sa, sb, col=None):
+def fp4_swar_decode(b_u8, sa, sb, col=None, form="mad"):
     """Packed e2m1 bytes uint8 [R, C] (WGMMA layout) -> (even-k, odd-k) bf16 [R, C]
     weights, exact. GPU only (inline PTX). The scale words (bf16x2 bits, int32 or f32):
     col=None: sa, sb [R, C], constant along each row; col=c: the step's [R, 8] word tiles,
     block c's words fetched from the lane of the row group that holds column c (one
-    shuffle per row and word instead of a masked row sum)."""
+    shuffle per row and word instead of a masked row sum). form: the program
+    (FP4_SWAR_FORMS); "place" takes SA = place_scale_word(e) and sb=None, and its weights
+    come * 2^-PLACE_LOG2."""
     R, C = b_u8.shape
     out = plgpu.ShapeDtypeStruct((R, C), jnp.bfloat16, layout=WG)
-    ptx = fp4_swar_ptx()
+    ptx = FP4_SWAR_FORMS[form]
+    if (form == "place") != (sb is None):
+        raise ValueError(f"form {form!r} takes {'no' if form == 'place' else 'an'} SB word")
+    scales = (sa,) if sb is None else (sa, sb)
 
-    @plgpu.inline_mgpu(arg_types=(WG, WG, WG), return_type=(out, out))
-    def dec(ctx, w, sa, sb):
+    @plgpu.inline_mgpu(arg_types=(WG,) * (1 + len(scales)), return_type=(out, out))
+    def dec(ctx, w, sa, sb=None):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -315,14 +352,15 @@ def fp4_swar_decode(b_u8, sa, sb, col=None):
         hi = np.empty_like(w.registers)
         rows = {}
 
+        words_in = (sa,) if sb is None else (sa, sb)
+
         def words(idx):
             if col is None:
-                return _first_lane(sa.registers[idx]), _first_lane(sb.registers[idx])
+                return tuple(_first_lane(v.registers[idx]) for v in words_in)
             # registers are indexed (row tile, column tile of 8, ...): same rows, column 0
             key = idx[:1] + (0,) + idx[2:]
             if key not in rows:
-                rows[key] = (_shfl_column(sa.registers[key], col),
-                             _shfl_column(sb.registers[key], col))
+                rows[key] = tuple(_shfl_column(v.registers[key], col) for v in words_in)
             return rows[key]
 
         if col is not None:
@@ -336,7 +374,7 @@ def fp4_swar_decode(b_u8, sa, sb, col=None):
                                             _is_signed=None)
         return mk(lo), mk(hi)
 
-    return dec(b_u8, sa, sb)
+    return dec(b_u8, *scales)
 
 
 def fp8_swar_decode(b_u8, sa_i32, sb_i32):
@@ -380,6 +418,8 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                sc uint8 [E, N, K/32]."""
     E = w.shape[0]
     nk = _steps(fmt, K, tkp) // splits             # K steps per CTA
+    form = fp4_swar_form() if fmt == "fp4" and decode.startswith("swar") else None
+    place = form == "place"
     NC = tkp // 16                                 # FP4 scale blocks per step
     tr8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     tr16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -464,8 +504,10 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                 col = plgpu.broadcasted_iota(jnp.int32, (tn, 8), 1, layout=WG) - lax.rem(c0, 8)
                 b_all = plgpu.load(w_s.at[slot], layout=WG)                      # [tn, tkp]
                 shfl = decode == "swar-shfl" and NC == 8   # the 8 columns are this step's
+                words = ((lambda e: (place_scale_word(e), None)) if place else
+                         (lambda e: swar_scale_words("fp4", e)))
                 if shfl:
-                    sa_all, sb_all = swar_scale_words("fp4", scl)                 # [tn, 8]
+                    sa_all, sb_all = words(scl)                                   # [tn, 8]
                 elif decode.startswith("swar"):
                     e_all = scl.astype(jnp.float32)           # (exact small integers)
                 else:  # f32 multipliers 2^(e-127) * 2^14 (undoing the f16 bias trick below)
@@ -475,12 +517,13 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
                     """(even-k, odd-k) bf16 [tn, 16] of scale block c."""
                     if shfl:
                         return fp4_swar_decode(b_all[:, 16 * c:16 * (c + 1)], sa_all, sb_all,
-                                               col=c)
+                                               col=c, form=form)
                     if decode.startswith("swar"):
                         e = jnp.where(col == c, e_all, 0.0).sum(axis=1).astype(jnp.int32)
-                        sa, sb = (lax.broadcast_in_dim(v, (tn, 16), [0])
-                                  for v in swar_scale_words("fp4", e))
-                        return fp4_swar_decode(b_all[:, 16 * c:16 * (c + 1)], sa, sb)
+                        sa, sb = (None if v is None else lax.broadcast_in_dim(v, (tn, 16), [0])
+                                  for v in words(e))
+                        return fp4_swar_decode(b_all[:, 16 * c:16 * (c + 1)], sa, sb,
+                                               form=form)
                     b = b_all[:, 16 * c:16 * (c + 1)].astype(jnp.int32)           # [tn, 16]
                     mult = jnp.where(col == c, mult_all, 0.0).sum(axis=1)         # [tn]
                     mult = lax.broadcast_in_dim(mult, (tn, 16), [0])
@@ -544,7 +587,8 @@ def _stream_call(fmt, x, ex_G, w, sc, *, G, M, N, K, tn, splits, stages, interpr
         acc = pl.run_scoped(stream, **bufs)      # the stream buffers are freed here
 
         def store(o_s):
-            o_s[...] = acc
+            # "place": the weights came * 2^-64 (exact power of two either way)
+            o_s[...] = acc * jnp.float32(2.0 ** PLACE_LOG2) if place else acc
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_g.at[sp, g, rows])
             plgpu.wait_smem_to_gmem(0)
