@@ -2,7 +2,7 @@
 at the lightning indexer's decode shapes.
 
     PYTHONPATH=. python benchmarks/topk_select.py [--cases 64:32768:512 ...] [--json F]
-        [--tiles 0 2048] [--bits 2 4] [--segments 0 9] [--interpret]
+        [--tiles 0 2048] [--bits 2 4] [--segments 0 9] [--fused 0 1] [--interpret]
 
 Scores [B, N] f32 as the indexer writes them: random, -inf past each request's eligible
 entries ((t + 1) // 4, t drawn per request). N = max_blocks * 32 (4K / 32K / 128K context:
@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--bits", type=int, nargs="+", default=[2], help="radix digit widths")
     ap.add_argument("--segments", type=int, nargs="+", default=[0],
                     help="programs per row (0: kernel.default_segments)")
+    ap.add_argument("--fused", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="a search step's counts in one reduction (topk_select's fused)")
     ap.add_argument("--json", help="append one JSON line per case here")
     ap.add_argument("--interpret", action="store_true", help="CPU check of this script")
     a = ap.parse_args()
@@ -59,10 +61,10 @@ def main():
         B, N, k = map(int, case.split(":"))
         sets = [scores(jax.random.key(1000 * B + i), B, N)
                 for i in range(1 if a.interpret else max(2, min(16, (64 << 20) // (B * N * 4))))]
-        progs = {f"kernel t{t or 'auto'}b{d}s{g or 'auto'}": functools.partial(
+        progs = {f"kernel t{t or 'auto'}b{d}s{g or 'auto'}{'f' if fu else ''}": functools.partial(
                      topk_select, k=k, tile=t or None, bits=d, segments=g or None,
-                     interpret=a.interpret)
-                 for t in a.tiles for d in a.bits for g in a.segments}
+                     fused=bool(fu), interpret=a.interpret)
+                 for t in a.tiles for d in a.bits for g in a.segments for fu in a.fused}
         progs["xla lax.top_k"] = functools.partial(topk_from_scores, topk=k)
         many = {n: jax.jit(lambda ss, f=f: [f(s) for s in ss]) for n, f in progs.items()}
         res, outs = {}, {}

@@ -48,6 +48,19 @@ def test_kernel_matches_numpy(B, N, k, tile, bits, segments):
     assert np.array_equal(out, np.asarray(topk_select_reference(jnp.asarray(s), k)))
 
 
+@pytest.mark.parametrize("B,N,k,tile,bits,segments", [
+    (2, 1000, 64, None, 2, 1), (2, 700, 50, None, 4, 1), (1, 77, 77, None, 1, 1),
+    (2, 1000, 64, 128, 2, 3)])
+def test_fused_counts_match_numpy(B, N, k, tile, bits, segments):
+    """fused=True (a search step's counts as one [2^bits, S] reduction): the same contract,
+    ties included, at every digit width and through a second stage."""
+    rng = np.random.default_rng()
+    s = random_scores(rng, B, N)
+    s[0, rng.integers(N // 2, N):] = -np.inf
+    out = run(s, k, tile=tile, bits=bits, segments=segments, fused=True)
+    assert np.array_equal(out, numpy_topk_set(s, k))
+
+
 def test_edge_rows():
     """All -inf; fewer finite than k; every score equal (ties decide all); +0.0 / -0.0
     mixed (equal, so the lower ids win); huge and tiny magnitudes of both signs."""
@@ -110,25 +123,27 @@ def test_default_segments():
     assert default_segments(32800, 512) == 9 and default_segments(32800, 1024) == 5
 
 
-@pytest.mark.parametrize("B,N,k", [(64, 32768, 512), (1, 1056, 512), (8, 65536, 1024)])
-def test_cuda_lowering(B, N, k):
+@pytest.mark.parametrize("B,N,k,fused", [(64, 32768, 512, False), (1, 1056, 512, False),
+                                         (8, 65536, 1024, False), (1, 32800, 512, True)])
+def test_cuda_lowering(B, N, k, fused):
     from jax._src.mesh import AbstractDevice, AbstractMesh
     dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
-        lowered = jax.jit(functools.partial(topk_select, k=k)).trace(
+        lowered = jax.jit(functools.partial(topk_select, k=k, fused=fused)).trace(
             jax.ShapeDtypeStruct((B, N), jnp.float32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("B,N,k,segments", [(64, 32768, 512, None), (1, 1056, 512, None),
                                             (3, 8000, 1024, None), (1, 16384, 512, 1),
                                             (2, 32800, 512, 5), (2, 262144, 512, None)])
-def test_gpu_kernel_matches_numpy(B, N, k, segments):
+def test_gpu_kernel_matches_numpy(B, N, k, segments, fused):
     rng = np.random.default_rng()
     s = random_scores(rng, B, N)
     s[0, N // 3:] = -np.inf
-    f = functools.partial(topk_select, k=k, segments=segments)
+    f = functools.partial(topk_select, k=k, segments=segments, fused=fused)
     out = np.asarray(jax.jit(f)(jnp.asarray(s)))
     assert np.array_equal(out, numpy_topk_set(s, k))
 
