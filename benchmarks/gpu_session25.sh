@@ -3,7 +3,8 @@
 # device calls for the next session, one PART each, on an H100 (kind nvidia-h100-x1),
 # output in $OUT; each PART fits the 600 s a call may run. Order by value: 1 (correctness
 # of everything built without a GPU), 3 (the routed experts' FP4 decode forms: the
-# experts are ~65% of a B = 64 step), 2 (indexer w_in_loop; the step with "place"), 4.
+# experts are ~65% of a B = 64 step), 2 (indexer w_in_loop, top-k fused; the step with
+# "place"), 4. Timeouts sum to <= 600 s a PART.
 # Supersedes PART=8 / PART=9 of gpu_session24.sh (never run).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
@@ -16,16 +17,16 @@ case "${PART:-1}" in
   # counts (session 25), then the decode check
   # (4 Flash layers, 32K, random cache, kernels vs pure JAX) with the step's indexer
   # default "place" (never run in a step on a GPU), fp4 and nvfp4 index keys.
-  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -rA \
     -k "weights_in_loop" | tee $OUT/gpu_tests_idx.log | grep -E "passed|failed|FAILED|Error"
-  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_matmul.py -rA \
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_matmul.py -rA \
     -k "fp4_programs or matches_reference or full_scale" | tee $OUT/gpu_tests_qmm.log \
     | grep -E "passed|failed|FAILED|Error"
-  T 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_topk_select.py -rA \
+  T 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_topk_select.py -rA \
     | tee $OUT/gpu_tests_topk.log | grep -E "passed|failed|FAILED|Error"
-  T 140 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+  T 130 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 | tee $OUT/check.log | grep -E "median"
-  T 140 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+  T 130 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
     --matmul pallas --batch 1 8 --context 32768 --steps 3 --index-format nvfp4 \
     | tee $OUT/check_nvfp4.log | grep -E "median" ;;
 2)
@@ -34,14 +35,14 @@ case "${PART:-1}" in
   # and place.
   V=fp4:place:0:2:0:1:w:0,fp4:place:0:2:0:1:w:1,nvfp4:place:0:2:0:1:w:0,nvfp4:place:0:2:0:1:w:1
   V=$V,fp4:place:16:2:0:1:w:0,fp4:place:16:2:0:1:w:1
-  T 240 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072,1:32768 \
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072,1:32768 \
     --variants $V --out $OUT | tee $OUT/idx_h100.log | grep -v "^{"
   # top-k: a search step's 3 counts as one 2-D reduction (fused) against 3 reductions
-  T 120 python3 benchmarks/topk_select.py --cases 1:8224:512 1:32800:512 8:32800:512 \
+  T 100 python3 benchmarks/topk_select.py --cases 1:8224:512 1:32800:512 8:32800:512 \
     64:32800:512 8:32800:1024 --fused 0 1 --json $OUT/topk.jsonl | tee $OUT/topk.log \
     | grep -v "^{"
   for dq in lutbf place; do
-    DSV4_IDX_DEQUANT=$dq T 150 python3 $BENCH --batch 64 --context 131072 --steps 10 \
+    DSV4_IDX_DEQUANT=$dq T 140 python3 $BENCH --batch 64 --context 131072 --steps 10 \
       | tee $OUT/b64_idx_$dq.log | grep -E "stream step" | head -1
   done ;;
 3)
