@@ -221,41 +221,30 @@ mul.rn.bf16x2 $1, n, $4;
 # bits (e2m1 * 2^-126); the low nibbles first move up 4. 11 instructions for 4 weights
 # instead of 13 (4 of them prmt / and on the ALU pipe instead of 5; no mad). Selected by
 # $DSV4_QMM_FP4_PTX=prmt (default "mad", the program above): not yet run on a GPU.
-FP4_SWAR_PTX_PRMT = """{
-.reg .b32 t, a, b;
-shl.b32 t, $2, 4;
-prmt.b32 a, t, 0, 0x9180;
-prmt.b32 b, $2, 0, 0x9180;
-shl.b32 a, a, 2;
-and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 a, a, $3;
-mul.rn.bf16x2 $0, a, $4;
-shl.b32 b, b, 2;
-and.b32 b, b, 0x81C081C0;
-mul.rn.bf16x2 b, b, $3;
-mul.rn.bf16x2 $1, b, $4;
-}"""
+def _prmt_program(multiplies):
+    """The sign-replicate FP4 program with `multiplies` bf16x2 scale multiplies a pair (2:
+    by SA then SB, "prmt"; 1: by SA only, "place")."""
+    mul = lambda dst, r: ([f"mul.rn.bf16x2 {dst}, {r}, $3;"] if multiplies == 1 else
+                          [f"mul.rn.bf16x2 {r}, {r}, $3;", f"mul.rn.bf16x2 {dst}, {r}, $4;"])
+    return "\n".join(["{", ".reg .b32 t, a, b;", "shl.b32 t, $2, 4;",
+                      "prmt.b32 a, t, 0, 0x9180;", "prmt.b32 b, $2, 0, 0x9180;",
+                      "shl.b32 a, a, 2;", "and.b32 a, a, 0x81C081C0;", *mul("$0", "a"),
+                      "shl.b32 b, b, 2;", "and.b32 b, b, 0x81C081C0;", *mul("$1", "b"), "}"])
+
+
+FP4_SWAR_PTX_PRMT = _prmt_program(2)
 
 # "place": the prmt program with ONE multiply a weight pair instead of two. SA = 2^(e - 65)
 # (place_scale_word) gives the weights * 2^-64, and the accumulator is * 2^64 before its
 # store (exact: powers of two). 9 instructions for 4 weights instead of 11, and no SB word
 # to build or shuffle. bf16(e2m1 * 2^(e - 127)) exactly for e8m0 bytes e in [59, 192]
 # (the weights the wgmma sees are normal bf16 for e >= 66, subnormal for 59..65); e >= 193
-# (scales above 2^65) reads as inf. Real checkpoints' expert scales lie far inside (a
-# weight block of scale 2^65 or 2^-61 is no trained weight). Selected by
+# (scales above 2^65) reads as inf. The matmul equals the default's while the tensor cores'
+# products w x 2^-64 stay f32 normals (|w x| >= 2^-62; smaller ones may flush, each moving
+# the sum by < 2^-62). Real checkpoints' expert scales lie far inside (a weight block of
+# scale 2^65 or 2^-61 is no trained weight). Selected by
 # $DSV4_QMM_FP4_PTX=place: not yet run on a GPU.
-FP4_SWAR_PTX_PLACE = """{
-.reg .b32 t, a, b;
-shl.b32 t, $2, 4;
-prmt.b32 a, t, 0, 0x9180;
-prmt.b32 b, $2, 0, 0x9180;
-shl.b32 a, a, 2;
-and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 $0, a, $3;
-shl.b32 b, b, 2;
-and.b32 b, b, 0x81C081C0;
-mul.rn.bf16x2 $1, b, $3;
-}"""
+FP4_SWAR_PTX_PLACE = _prmt_program(1)
 # $0 <- low nibbles (even k); $1 <- high nibbles (odd k); $2 = B0 | B1 << 8; $3 = SA.
 PLACE_LOG2 = 64   # the "place" weights come * 2^-64; the accumulator takes it back
 FP4_SWAR_FORMS = {"mad": FP4_SWAR_PTX, "prmt": FP4_SWAR_PTX_PRMT, "place": FP4_SWAR_PTX_PLACE}
