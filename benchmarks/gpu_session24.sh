@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 24 (2026-11-26): the device calls as run, one PART each (on an H100, kind
 # nvidia-h100-x1); output in benchmarks/results/session24_h100/runN, results in
-# BENCHMARKS.md ("2026-11-26, session 24").
+# BENCHMARKS.md ("2026-11-26, session 24"). PART=8 / 9 never ran: gpu_session25.sh holds
+# them now, with session 25's additions.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
