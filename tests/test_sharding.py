@@ -22,10 +22,10 @@ MESHES = {1: (1, 1, 1), 2: (1, 2, 1), 4: (1, 2, 2), 8: (2, 2, 2)}
 DECODE_MESHES = (2, 8)  # the decode step (a second big program per mesh) on these
 T_FWD, N_STEPS = 136, 10  # forward crosses an HCA block; decode emits CSA entries
 TOL = 1e-5
-# The forward makes ~1100 top-k choices (indexer blocks, routed experts); sharding moves
-# their scores by ~1e-6 (relative), which flips a near-tied choice and then the logits by
-# ~1e-2 (CI saw it once). A draw whose smallest gap is under MARGIN (relative to the
-# scores' scale) is drawn again: 20x the movement, about 1 draw in 5 redrawn.
+# The forward makes ~1100 top-k choices (indexer blocks, routed experts); sharding reorders
+# sums (the logits move by ~1e-6, relative), which can flip a near-tied choice and then the
+# logits by ~1e-2 (CI saw it once; 216 draws here did not). A draw whose smallest gap is
+# under MARGIN (relative to the scores' scale) is drawn again: about 1 draw in 5.
 MARGIN, MAX_DRAWS = 2e-5, 20
 
 
