@@ -437,6 +437,8 @@ def attention_prefill(p, x, cfg: Config, nm: Numerics, ratio: int, debug=None, x
                                       cfg.index_head_dim, freqs, cfg, nm, "indexer")
             qI, wI = indexer_query(ip, x, cq, pos, freqs, cfg, nm, cqq)
             scores = indexer_scores(qI, wI, keysI)
+            if debug is not None:
+                debug["indexer_eligible"] = visible  # [B, T, n]: what the top-k chose from
             visible, idx = topk_mask(scores, visible, cfg.index_topk)
             if debug is not None:
                 debug["indexer_scores"] = scores  # [B, T, n] (before the causal mask)

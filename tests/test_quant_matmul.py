@@ -381,6 +381,9 @@ def test_cuda_lowering_fp4_programs(form, monkeypatch):
         text = jax.jit(f).trace(S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32),
                                 w).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and "81C081C0" in text   # the program's mask
+        # and the form's own last multiply: by SB ($4) in prmt, by SA ($3) in place
+        last = "mul.rn.bf16x2 $0, a, $3" if form == "place" else "mul.rn.bf16x2 $0, a, $4"
+        assert last in text
     monkeypatch.setenv("DSV4_QMM_FP4_PTX", "fast")
     with pytest.raises(ValueError, match="DSV4_QMM_FP4_PTX"):
         jax.jit(lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode="swar")).trace(

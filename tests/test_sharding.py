@@ -52,27 +52,21 @@ def _expert_allgathers(hlo: str):
     return bad
 
 
-def _decision_margin(dbg: dict, cfg, T: int):
+def _decision_margin(dbg: dict, cfg):
     """Smallest gap between the last picked and the first unpicked score of every top-k
     the forward made (model.forward's debug dict), relative to those scores' largest
-    magnitude: the indexer's compressed blocks (where more than index_topk are visible)
-    and the routed experts."""
+    magnitude: the indexer's compressed blocks (among the eligible ones, where more than
+    index_topk are) and the routed experts."""
     import jax
     import jax.numpy as jnp
     out = jnp.inf
     for d in (v for k, v in dbg.items() if isinstance(k, int)):
-        for key, k in (("router_scores", cfg.num_experts_per_tok),
-                       ("indexer_scores", cfg.index_topk)):
-            if key not in d:
+        for key, k, ok in (("router_scores", cfg.num_experts_per_tok, None),
+                           ("indexer_scores", cfg.index_topk, d.get("indexer_eligible"))):
+            if key not in d or d[key].shape[-1] <= k:
                 continue
             s = d[key]
-            ok = jnp.ones(s.shape, bool)
-            if key == "indexer_scores":  # block j is visible from token t when j < (t+1)/4
-                n = s.shape[-1]
-                ok = jnp.broadcast_to(jnp.arange(n) < ((jnp.arange(T) + 1) // 4)[:, None],
-                                      s.shape)
-            if s.shape[-1] <= k:
-                continue
+            ok = jnp.ones(s.shape, bool) if ok is None else ok
             top = jax.lax.top_k(jnp.where(ok, s, -jnp.inf), k + 1)[0]
             gap = jnp.where(ok.sum(-1) > k, top[..., k - 1] - top[..., k], jnp.inf)
             out = jnp.minimum(out, gap.min() / jnp.abs(jnp.where(ok, s, 0)).max())
@@ -106,7 +100,7 @@ def worker(out_path):
     def ref_fwd(p, t):
         dbg = {}
         logits = M.forward(p, t, cfg, nm, dbg)
-        return logits, _decision_margin(dbg, cfg, T_FWD)
+        return logits, _decision_margin(dbg, cfg)
 
     # ---- forward: B=2 rows (split over "data" on 8 devices), on a draw whose top-k
     # choices are not near-tied (MARGIN)

@@ -85,8 +85,9 @@ def _kernel(s_ref, *refs, N, K, S, SEG, BITS, has_ids, values, fused=False):
     # padded to a power of two; pad rows never count), instead of one block reduction
     # (warp shuffles, a shared-memory round and its barriers) per count.
     J = 1 << BITS
-    jv = lax.broadcasted_iota(jnp.int32, (J, S), 0) + 1      # j = 1 .. 2^BITS, per key
-    j1 = lax.broadcasted_iota(jnp.int32, (J,), 0) + 1
+    if fused:
+        jv = lax.broadcasted_iota(jnp.int32, (J, S), 0) + 1      # j = 1 .. 2^BITS, per key
+        j1 = lax.broadcasted_iota(jnp.int32, (J,), 0) + 1
     for p in range(32 // BITS):
         shift = 32 - BITS * (p + 1)
         if fused:
