@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -20,6 +22,7 @@ import numpy as np
 from .config import Config
 from . import params as P
 from . import sharding as S
+from .quant import Fp4Weight
 
 
 def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: bool = True):
@@ -153,16 +156,31 @@ def _bad_count(x):
     return jnp.zeros((), jnp.int32)
 
 
+# The routed experts' default FP4 program in the Pallas kernel ("place",
+# pallas_kernels/quant_matmul) is exact for e8m0 scale bytes up to this one (2^65).
+FP4_PLACE_MAX_SCALE_BYTE = 192
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _numerics_counts(tree, n_experts: int):
-    out = {}
+    """-> ({name: count of NaN / non-finite / invalid entries},
+           {FP4 weight name: count of scale bytes above FP4_PLACE_MAX_SCALE_BYTE})."""
+    out, big = {}, {}
+    is_fp4 = lambda x: isinstance(x, Fp4Weight)
     for k, leaf in tree.items():
-        for path, x in jax.tree_util.tree_leaves_with_path(leaf):
-            out[k + jax.tree_util.keystr(path)] = _bad_count(x)
+        for path, x in jax.tree_util.tree_leaves_with_path(leaf, is_leaf=is_fp4):
+            name = k + jax.tree_util.keystr(path)
+            if is_fp4(x):
+                out[name + ".packed"] = _bad_count(x.packed)
+                out[name + ".scale"] = _bad_count(x.scale)
+                big[name] = jnp.sum(jax.lax.bitcast_convert_type(x.scale, jnp.uint8)
+                                    > FP4_PLACE_MAX_SCALE_BYTE)
+            else:
+                out[name] = _bad_count(x)
         if k.endswith("gate.tid2eid"):
             out[k + " (expert id out of [0, n_routed_experts))"] = jnp.sum(
                 (leaf < 0) | (leaf >= n_experts))
-    return out
+    return out, big
 
 
 def check_numerics(params: dict, cfg: Config):
@@ -170,7 +188,17 @@ def check_numerics(params: dict, cfg: Config):
     One jitted reduction over the whole tree (one compile per model shape; the arrays
     stay where they are)."""
     from checkpoints.errors import CheckpointError
-    for name, n in jax.device_get(_numerics_counts(params, cfg.n_routed_experts)).items():
+    bad, big = jax.device_get(_numerics_counts(params, cfg.n_routed_experts))
+    for name, n in bad.items():
         if int(n):
             raise CheckpointError(f"numerics check: {name} has {int(n)} NaN/non-finite or "
                                   "invalid entries")
+    big = {name: int(n) for name, n in big.items() if int(n)}
+    if big and os.environ.get("DSV4_QMM_FP4_PTX", "place") == "place":
+        first = ", ".join(f"{name} ({n})" for name, n in list(big.items())[:3])
+        warnings.warn(
+            f"{len(big)} FP4 weight(s) have e8m0 scales above 2^65 (bytes > "
+            f"{FP4_PLACE_MAX_SCALE_BYTE}; no trained weight has them), e.g. {first}. The "
+            "Pallas matmul kernel's default FP4 program ('place') reads such blocks as "
+            "inf; with Numerics(matmul='pallas') set DSV4_QMM_FP4_PTX=mad (exact for every "
+            "scale byte) before the model is traced.", stacklevel=2)

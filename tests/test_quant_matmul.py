@@ -368,22 +368,29 @@ def test_cuda_lowering_register_a(M):
             assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("form", ["prmt", "place"])
+@pytest.mark.parametrize("form", [None, "mad", "prmt", "place"])
 def test_cuda_lowering_fp4_programs(form, monkeypatch):
-    """The FP4 decode programs other than the default lower through both swar paths (the
-    "place" form without SB words and with the accumulator's 2^64); a bad name is an
-    error that names the variable."""
+    """Each FP4 decode program lowers through both swar paths (the "place" form without SB
+    words and with the accumulator's 2^64), "place" when $DSV4_QMM_FP4_PTX is unset; a bad
+    name is an error that names the variable."""
     S = jax.ShapeDtypeStruct
     w = Fp4Weight(S((256, 2048, 2048), jnp.int8), S((256, 2048, 128), jnp.float8_e8m0fnu))
-    monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
+    if form is None:
+        monkeypatch.delenv("DSV4_QMM_FP4_PTX", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
+    expect = form or "place"
+    assert K.fp4_swar_form() == expect
+    # each program's own marker: mad's sign lift, the others' mask and last multiply (by
+    # SB, $4, in prmt; by SA, $3, in place)
+    marks = {"mad": ["mad.lo.u32 n, s, 4032, n"],
+             "prmt": ["81C081C0", "mul.rn.bf16x2 $0, a, $4"],
+             "place": ["81C081C0", "mul.rn.bf16x2 $0, a, $3"]}[expect]
     for decode in ("swar", "swar-shfl"):
         f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode=decode)
         text = jax.jit(f).trace(S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32),
                                 w).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text and "81C081C0" in text   # the program's mask
-        # and the form's own last multiply: by SB ($4) in prmt, by SA ($3) in place
-        last = "mul.rn.bf16x2 $0, a, $3" if form == "place" else "mul.rn.bf16x2 $0, a, $4"
-        assert last in text
+        assert "mosaic_gpu" in text and all(m in text for m in marks)
     monkeypatch.setenv("DSV4_QMM_FP4_PTX", "fast")
     with pytest.raises(ValueError, match="DSV4_QMM_FP4_PTX"):
         jax.jit(lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode="swar")).trace(
@@ -433,11 +440,12 @@ def test_gpu_fp4_default_tiles(M, decode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_gpu_swar_full_scale_range(fmt):
+def test_gpu_swar_full_scale_range(fmt, monkeypatch):
     """Scales 2^-117 .. 2^100 (far outside real checkpoints; the smallest scales are left
     out only so that no product is an f32 subnormal in the tensor cores; the numpy model
     of the PTX covers e = 0..254): every weight exactly as the numpy dequantisation,
     read out through an identity-like x (one 1.0 per row picks single weights)."""
+    monkeypatch.setenv("DSV4_QMM_FP4_PTX", "mad")   # the default "place": 66..192 below
     rng = np.random.default_rng(6)
     E, N, Kd = 1, 256, 512
     w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
@@ -454,12 +462,12 @@ def test_gpu_swar_full_scale_range(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["prmt", "place"])
+@pytest.mark.parametrize("form", ["mad", "prmt", "place"])
 def test_gpu_fp4_programs(form, monkeypatch):
-    """The FP4 decode programs other than the default ($DSV4_QMM_FP4_PTX, read at trace
-    time): random experts against the reference, then single weights read out through an
-    identity-like x at scales 2^-61 .. 2^65 ("place": e8m0 bytes 66 .. 192, where the
-    weights * 2^-64 and their products with x = 1 are normal; "prmt": 10 .. 227, as
+    """Each FP4 decode program ($DSV4_QMM_FP4_PTX, read at trace time): random experts
+    against the reference, then single weights read out through an identity-like x at
+    scales 2^-61 .. 2^65 ("place", the default: e8m0 bytes 66 .. 192, where the weights *
+    2^-64 and their products with x = 1 are normal; "mad" / "prmt": 10 .. 227, as
     test_gpu_swar_full_scale_range), each exactly the numpy dequantisation."""
     monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
     rng = np.random.default_rng()

@@ -93,8 +93,9 @@ KREG = True
 BARRIERS = "warp"
 # w_in_loop: the head weights re-read from SMEM every chunk (8 LDS) instead of held in 16
 # registers: 109 -> 93 registers with "place" (compile-only sm_90a), 5 CTAs an SM instead
-# of 4 (register-bound), 10 instructions more a chunk. Built in session 24 after the
-# device time ran out: not yet timed, so off.
+# of 4 (register-bound), 10 instructions more a chunk. Timed in session 26 (H100, fp4 /
+# nvfp4 keys, 128K): B = 64 91.9 -> 90.5 / 100.3 -> 98.9 us, but B = 8 13.3 -> 13.8 /
+# 14.7 -> 14.9: a wash, so off.
 W_IN_LOOP = False
 # The fp4 keys' dequant when a call names none: "place" (bits placed, no tables) measured
 # 92.3 us against "lutbf" 100.4 at B = 64, 128K and 13.5 against 15.3 at B = 8; nvfp4

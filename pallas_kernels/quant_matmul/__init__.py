@@ -20,7 +20,10 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", **kernel_kw):
     (splits, stages, tn, tkp, reg_a, decode). Edges: with decode "cvt" (the FP8 default) an
     e8m0 scale byte 0 (2^-127) reads as 0 and FP4 scale bytes >= 241 overflow; the "swar"
     decodes ("swar-shfl" is the FP4 default) are exact for every scale byte 0..254 (e4m3
-    NaN codes come out as finite numbers there). Real checkpoints use neither edge.
+    NaN codes come out as finite numbers there), except that the default FP4 program
+    ($DSV4_QMM_FP4_PTX "place") is exact for bytes 59..192 and reads bytes >= 193 (2^66)
+    as inf ($DSV4_QMM_FP4_PTX=mad: every byte; `load` warns about such scales). Real
+    checkpoints use none of these edges.
     expert_G=None: group g uses expert g (the kernel then reads no id array); rows=r: only
     the first r rows of each group come back, f32 [G, r, N] (every impl)."""
     if impl == "xla":

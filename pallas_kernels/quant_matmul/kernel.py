@@ -32,8 +32,11 @@ FP4 weight: nibble masks and shifts into f16 bits, f16 -> f32, * f32 scale, -> b
 the scale with two exact bf16x2 multiplies (~3.5 instructions per weight, inline PTX:
 FP4_SWAR_PTX); "swar-shfl" (FP4 default) also fetches each row's scale words with one
 lane shuffle. H100, M = 8, FP4 experts: 30 -> 45% of the copy bandwidth at G = 6 and
-40 -> 73% at G = 64 (benchmarks/results/quant_matmul.md). FP8 keeps "cvt": its "swar"
-form measured no faster (it is not bound by the conversions).
+40 -> 73% at G = 64 (benchmarks/results/quant_matmul.md). The FP4 swar program
+($DSV4_QMM_FP4_PTX, FP4_SWAR_FORMS) is "place" since session 26: sign-replicate prmt, one
+bf16x2 multiply a weight pair (~2.25 instructions a weight), the B = 64 experts at 86% of
+the ceiling (H100). FP8 keeps "cvt": its "swar" form measured no faster (it is not bound
+by the conversions).
 """
 import os
 
@@ -220,7 +223,7 @@ mul.rn.bf16x2 $1, n, $4;
 # magnitude on bits 4-6 and its sign on bit 13 (and 15): << 2 and one mask make the bf16
 # bits (e2m1 * 2^-126); the low nibbles first move up 4. 11 instructions for 4 weights
 # instead of 13 (4 of them prmt / and on the ALU pipe instead of 5; no mad). Selected by
-# $DSV4_QMM_FP4_PTX=prmt (default "mad", the program above): not yet run on a GPU.
+# $DSV4_QMM_FP4_PTX=prmt; GPU-tested (session 26, H100), 2-3% faster than "mad".
 def _prmt_program(multiplies):
     """The sign-replicate FP4 program with `multiplies` bf16x2 scale multiplies a pair (2:
     by SA then SB, "prmt"; 1: by SA only, "place")."""
@@ -242,8 +245,10 @@ FP4_SWAR_PTX_PRMT = _prmt_program(2)
 # (scales above 2^65) reads as inf. The matmul equals the default's while the tensor cores'
 # products w x 2^-64 stay f32 normals (|w x| >= 2^-62; smaller ones may flush, each moving
 # the sum by < 2^-62). Real checkpoints' expert scales lie far inside (a weight block of
-# scale 2^65 or 2^-61 is no trained weight). Selected by
-# $DSV4_QMM_FP4_PTX=place: not yet run on a GPU.
+# scale 2^65 or 2^-61 is no trained weight; load()'s numerics check warns about scale
+# bytes > 192). The default since session 26 (H100: the B = 64 w13 call 727.7 -> 703.3 us,
+# the 4-layer B = 64 step 6.23 -> 6.07 ms against "mad", which stays selectable as
+# $DSV4_QMM_FP4_PTX=mad: exact for every scale byte).
 FP4_SWAR_PTX_PLACE = _prmt_program(1)
 # $0 <- low nibbles (even k); $1 <- high nibbles (odd k); $2 = B0 | B1 << 8; $3 = SA.
 PLACE_LOG2 = 64   # the "place" weights come * 2^-64; the accumulator takes it back
@@ -252,8 +257,9 @@ FP4_SWAR_FORMS = {"mad": FP4_SWAR_PTX, "prmt": FP4_SWAR_PTX_PRMT, "place": FP4_S
 
 def fp4_swar_form():
     """The FP4 decode program's name, $DSV4_QMM_FP4_PTX (read when a kernel is traced):
-    "mad" (default), "prmt" or "place"."""
-    form = os.environ.get("DSV4_QMM_FP4_PTX", "mad")
+    "place" (default; exact for e8m0 scale bytes 59..192), "prmt" or "mad" (both exact for
+    every scale byte 0..254)."""
+    form = os.environ.get("DSV4_QMM_FP4_PTX", "place")
     if form not in FP4_SWAR_FORMS:
         raise ValueError(f"DSV4_QMM_FP4_PTX must be one of {sorted(FP4_SWAR_FORMS)}, got "
                          f"{form!r}")

@@ -44,8 +44,10 @@ INT_MIN = -(1 << 31)
 # the order key of -inf: f32 bits 0xFF800000 with the magnitude bits flipped
 NEG_INF_KEY = -2139095041
 MAX_KEYS = 16384     # keys one program holds: 32 a thread at 16 warps
-# Default of topk_select's `fused` (a search step's counts in one reduction): off until
-# timed on a GPU (built in session 25 without device time); DSV4_TOPK_FUSED=1 turns it on.
+# Default of topk_select's `fused` (a search step's counts in one reduction): off, it is
+# slower (session 26, H100, k = 512, N = 32800, GPU busy: B = 1 26.4 -> 30.5 us, B = 8
+# 27.2 -> 32.1, B = 64 56.6 -> 87.6; the [2^bits, S] reduction costs more than three
+# block reductions); DSV4_TOPK_FUSED=1 turns it on.
 FUSED_COUNTS = os.environ.get("DSV4_TOPK_FUSED", "0") == "1"
 
 
