@@ -6,7 +6,7 @@ consumers (qk_split), gather+sN runs N key-block splits (default: kernel.default
 gather+idp bounds the key blocks from t (ids_prefix), gather+hid (HCA cases) derives the
 ids in-kernel (idx_BK=None, hca_entries; implies idp), gather+hix builds them with
 hca_indices inside the program as the decode step did before (implies idp), e.g.
-cpasync+qks+s3. Usage:
+cpasync+qks+s3; "xla" is the pure-JAX reference (the path the kernel replaces). Usage:
   python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants direct,cpasync"""
 import argparse
 import functools
@@ -22,6 +22,9 @@ from pallas_kernels.sparse_decode_attention import reference as R
 
 
 def build(spec, args):
+    if spec == "xla":   # the pure-JAX path the kernel replaces
+        f = jax.jit(R.sparse_decode_attention_reference)
+        return f, jax.block_until_ready(f(*args))
     gather, *kv = spec.split(":")
     gather, *opts = gather.split("+")   # +qks: the consumers split the keys; +sN: N splits
     qks, hid, hix = "qks" in opts, "hid" in opts, "hix" in opts
