@@ -447,15 +447,27 @@ def test_cuda_lowering_flash_shapes():
         assert "mosaic_gpu" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_default_chunks_per_cta():
+    """The split rule: 16 chunks a CTA for fp4 keys only in calls of >= CPC16_MIN_CHUNKS
+    chunks (B = 32 / 64 at 128K), else enough CTAs to fill the chip twice, at most 8."""
+    n128k = 131072 // 4 // K.CHUNK                      # 512 chunks a request at 128K
+    assert [K.default_chunks_per_cta(B, n128k) for B in (1, 8, 32, 64)] == [1, 8, 16, 16]
+    for fmt in ("nvfp4", "fp8"):
+        assert K.default_chunks_per_cta(64, n128k, fmt=fmt) == 8
+    assert K.default_chunks_per_cta(4096, 8) == 8         # a table shorter than 16 chunks
+    assert K.default_chunks_per_cta(1, 128) == 1          # B = 1, 32K
+
+
 def test_cuda_lowering_every_chunks_per_cta():
-    """Every CTA span the default split can pick (1..8 chunks) lowers: 5 and 6 chunks
-    (320 / 384 scores a CTA) failed in the -inf fill before its buffer was rounded to 256."""
+    """Every CTA span the default split can pick (1..8 and 16 chunks) lowers: 5 and 6
+    chunks (320 / 384 scores a CTA) failed in the -inf fill before its buffer was rounded
+    to 256."""
     B, NB, MAXB = 3, 256, 63
     S = jax.ShapeDtypeStruct
     args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    for cpc in range(1, 9):
+    for cpc in (*range(1, 9), 16):
         for barriers in ("auto", "manual", "warp"):
             f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

@@ -68,8 +68,20 @@ def _check(q, w, codes, scale, block_table, t):
         raise ValueError(f"fp4 idx_scale must be uint8 [NB, {EPB}, 4], got {scale.dtype} {scale.shape}")
 
 
-def default_chunks_per_cta(B, n_chunks, num_sms=132):
-    """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks."""
+# fp4 keys take 16 chunks a CTA once the call has this many chunks in all (>= ~8 CTAs an
+# SM of 16 chunks): fewer CTAs re-load q and the head weights, and the tail is short.
+# H100, session 26 (GPU time, 128K): B = 64 91.9 -> 89.7 us, B = 32 47.7 -> 45.8, while
+# B = 8 (4096 chunks) went 13.3 -> 15.5 with 16 and stays at 8; scores bit-identical
+# (benchmarks/results/session26_h100/run3). nvfp4 / fp8 keys: not measured with 16, so
+# they keep 8.
+CPC16_MIN_CHUNKS = 16384
+
+
+def default_chunks_per_cta(B, n_chunks, num_sms=132, fmt="fp4"):
+    """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks
+    (fp4 keys: 16 from CPC16_MIN_CHUNKS chunks in all)."""
+    if fmt == "fp4" and n_chunks >= 16 and B * n_chunks >= CPC16_MIN_CHUNKS:
+        return 16
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
 
 
@@ -114,7 +126,7 @@ def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None):
                 w_in_loop=W_IN_LOOP if w_in_loop is None else w_in_loop)
 
 
-def _grid(B, block_table, t_B, chunks_per_cta):
+def _grid(B, block_table, t_B, chunks_per_cta, fmt):
     """The block table and positions as the kernel reads them, and the CTA split (chunks
     of 64 entries). No XLA work: the kernel clamps columns past the table to its last
     one, redirects -1 (unused) blocks to block 0 (their entries are masked) and finds
@@ -123,7 +135,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
     MAXB = bt.shape[1]
     n_max = MAXB * EPB
     n_chunks = -(-n_max // CHUNK)
-    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
+    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks, fmt=fmt)
     n_ctas = -(-n_chunks // cpc)
     return bt, t_B.astype(jnp.int32), n_max, cpc, n_ctas
 
@@ -139,7 +151,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
         raise ValueError(f"fp8 idx_keys must be float8_e4m3fn [NB, 32, 128], got {idx_keys.dtype} {idx_keys.shape}")
     if idx_scale.shape != idx_keys.shape[:2] + (1,):
         raise ValueError(f"fp8 idx_scale must be [NB, 32, 1], got {idx_scale.shape}")
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "fp8")
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
@@ -314,7 +326,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     for nm, a in (("idx_scale_lo", idx_scale_lo), ("idx_scale_hi", idx_scale_hi)):
         if a.dtype != jnp.float8_e4m3fn or a.shape != idx_codes.shape[:2] + (4,):
             raise ValueError(f"nvfp4 {nm} must be float8_e4m3fn [NB, {EPB}, 4], got {a.dtype} {a.shape}")
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "nvfp4")
     words = tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8), jnp.uint32)
                   for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32),
@@ -391,7 +403,7 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     B = q_BHD.shape[0]
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "fp4")
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     q_scale = None
     if dequant == "fp8mma":
