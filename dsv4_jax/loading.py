@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -156,15 +155,12 @@ def _bad_count(x):
     return jnp.zeros((), jnp.int32)
 
 
-# The routed experts' default FP4 program in the Pallas kernel ("place",
-# pallas_kernels/quant_matmul) is exact for e8m0 scale bytes up to this one (2^65).
-FP4_PLACE_MAX_SCALE_BYTE = 192
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _numerics_counts(tree, n_experts: int):
     """-> ({name: count of NaN / non-finite / invalid entries},
-           {FP4 weight name: count of scale bytes above FP4_PLACE_MAX_SCALE_BYTE})."""
+           {FP4 weight name: count of scale bytes above what the Pallas matmul kernel's
+            "place" FP4 program decodes (PLACE_MAX_SCALE_BYTE, 2^65)})."""
+    from pallas_kernels.quant_matmul.kernel import PLACE_MAX_SCALE_BYTE
     out, big = {}, {}
     is_fp4 = lambda x: isinstance(x, Fp4Weight)
     for k, leaf in tree.items():
@@ -174,7 +170,7 @@ def _numerics_counts(tree, n_experts: int):
                 out[name + ".packed"] = _bad_count(x.packed)
                 out[name + ".scale"] = _bad_count(x.scale)
                 big[name] = jnp.sum(jax.lax.bitcast_convert_type(x.scale, jnp.uint8)
-                                    > FP4_PLACE_MAX_SCALE_BYTE)
+                                    > PLACE_MAX_SCALE_BYTE)
             else:
                 out[name] = _bad_count(x)
         if k.endswith("gate.tid2eid"):
@@ -188,17 +184,18 @@ def check_numerics(params: dict, cfg: Config):
     One jitted reduction over the whole tree (one compile per model shape; the arrays
     stay where they are)."""
     from checkpoints.errors import CheckpointError
+    from pallas_kernels.quant_matmul.kernel import PLACE_MAX_SCALE_BYTE, fp4_swar_form
     bad, big = jax.device_get(_numerics_counts(params, cfg.n_routed_experts))
     for name, n in bad.items():
         if int(n):
             raise CheckpointError(f"numerics check: {name} has {int(n)} NaN/non-finite or "
                                   "invalid entries")
     big = {name: int(n) for name, n in big.items() if int(n)}
-    if big and os.environ.get("DSV4_QMM_FP4_PTX", "place") == "place":
+    if big and fp4_swar_form() == "place":
         first = ", ".join(f"{name} ({n})" for name, n in list(big.items())[:3])
         warnings.warn(
             f"{len(big)} FP4 weight(s) have e8m0 scales above 2^65 (bytes > "
-            f"{FP4_PLACE_MAX_SCALE_BYTE}; no trained weight has them), e.g. {first}. The "
+            f"{PLACE_MAX_SCALE_BYTE}; no trained weight has them), e.g. {first}. The "
             "Pallas matmul kernel's default FP4 program ('place') reads such blocks as "
             "inf; with Numerics(matmul='pallas') set DSV4_QMM_FP4_PTX=mad (exact for every "
             "scale byte) before the model is traced.", stacklevel=2)

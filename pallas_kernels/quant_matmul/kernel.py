@@ -252,6 +252,9 @@ FP4_SWAR_PTX_PRMT = _prmt_program(2)
 FP4_SWAR_PTX_PLACE = _prmt_program(1)
 # $0 <- low nibbles (even k); $1 <- high nibbles (odd k); $2 = B0 | B1 << 8; $3 = SA.
 PLACE_LOG2 = 64   # the "place" weights come * 2^-64; the accumulator takes it back
+# The largest e8m0 scale byte "place" decodes (its SA exponent field e + 126 - PLACE_LOG2
+# stays <= 254): 192. load()'s numerics check warns about larger ones.
+PLACE_MAX_SCALE_BYTE = 254 - 126 + PLACE_LOG2
 FP4_SWAR_FORMS = {"mad": FP4_SWAR_PTX, "prmt": FP4_SWAR_PTX_PRMT, "place": FP4_SWAR_PTX_PLACE}
 
 
@@ -268,7 +271,7 @@ def fp4_swar_form():
 
 def place_scale_word(e):
     """int32 e8m0 bytes -> the "place" program's SA: 2^(e - 1 - PLACE_LOG2) as a bf16x2 word
-    (int32); normal for e <= 192, inf (exponent 255) above."""
+    (int32); normal for e <= PLACE_MAX_SCALE_BYTE, inf (exponent 255) above."""
     return (jnp.minimum(e + 126 - PLACE_LOG2, 255) << 7) * 0x10001
 
 FP8_SWAR_PTX = """{
@@ -323,7 +326,7 @@ def _shfl_column(reg, c):
                                  v, result_types=i32, convergent=True)
 
 
-def fp4_swar_decode(b_u8, sa, sb, col=None, form="mad"):
+def fp4_swar_decode(b_u8, sa, sb, col=None, *, form):
     """Packed e2m1 bytes uint8 [R, C] (WGMMA layout) -> (even-k, odd-k) bf16 [R, C]
     weights, exact. GPU only (inline PTX). The scale words (bf16x2 bits, int32 or f32):
     col=None: sa, sb [R, C], constant along each row; col=c: the step's [R, 8] word tiles,
