@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 27 (2026-11-27) device calls, one PART each, on an H100 (kind nvidia-h100-x1),
+# output in $OUT; each PART's timeouts sum to <= 600 s.
+# 1: GPU tests of the indexer (incl. the new barriers="rotate") and the experts with session
+#    26's defaults; the indexer sweep (rotate, w_in_loop, stages, CTA spans; fp4 / nvfp4);
+#    Nsight Compute of the default fp4 kernel at B = 64, 128K (pipes, stall reasons).
+# 2: the decode check at B = 32 (the first case with 16 chunks a CTA in a step), the
+#    stream steps, and what PART=1 decides.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+case "${PART:-1}" in
+1)
+  T 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    tests/test_quant_matmul.py -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:place:0:2:0:1:w:0,fp4:place:0:2:0:1:r:0,fp4:place:0:2:0:1:r:1,fp4:place:0:3:0:1:r:0
+  V=$V,fp4:place:25:2:0:1:r:1,nvfp4:place:0:2:0:1:w:0,nvfp4:place:0:2:0:1:r:0,nvfp4:place:16:2:0:1:r:0
+  T 270 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
+    --variants $V --rounds 2 --out $OUT | tee $OUT/sweep.log | grep -v "^{"
+  S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats"
+  v=fp4:place:0:2:0:1:w:0; n=ncu_${v//:/_}
+  XLA_PYTHON_CLIENT_PREALLOCATE=false T 120 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+    --launch-skip 1 --launch-count 1 $S -o $OUT/$n python3 benchmarks/indexer_probe.py run \
+    --cases 64:131072 --variants $v > $OUT/$n.log 2>&1
+  ncu -i $OUT/$n.ncu-rep --page details > $OUT/$n.txt 2>&1
+  grep -E "Duration|Issue Slots Busy|Issued Ipc|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Pipe|Utilization|DRAM Throughput" $OUT/$n.txt | head -30
+  ncu -i $OUT/$n.ncu-rep --page raw --csv 2>/dev/null | python3 -c "
+import csv,sys
+r=list(csv.reader(sys.stdin)); h,v=r[0],r[2]
+for k,x in zip(h,v):
+  if ('stall' in k and 'pct' not in k or 'pipe' in k) and x not in ('','0'): print(k, x)" > $OUT/${n}_raw.txt 2>&1
+  sort -t' ' -k2 -g -r $OUT/${n}_raw.txt | head -40 ;;
+2)
+  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 32 --context 131072 --steps 3 | tee $OUT/check_b32.log | grep -E "median"
+  T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
+    | grep -E "stream step" | head -1
+  T 100 python3 $BENCH --batch 1 --context 131072 --steps 20 | tee $OUT/b1.log \
+    | grep -E "stream step" | head -1 ;;
+esac
