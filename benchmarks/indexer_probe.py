@@ -7,7 +7,7 @@ plain run of one variant for Nsight Compute.
       python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants fp4:e4m3:8:2:0
 
 A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:barriers[:w_in_loop]]]
-(chunks_per_cta 0: the default; barriers "a" auto / "m" manual / "w" warp / "r" rotate, default the
+(chunks_per_cta 0: the default; barriers "a" auto / "m" manual / "w" warp, default the
 kernel's BARRIERS; w_in_loop 1: the head weights re-read every chunk).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
@@ -36,7 +36,7 @@ def parse_variant(v):
         raise SystemExit(f"variant {v!r}: expected "
                          "fmt:dequant:cpc:stages:overlap[:kreg[:barriers[:w_in_loop]]]")
     fmt, dq, cpc, st, ov, *rest = fields
-    bar = {"a": "auto", "m": "manual", "w": "warp", "r": "rotate"}[rest[1]] if len(rest) > 1 else None
+    bar = {"a": "auto", "m": "manual", "w": "warp"}[rest[1]] if len(rest) > 1 else None
     return dict(fmt=fmt, dequant=dq, chunks_per_cta=int(cpc) or None, stages=int(st),
                 overlap=ov == "1", kreg=rest[:1] == ["1"], barriers=bar,
                 w_in_loop=rest[2] == "1" if len(rest) > 2 else None)
@@ -84,7 +84,9 @@ def main():
             if fmt not in inputs:
                 inputs[fmt] = indexer_inputs(jax.random.key(100 * B), B, ctx, fmt)
             f = scorer(var, a.interpret)
-            out = np.asarray(jax.block_until_ready(f(*inputs[fmt])))
+            # (untrimmed: the width depends on the CTA span; the scores are the first
+            # ctx // 4 columns, -inf past them)
+            out = np.asarray(jax.block_until_ready(f(*inputs[fmt])))[:, :ctx // 4]
             if fmt not in first:
                 first[fmt] = out
             fin = np.isfinite(first[fmt])

@@ -107,10 +107,6 @@ KREG = True
 # (plgpu.warp_map); the other three warps skip it: fp4 chunk loop 412 -> 393 instructions
 # in warp 0 (one expect-tx arrival instead of 128) and 347 in warps 1-3 (sm_90a SASS).
 BARRIERS = "warp"
-# "rotate": as "warp", with the issuing warp taking turns (warp j % 4 at chunk j). In the
-# sm_90a SASS the issue is ~50 of warp 0's ~380 instructions a chunk, and every CTA's warp
-# 0 may sit on the same one of the SM's four schedulers. Not yet timed on a GPU.
-BARRIER_MODES = ("auto", "manual", "warp", "rotate")
 # w_in_loop: the head weights re-read from SMEM every chunk (8 LDS) instead of held in 16
 # registers: 109 -> 93 registers with "place" (compile-only sm_90a), 5 CTAs an SM instead
 # of 4 (register-bound), 10 instructions more a chunk. Timed in session 26 (H100, fp4 /
@@ -467,11 +463,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
     kreg = kreg and not mma8 and interpret is None
-    if barriers not in BARRIER_MODES:
-        raise ValueError(f"barriers must be one of {BARRIER_MODES}, got {barriers!r}")
-    manual = barriers != "auto" and kreg   # SMEM keys need the store barriers
-    warp_issue = manual and barriers in ("warp", "rotate")
-    rotate = manual and barriers == "rotate"
+    if barriers not in ("auto", "manual", "warp"):
+        raise ValueError(f"barriers must be 'auto', 'manual' or 'warp', got {barriers!r}")
+    manual = barriers in ("manual", "warp") and kreg   # SMEM keys need the store barriers
+    warp_issue = manual and barriers == "warp"
     B = qh.shape[0]
     MAXB = bt.shape[1]
     WG = plgpu.Layout.WGMMA
@@ -564,13 +559,11 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             @pl.when(ahead < n_load)
             def _():
                 if warp_issue:
-                    # Only one warp runs the issue's ~60 instructions (one lane issues
-                    # either way): the other three branch past them. "rotate": warp
-                    # j % 4 issues chunk j's successor, so each warp (and the scheduler
-                    # it sits on) takes a quarter of the issues instead of warp 0 all.
+                    # Only warp 0 runs the issue's ~60 instructions (one lane issues
+                    # either way): the other three warps branch past them.
                     @plgpu.warp_map
                     def _(warp):
-                        @pl.when(warp == (lax.rem(j, 4) if rotate else 0))
+                        @pl.when(warp == 0)
                         def _():
                             issue(ahead, lax.rem(ahead, stages), carry)
                 else:
