@@ -38,4 +38,27 @@ for k,x in zip(h,v):
     | grep -E "stream step" | head -1
   T 100 python3 $BENCH --batch 1 --context 131072 --steps 20 | tee $OUT/b1.log \
     | grep -E "stream step" | head -1 ;;
+3)
+  # the indexer with stages left out (timing only, wrong scores: DSV4_IDX_ABLATE): what an
+  # int8 wgmma (half the tensor work) or a free dequant could at most gain
+  for a in none halfmma nodeq halfmma/nodeq; do
+    echo "== DSV4_IDX_ABLATE=$a"
+    DSV4_IDX_ABLATE=${a/none/} T 100 python3 benchmarks/indexer_probe.py sweep --cases 64:131072 \
+      --variants fp4:place:0:2:0:1:w:0,nvfp4:place:0:2:0:1:w:0 --rounds 2 --out $OUT \
+      | tee -a $OUT/ablate.log | grep "^| 64"
+  done
+  # Nsight Compute of the attention kernel, Flash CSA B = 64 (pipes, stall reasons)
+  S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats"
+  n=ncu_attn_csa64
+  XLA_PYTHON_CLIENT_PREALLOCATE=false T 150 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+    --launch-skip 3 --launch-count 1 $S -o $OUT/$n python3 benchmarks/attn_ncu_one.py 64 cpasync csa \
+    > $OUT/$n.log 2>&1
+  ncu -i $OUT/$n.ncu-rep --page details > $OUT/$n.txt 2>&1
+  grep -E "Duration|Issue Slots Busy|Issued Ipc|No Eligible|Warp Cycles Per Issued|Registers Per|highest-utilized|DRAM Throughput" $OUT/$n.txt | head -20
+  ncu -i $OUT/$n.ncu-rep --page raw --csv 2>/dev/null | python3 -c "
+import csv,sys
+r=list(csv.reader(sys.stdin)); h,v=r[0],r[2]
+for k,x in zip(h,v):
+  if ('stall' in k and 'pct' not in k or ('pipe' in k and 'avg.pct_of_peak_sustained_active' in k)) and x not in ('','0'): print(k, x)" > $OUT/${n}_raw.txt 2>&1
+  sort -t' ' -k2 -g -r $OUT/${n}_raw.txt | head -30 ;;
 esac

@@ -26,6 +26,7 @@ into a pass over the whole pool, and it measured 435 us vs 333 us at B=64 / 128K
 """
 import functools
 import math
+import os
 
 import numpy as np
 
@@ -120,6 +121,15 @@ W_IN_LOOP = False
 # "lut" 132.7, "e4m3" 168, "bits" 207 and "fp8mma" 212 (H200, B = 64, 128K).
 DEQUANT = "place"
 NVFP4_DEQUANT = "place"
+
+
+def _ablated():
+    """Stages the kreg kernel leaves out or shrinks, for timing only (wrong scores):
+    DSV4_IDX_ABLATE = a "/"-separated list of halfmma (one K = 64 wgmma of the two halves'
+    sum instead of two: the tensor work an int8 wgmma would take), nodeq (the code bits
+    passed on as they are instead of "place"'s program). What each saves bounds that
+    stage's share (benchmarks/indexer_probe.py with the variable set)."""
+    return set(filter(None, os.environ.get("DSV4_IDX_ABLATE", "").split("/")))
 
 
 def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None):
@@ -473,6 +483,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     ROW, COL = WG.reduce(1), WG.reduce(0)
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     n_sc = len(scales)
+    ablated = _ablated() if kreg else set()
     span = cpc * CHUNK
     span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
 
@@ -588,7 +599,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     e8_halves = (_e2m1_lut(byte8, "e4m3") if dequant == "lut" else
                                  _e2m1_lut(byte8, "bf16", tables=tb_s))
                 elif dequant == "place":   # both halves' values * 2^-126, no tables
-                    e8_halves = _e2m1_place(byte8)
+                    e8_halves = (_nibble_pairs(byte8, "{\nmov.b32 $0, $2;\nmov.b32 $1, $2;\n}",
+                                               "bf16") if "nodeq" in ablated
+                                 else _e2m1_place(byte8))
 
             def keys(half):
                 """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
@@ -702,6 +715,9 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 # The keys stay in registers as the wgmma's A operand: no SMEM round trip,
                 # no fence; the second half's dequant runs under the first half's wgmma.
                 def mma(acc_ref):
+                    if "halfmma" in ablated:
+                        plgpu.wgmma(acc_ref, keys(0) + keys(1), q_s.at[0].T)
+                        return acc_ref[...]
                     plgpu.wgmma(acc_ref, keys(0), q_s.at[0].T)
                     plgpu.wgmma(acc_ref, keys(1), q_s.at[1].T)
                     return acc_ref[...]
