@@ -38,6 +38,14 @@ for k,x in zip(h,v):
     | grep -E "stream step" | head -1
   T 100 python3 $BENCH --batch 1 --context 131072 --steps 20 | tee $OUT/b1.log \
     | grep -E "stream step" | head -1 ;;
+4)
+  # every GPU test of the indexer and the experts (PART=1's 170 s ran out after 52)
+  T 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    tests/test_quant_matmul.py -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  # nvfp4 keys: 8 vs 16 chunks a CTA, both with the default barriers
+  V=nvfp4:place:0:2:0:1:w:0,nvfp4:place:16:2:0:1:w:0,fp4:place:0:2:0:1:w:0,fp4:place:8:2:0:1:w:0
+  T 150 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
+    --variants $V --rounds 3 --out $OUT | tee $OUT/sweep.log | grep "^|" ;;
 3)
   # the indexer with stages left out (timing only, wrong scores: DSV4_IDX_ABLATE): what an
   # int8 wgmma (half the tensor work) or a free dequant could at most gain

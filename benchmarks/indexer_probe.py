@@ -91,7 +91,7 @@ def main():
                 first[fmt] = out
             fin = np.isfinite(first[fmt])
             diffs[name] = float(np.abs(out[fin] - first[fmt][fin]).max()) if (
-                np.isfinite(out) == fin).all() else float("nan")
+                fin.any() and (np.isfinite(out) == fin).all()) else float("nan")
             g = lambda inp, f=f: f(*inp)
             wall[name] = median_seconds(lambda: g(inputs[fmt]), 10)
             progs.append((name, g, inputs[fmt]))
