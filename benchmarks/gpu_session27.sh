@@ -4,8 +4,10 @@
 # 1: GPU tests of the indexer (incl. the new barriers="rotate") and the experts with session
 #    26's defaults; the indexer sweep (rotate, w_in_loop, stages, CTA spans; fp4 / nvfp4);
 #    Nsight Compute of the default fp4 kernel at B = 64, 128K (pipes, stall reasons).
-# 2: the decode check at B = 32 (the first case with 16 chunks a CTA in a step), the
-#    stream steps, and what PART=1 decides.
+# 2: the decode check at B = 32 (the first case with 16 chunks a CTA in a step; fp4 and
+#    nvfp4 keys), fp8 keys at 16 chunks a CTA; 3: the indexer with stages left out
+#    (DSV4_IDX_ABLATE) and Nsight Compute of the attention kernel; 4: every indexer /
+#    expert GPU test, nvfp4 keys at 16 chunks a CTA; 5: the 4-layer stream steps.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -32,8 +34,18 @@ for k,x in zip(h,v):
   if ('stall' in k and 'pct' not in k or 'pipe' in k) and x not in ('','0'): print(k, x)" > $OUT/${n}_raw.txt 2>&1
   sort -t' ' -k2 -g -r $OUT/${n}_raw.txt | head -40 ;;
 2)
-  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
-    --matmul pallas --batch 32 --context 131072 --steps 3 | tee $OUT/check_b32.log | grep -E "median"
+  # the decode check (4 Flash layers, random cache, kernels vs pure JAX) at B = 32, 128K:
+  # the first steps where the indexer takes 16 chunks a CTA (fp4, and nvfp4 since run4)
+  for f in fp4 nvfp4; do
+    T 190 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+      --matmul pallas --batch 32 --context 131072 --steps 3 --index-format $f \
+      | tee $OUT/check_b32_$f.log | grep -E "median|Error"
+  done
+  # fp8 keys at 8 vs 16 chunks a CTA
+  T 100 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072 \
+    --variants fp8:bits:0:2:0:1:w:0,fp8:bits:16:2:0:1:w:0 --rounds 3 --out $OUT \
+    | tee $OUT/sweep_fp8.log | grep "^|" ;;
+5)
   T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
     | grep -E "stream step" | head -1
   T 100 python3 $BENCH --batch 1 --context 131072 --steps 20 | tee $OUT/b1.log \

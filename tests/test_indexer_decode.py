@@ -448,13 +448,14 @@ def test_cuda_lowering_flash_shapes():
 
 
 def test_default_chunks_per_cta():
-    """The split rule: 16 chunks a CTA for fp4 keys only at B >= 32 in calls of >=
+    """The split rule: 16 chunks a CTA for fp4 / nvfp4 keys only at B >= 32 in calls of >=
     CPC16_MIN_CHUNKS chunks (B = 32 / 64 at 128K), else enough CTAs to fill the chip
     twice, at most 8."""
     n128k = 131072 // 4 // K.CHUNK                      # 512 chunks a request at 128K
-    assert [K.default_chunks_per_cta(B, n128k) for B in (1, 8, 32, 64)] == [1, 8, 16, 16]
-    for fmt in ("nvfp4", "fp8"):
-        assert K.default_chunks_per_cta(64, n128k, fmt=fmt) == 8
+    for fmt in ("fp4", "nvfp4"):
+        assert [K.default_chunks_per_cta(B, n128k, fmt=fmt) for B in (1, 8, 32, 64)] == \
+            [1, 8, 16, 16]
+    assert K.default_chunks_per_cta(64, n128k, fmt="fp8") == 8
     assert K.default_chunks_per_cta(4096, 8) == 8         # a table shorter than 16 chunks
     assert K.default_chunks_per_cta(1, 128) == 1          # B = 1, 32K
     assert K.default_chunks_per_cta(8, 4 * n128k) == 8    # B = 8, a 512K table

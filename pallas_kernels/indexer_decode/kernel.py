@@ -69,22 +69,25 @@ def _check(q, w, codes, scale, block_table, t):
         raise ValueError(f"fp4 idx_scale must be uint8 [NB, {EPB}, 4], got {scale.dtype} {scale.shape}")
 
 
-# fp4 keys take 16 chunks a CTA once the call has this many chunks in all (>= ~8 CTAs an
-# SM of 16 chunks): fewer CTAs re-load q and the head weights, and the tail is short.
-# H100, session 26 (GPU time, 128K): B = 64 91.9 -> 89.7 us, B = 32 47.7 -> 45.8, while
-# B = 8 (4096 chunks) went 13.3 -> 15.5 with 16 and stays at 8; scores bit-identical
-# (benchmarks/results/session26_h100/run3). nvfp4 / fp8 keys: not measured with 16, so
-# they keep 8. Like the rest of the rule this counts the table's capacity, not the
-# requests' lengths, so it also asks B >= 32 (a B = 8 cache sized for 1M would pass the
-# chunk count while its requests may be as short as the slower 128K case).
+# fp4 and nvfp4 keys take 16 chunks a CTA once the call has this many chunks in all (>= ~8
+# CTAs an SM of 16 chunks): fewer CTAs re-load q and the head weights, and the tail is
+# short. H100 (GPU time, 128K): fp4 B = 64 91.9 -> 89.7 us, B = 32 47.7 -> 45.8 (session
+# 26 run3); nvfp4 B = 64 100.7 -> 99.7, B = 32 52.1 -> 51.1 (session 27 run4); scores
+# bit-identical. B = 8 (4096 chunks) went 13.3 -> 15.5 (fp4) and 15.0 -> 16.5 (nvfp4) with
+# 16 and stays at 8. fp8 keys: not measured with 16, so they keep 8. Like the rest of the
+# rule this counts the table's capacity, not the requests' lengths, so it also asks B >= 32
+# (a B = 8 cache sized for 1M would pass the chunk count while its requests may be as
+# short as the slower 128K case).
 CPC16_MIN_CHUNKS = 16384
 CPC16_MIN_BATCH = 32
+CPC16_FORMATS = ("fp4", "nvfp4")
 
 
 def default_chunks_per_cta(B, n_chunks, num_sms=132, fmt="fp4"):
     """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks
-    (fp4 keys: 16 from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in all)."""
-    if (fmt == "fp4" and B >= CPC16_MIN_BATCH and n_chunks >= 16
+    (fp4 / nvfp4 keys: 16 from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in
+    all)."""
+    if (fmt in CPC16_FORMATS and B >= CPC16_MIN_BATCH and n_chunks >= 16
             and B * n_chunks >= CPC16_MIN_CHUNKS):
         return 16
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
