@@ -448,21 +448,19 @@ def test_cuda_lowering_flash_shapes():
 
 
 def test_default_chunks_per_cta():
-    """The split rule: 16 chunks a CTA for fp4 / nvfp4 keys only at B >= 32 in calls of >=
+    """The split rule: 16 chunks a CTA (every key format) only at B >= 32 in calls of >=
     CPC16_MIN_CHUNKS chunks (B = 32 / 64 at 128K), else enough CTAs to fill the chip
     twice, at most 8."""
     n128k = 131072 // 4 // K.CHUNK                      # 512 chunks a request at 128K
-    for fmt in ("fp4", "nvfp4"):
-        assert [K.default_chunks_per_cta(B, n128k, fmt=fmt) for B in (1, 8, 32, 64)] == \
-            [1, 8, 16, 16]
-    assert K.default_chunks_per_cta(64, n128k, fmt="fp8") == 8
+    assert [K.default_chunks_per_cta(B, n128k) for B in (1, 8, 32, 64)] == [1, 8, 16, 16]
     assert K.default_chunks_per_cta(4096, 8) == 8         # a table shorter than 16 chunks
     assert K.default_chunks_per_cta(1, 128) == 1          # B = 1, 32K
     assert K.default_chunks_per_cta(8, 4 * n128k) == 8    # B = 8, a 512K table
 
 
 def test_cuda_lowering_every_chunks_per_cta():
-    """Every CTA span the default split can pick (1..8 and 16 chunks) lowers: 5 and 6
+    """Every CTA span the default split can pick (1..8 and 16 chunks; nvfp4 / fp8 keys at
+    16) lowers: 5 and 6
     chunks (320 / 384 scores a CTA) failed in the -inf fill before its buffer was rounded
     to 256."""
     B, NB, MAXB = 3, 256, 63
@@ -475,6 +473,12 @@ def test_cuda_lowering_every_chunks_per_cta():
             f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
+    # the other key formats at 16 chunks a CTA (their default from B >= 32)
+    argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
+    args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
+    for f, a in ((K.indexer_scores_nvfp4, argsn), (K.indexer_scores_fp8, args8)):
+        f = functools.partial(f, chunks_per_cta=16)
+        assert "mosaic_gpu" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu

@@ -69,25 +69,24 @@ def _check(q, w, codes, scale, block_table, t):
         raise ValueError(f"fp4 idx_scale must be uint8 [NB, {EPB}, 4], got {scale.dtype} {scale.shape}")
 
 
-# fp4 and nvfp4 keys take 16 chunks a CTA once the call has this many chunks in all (>= ~8
+# Every key format takes 16 chunks a CTA once the call has this many chunks in all (>= ~8
 # CTAs an SM of 16 chunks): fewer CTAs re-load q and the head weights, and the tail is
 # short. H100 (GPU time, 128K): fp4 B = 64 91.9 -> 89.7 us, B = 32 47.7 -> 45.8 (session
-# 26 run3); nvfp4 B = 64 100.7 -> 99.7, B = 32 52.1 -> 51.1 (session 27 run4); scores
-# bit-identical. B = 8 (4096 chunks) went 13.3 -> 15.5 (fp4) and 15.0 -> 16.5 (nvfp4) with
-# 16 and stays at 8. fp8 keys: not measured with 16, so they keep 8. Like the rest of the
-# rule this counts the table's capacity, not the requests' lengths, so it also asks B >= 32
+# 26 run3); nvfp4 B = 64 100.7 -> 99.7, B = 32 52.1 -> 51.1 (session 27 run4); fp8 B = 64
+# 114.0 -> 110.4, B = 32 59.7 -> 56.5 (session 27 run5); scores bit-identical. B = 8
+# (4096 chunks) went 13.3 -> 15.5 (fp4) and 15.0 -> 16.5 (nvfp4) with 16 and stays at 8.
+# Like the rest of the rule this counts the table's capacity, not the requests' lengths, so it also asks B >= 32
 # (a B = 8 cache sized for 1M would pass the chunk count while its requests may be as
 # short as the slower 128K case).
 CPC16_MIN_CHUNKS = 16384
 CPC16_MIN_BATCH = 32
-CPC16_FORMATS = ("fp4", "nvfp4")
 
 
-def default_chunks_per_cta(B, n_chunks, num_sms=132, fmt="fp4"):
+def default_chunks_per_cta(B, n_chunks, num_sms=132):
     """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks
-    (fp4 / nvfp4 keys: 16 from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in
-    all)."""
-    if (fmt in CPC16_FORMATS and B >= CPC16_MIN_BATCH and n_chunks >= 16
+    (16 from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in all; the same rule
+    for every key format, each measured)."""
+    if (B >= CPC16_MIN_BATCH and n_chunks >= 16
             and B * n_chunks >= CPC16_MIN_CHUNKS):
         return 16
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
@@ -143,7 +142,7 @@ def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None):
                 w_in_loop=W_IN_LOOP if w_in_loop is None else w_in_loop)
 
 
-def _grid(B, block_table, t_B, chunks_per_cta, fmt):
+def _grid(B, block_table, t_B, chunks_per_cta):
     """The block table and positions as the kernel reads them, and the CTA split (chunks
     of 64 entries). No XLA work: the kernel clamps columns past the table to its last
     one, redirects -1 (unused) blocks to block 0 (their entries are masked) and finds
@@ -152,7 +151,7 @@ def _grid(B, block_table, t_B, chunks_per_cta, fmt):
     MAXB = bt.shape[1]
     n_max = MAXB * EPB
     n_chunks = -(-n_max // CHUNK)
-    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks, fmt=fmt)
+    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
     n_ctas = -(-n_chunks // cpc)
     return bt, t_B.astype(jnp.int32), n_max, cpc, n_ctas
 
@@ -168,7 +167,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
         raise ValueError(f"fp8 idx_keys must be float8_e4m3fn [NB, 32, 128], got {idx_keys.dtype} {idx_keys.shape}")
     if idx_scale.shape != idx_keys.shape[:2] + (1,):
         raise ValueError(f"fp8 idx_scale must be [NB, 32, 1], got {idx_scale.shape}")
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "fp8")
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
@@ -343,7 +342,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     for nm, a in (("idx_scale_lo", idx_scale_lo), ("idx_scale_hi", idx_scale_hi)):
         if a.dtype != jnp.float8_e4m3fn or a.shape != idx_codes.shape[:2] + (4,):
             raise ValueError(f"nvfp4 {nm} must be float8_e4m3fn [NB, {EPB}, 4], got {a.dtype} {a.shape}")
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "nvfp4")
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     words = tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8), jnp.uint32)
                   for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32),
@@ -420,7 +419,7 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     B = q_BHD.shape[0]
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "fp4")
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     q_scale = None
     if dequant == "fp8mma":
