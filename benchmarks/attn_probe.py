@@ -72,6 +72,10 @@ def main():
         ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
         progs, errs = [], {}
         for v in a.variants.split(","):
+            if mode != "hca" and ("+hid" in v or "+hix" in v):
+                # (session 26's queue timed pro:csa:8 this way: HCA ids, not the case's)
+                raise SystemExit(f"variant {v!r}: +hid / +hix derive HCA ids, but case "
+                                 f"{case!r} is {mode}; use +idp")
             f, out = build(v, args)
             o = np.asarray(out).astype(np.float32)
             errs[v] = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
