@@ -58,6 +58,16 @@ for k,x in zip(h,v):
   V=nvfp4:place:0:2:0:1:w:0,nvfp4:place:16:2:0:1:w:0,fp4:place:0:2:0:1:w:0,fp4:place:8:2:0:1:w:0
   T 150 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
     --variants $V --rounds 3 --out $OUT | tee $OUT/sweep.log | grep "^|" ;;
+6)
+  # the int8-wgmma prototype (DSV4_IDX_ABLATE=int8): bit-identical to place on narrow keys,
+  # then its time against place's at 128K (the probe's keys are wide: its scores differ)
+  T 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -k int8 -rA \
+    | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  for a in none int8; do
+    DSV4_IDX_ABLATE=${a/none/} T 70 python3 benchmarks/indexer_probe.py sweep \
+      --cases 64:131072,32:131072,8:131072 --variants fp4:place:0:2:0:1:w:0 --rounds 2 \
+      --out $OUT | tee -a $OUT/sweep.log | grep "^| [0-9]" | sed "s/^/$a /"
+  done ;;
 3)
   # the indexer with stages left out (timing only, wrong scores: DSV4_IDX_ABLATE): what an
   # int8 wgmma (half the tensor work) or a free dequant could at most gain
