@@ -59,8 +59,9 @@ for k,x in zip(h,v):
   T 150 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
     --variants $V --rounds 3 --out $OUT | tee $OUT/sweep.log | grep "^|" ;;
 6)
-  # the int8-wgmma prototype (DSV4_IDX_ABLATE=int8): bit-identical to place on narrow keys,
-  # then its time against place's at 128K (the probe's keys are wide: its scores differ)
+  # the int8-wgmma prototype (DSV4_IDX_ABLATE=int8, commit bfa9dd2, taken out after this
+  # run: slower): bit-identical to place on narrow keys, then its time against place's at
+  # 128K (the probe's keys are wide: its scores differ)
   T 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py -k int8 -rA \
     | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
   for a in none int8; do

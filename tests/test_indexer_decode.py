@@ -224,29 +224,19 @@ def test_kernel_weights_in_loop(fmt):
 
 
 def _run_ptx(program, x, tables=()):
-    """Run _lut_program's PTX (and / shr / shl / or / lop3 / prmt, default and sign-replicate
-    modes) on an independent emulator, for every u32 input in the uint32 array x ($3,
-    $4...: further register operands, table words or arrays) -> ($0, $1)."""
+    """Run _lut_program's PTX (and / shr / shl / or / prmt, default and sign-replicate modes) on an
+    independent emulator, for every u32 input in the uint32 array x ($3, $4...: the table
+    words given as registers) -> ($0, $1)."""
     import re
     regs = {"$2": x.astype(np.uint64)}
-    regs.update({f"${3 + k}": np.asarray(v).astype(np.uint64) for k, v in enumerate(tables)})
+    regs.update({f"${3 + k}": np.uint64(v) for k, v in enumerate(tables)})
     val = lambda o: regs[o] if o in regs else np.uint64(int(o, 0))
     for line in program.splitlines():
-        m = re.match(r"(\w+)\.\w+ (\S+), (\S+), (\S+)(?:, (\S+))?(?:, (\S+))?;", line.strip())
+        m = re.match(r"(\w+)\.\w+ (\S+), (\S+), (\S+)(?:, (\S+))?;", line.strip())
         if not m:
             continue
-        op, d, a, b, c, lut = m.groups()
-        if op == "lop3":        # bit i of d: bit (a_i b_i c_i as 4a + 2b + c... ) of the lut
-            A, Bv, C, L = val(a), val(b), val(c), int(lut, 0)
-            out = np.zeros(np.broadcast(A, Bv, C).shape, np.uint64)
-            for k in range(8):   # minterm k: a = 0xF0's bit, b = 0xCC's, c = 0xAA's
-                if L >> k & 1:
-                    ta = A if k & 4 else ~A
-                    tb = Bv if k & 2 else ~Bv
-                    tc = C if k & 1 else ~C
-                    out |= ta & tb & tc
-            regs[d] = out & np.uint64(0xFFFFFFFF)
-        elif op == "and":
+        op, d, a, b, c = m.groups()
+        if op == "and":
             regs[d] = val(a) & val(b)
         elif op == "or":
             regs[d] = val(a) | val(b)
@@ -294,29 +284,6 @@ def test_lut_program_every_code_pair(to):
         for g, w in zip(got, want):
             assert np.array_equal(g.view(np.uint8 if to == "e4m3" else np.uint16),
                                   w.view(np.uint8 if to == "e4m3" else np.uint16))
-
-
-def test_int8_program_every_code_and_shift():
-    """The int8 prototype's PTX (_I8_PROGRAM, on the emulator): every pair of code bytes in
-    the low half (random high half), under every shift 0..3 (and a zero mask: a left-out
-    block) for the low and the high nibbles: byte k of $0 / $1 is int8(2 e2m1(nibble) <<
-    s), two's complement, -0 as 0."""
-    import ml_dtypes
-    rng = np.random.default_rng()
-    x = (np.arange(1 << 16, dtype=np.uint32)
-         | (rng.integers(0, 1 << 16, 1 << 16, dtype=np.uint32) << 16))
-    m2 = (np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64) * 2
-          ).astype(np.int64)                                     # 2 e2m1: 0, 1, .., 12, -0 -> 0
-    mask = lambda s: ((K._I8_MASKS >> (8 * s)) & 0xFF) * 0x01010101 if s < 4 else 0
-    for s_lo, s_hi in ((0, 3), (1, 2), (2, 1), (3, 0), (3, 4), (4, 1)):
-        lo, hi = _run_ptx(K._I8_PROGRAM, x, (s_lo, mask(s_lo), min(s_hi, 3), mask(s_hi),
-                                             *K._I8_TABLES))
-        for out, nib_shift, sh in ((lo, 0, s_lo), (hi, 4, s_hi)):
-            for k in range(4):
-                code = (x >> (8 * k + nib_shift)) & 15
-                got = ((out >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8).view(np.int8)
-                want = m2[code] << sh if sh < 4 else np.zeros_like(m2[code])
-                np.testing.assert_array_equal(got.astype(np.int64), want)
 
 
 def test_place_program_every_code_pair():
@@ -637,48 +604,3 @@ def test_gpu_other_key_formats_match_reference(fmt):
         jnp.asarray(rng.standard_normal((256, 32, 128)), jnp.float32), "fp8"))
     out = np.asarray(jax.jit(functools.partial(K.score_keys, fmt=fmt))(q, w, keys, bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
-
-
-@pytest.mark.gpu
-def test_gpu_int8_prototype_matches_place(monkeypatch):
-    """DSV4_IDX_ABLATE=int8 (the int8-wgmma timing prototype): on keys whose four block
-    exponents lie within 3 of their largest and FP4 q whose heads' block scales do too (what
-    it is exact for), the same scores, bit for bit, as "place", and the reference's; on
-    wider keys it differs (it leaves their small blocks out: timing only)."""
-    rng = np.random.default_rng()
-    B, NB, MAXB = 4, 256, 64
-    q, w, _, bt, t = make_inputs(int(rng.integers(1 << 20)), B=B, NB=NB, MAXB=MAXB)
-    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6] * 2) * np.repeat([1, -1], 8)
-    qe = rng.integers(-3, 3, (B, 64, 1)) + rng.integers(0, 4, (B, 64, 4))    # spread <= 3
-    q = jnp.asarray(e2m1[rng.integers(0, 16, (B, 64, 128))]
-                    * 2.0 ** np.repeat(qe, 32, axis=-1), jnp.float32)
-    base = rng.integers(110, 140, (NB, 32, 1))
-    narrow = {"idx_codes": jnp.asarray(rng.integers(0, 256, (NB, 32, 64)), jnp.uint8),
-              "idx_scale": jnp.asarray(base + rng.integers(0, 4, (NB, 32, 4)), jnp.uint8)}
-    t = jnp.asarray([4 * 32 * MAXB - 1, 4 * 32 * 40 - 7, 4 * 32 * 9 + 5, 3], jnp.int32)
-
-    def run(keys, int8):
-        monkeypatch.setenv("DSV4_IDX_ABLATE", "int8" if int8 else "")
-        f = jax.jit(lambda *a: K.score_keys(*a, fmt="fp4"))    # traced here, env read
-        return np.asarray(f(q, w, keys, bt, t))
-    out = run(narrow, True)
-    np.testing.assert_array_equal(out, run(narrow, False))
-    check_scores(out, np.asarray(R.indexer_scores_reference(q, w, narrow, bt, t, fmt="fp4")))
-    wide = dict(narrow, idx_scale=jnp.asarray(base + rng.integers(0, 9, (NB, 32, 4)), jnp.uint8))
-    assert not np.array_equal(run(wide, True), run(wide, False))
-
-
-def test_cuda_lowering_int8_prototype(monkeypatch):
-    """DSV4_IDX_ABLATE=int8 lowers for the GPU (s8 keys from the inline program into an s8
-    wgmma); the interpreter keeps the default path (the env is ignored there)."""
-    monkeypatch.setenv("DSV4_IDX_ABLATE", "int8")
-    B, NB, MAXB = 8, 8192, 1024
-    S = jax.ShapeDtypeStruct
-    args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
-            S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
-            S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    lowered = jax.jit(K.indexer_scores).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-    q, w, keys, bt, t = make_inputs(3)
-    check_scores(run_kernel(q, w, keys, bt, t),
-                 np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt="fp4")))

@@ -259,111 +259,6 @@ def _e2m1_place(byte_WG):
     return _nibble_pairs(byte_WG, _PLACE_PROGRAM, "bf16")
 
 
-# DSV4_IDX_ABLATE=int8 (timing prototype, session 27; compile-only so far): the keys as
-# int8 for an s8 x s8 -> s32 wgmma (twice the bf16 rate). A key's values are 2 e2m1 (an
-# integer m in 0, +-1, 2, 3, 4, 6, 8, 12) * 2^(e_b - 128) with e_b its 32-dim block's e8m0
-# byte; with E its largest block byte and d_b = E - e_b <= 3, m << (3 - d_b) <= 96 is an
-# int8 and the key is that int8 * 2^(E - 131). q (FP4-simulated) likewise per head:
-# q = q8 * 2^-s_h (_q_int8). Then q . k = 2^(E - 131 - s_h) * (an int32 sum < 2^21),
-# exact, as the bf16 path's f32 sum is for such keys: the same scores. Blocks with d_b > 3
-# are left out (their mask is 0): WRONG scores for such keys, hence timing only until the
-# kernel runs them another way (MOSAIC_GPU_NOTES.md).
-# Per register of four code bytes b0..b3 (dims j..j+3 in the low nibbles, j+64.. in the
-# high; WGMMA_LAYOUT_8BIT holds exactly those four columns in a thread): one prmt table
-# (magnitudes $7 $8, negatives $9 $10) looks up all 8 nibbles in two passes ([lo0 hi0 lo1
-# hi1], [lo2 hi2 lo3 hi3]), the sign bits become byte masks by prmt's sign-replicate mode,
-# a lop3 picks positive / negative, two prmt split lo / hi, and each half is shifted by its
-# block's 3 - d_b as bytes ((x << s) & mask, mask = 0xFF << s in every byte).
-_I8_TABLES = (0x03020100, 0x0C080604,     # m of magnitude codes 0..3, 4..7
-              0xFDFEFF00, 0xF4F8FAFC)     # -m, byte by byte
-_I8_MASKS = 0xF8FCFEFF                    # byte s: 0xFF << s (s = 0..3); 4..7 read 0
-_I8_PROGRAM = "\n".join([
-    "{", ".reg .b32 i, i2, p0, p1, n0, n1, u, m0, m1, r0, r1, l, h;",
-    "and.b32 i, $2, 0x77777777;",
-    "shr.u32 i2, i, 16;",
-    "prmt.b32 p0, $7, $8, i;",        # [lo0 hi0 lo1 hi1] magnitudes' m
-    "prmt.b32 p1, $7, $8, i2;",       # [lo2 hi2 lo3 hi3]
-    "prmt.b32 n0, $9, $10, i;",
-    "prmt.b32 n1, $9, $10, i2;",
-    "shl.b32 u, $2, 4;",              # the low nibbles' sign bits to bit 7 of a byte
-    "prmt.b32 m0, u, $2, 0xD9C8;",    # sign masks of [lo0 hi0 lo1 hi1]
-    "prmt.b32 m1, u, $2, 0xFBEA;",    # [lo2 hi2 lo3 hi3]
-    "lop3.b32 r0, p0, n0, m0, 0xD8;",  # m ? n : p
-    "lop3.b32 r1, p1, n1, m1, 0xD8;",
-    "prmt.b32 l, r0, r1, 0x6420;",    # [lo0 lo1 lo2 lo3]
-    "prmt.b32 h, r0, r1, 0x7531;",    # [hi0 hi1 hi2 hi3]
-    "shl.b32 l, l, $3;",
-    "and.b32 $0, l, $4;",
-    "shl.b32 h, h, $5;",
-    "and.b32 $1, h, $6;",
-    "}"])
-INT8_MAGIC = 0x4B400000    # the s32 accumulator starts here: its f32 view is 1.5 * 2^23 + S
-
-
-def _e2m1_int8(codes_L8, sc_row, tables):
-    """u8 [64, 64] code bytes (WGMMA_LAYOUT_8BIT) and the entries' 4 e8m0 bytes (u32 [64],
-    WGMMA_LAYOUT_8BIT rows) -> s8 [64, 128] keys (WGMMA_LAYOUT_8BIT): m << (3 - d_b), 0 for
-    blocks with d_b > 3 (_I8_PROGRAM). tables: a u32 [5] SMEM ref (_I8_TABLES, _I8_MASKS).
-    Mosaic GPU only (inline PTX)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mu
-    L8 = plgpu.Layout.WGMMA_8BIT
-    out = plgpu.ShapeDtypeStruct((CHUNK, 2 * 64), jnp.int8, layout=L8)
-
-    @plgpu.inline_mgpu(arg_types=(L8, L8.reduce(1), plgpu.RefType()), return_type=out)
-    def convert(ctx, x, sc, tbl_ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        c = lambda v: mu.c(v, i32)
-        tbl = [memref.load(tbl_ref, [mu.c(k, ir.IndexType.get())]) for k in range(5)]
-        regs = x.registers                      # [1, 4 col tiles, 1, 1, 2 row halves, 1...]
-        assert regs.shape[1] == 4 and regs.shape[4] == 2, regs.shape
-        sc_regs = sc.registers                  # one u32 per row half
-        out_regs = np.empty(regs.shape[:1] + (8,) + regs.shape[2:], dtype=object)
-        for r in range(2):
-            w = mu.bitcast(sc_regs.reshape(-1)[r], i32) if sc_regs.size == 2 else None
-            assert w is not None, sc_regs.shape
-            e = [arith.andi(arith.shrui(w, c(8 * k)), c(0xFF)) for k in range(4)]
-            emax = arith.maxui(arith.maxui(e[0], e[1]), arith.maxui(e[2], e[3]))
-            shift, mask = [], []
-            for k in range(4):   # s = 3 - (E - e_k); s < 0 (unsigned: huge) -> mask byte 4 = 0
-                s_k = arith.minui(arith.subi(arith.addi(e[k], c(3)), emax), c(4))
-                sel = arith.muli(s_k, c(0x1111))
-                mask.append(llvm.inline_asm(i32, [tbl[4], sel], "prmt.b32 $0, $1, 0, $2;",
-                                            "=r,r,r"))
-                shift.append(s_k)
-            for t in range(4):   # column tile t: lo -> block t // 2, hi -> block 2 + t // 2
-                idx = (0, t, 0, 0, r) + (0,) * (regs.ndim - 5)
-                word = mu.bitcast(regs[idx], i32)
-                lo, hi = t // 2, 2 + t // 2
-                res = llvm.inline_asm(
-                    llvm.StructType.get_literal([i32, i32]),
-                    [word, shift[lo], mask[lo], shift[hi], mask[hi]] + tbl[:4],
-                    _I8_PROGRAM, "=r,=r,r,r,r,r,r,r,r,r,r")
-                for k, tt in enumerate((t, t + 4)):
-                    v = llvm.extractvalue(i32, res, [k])
-                    out_regs[(0, tt) + idx[2:]] = mu.bitcast(
-                        v, ir.VectorType.get((4,), ir.IntegerType.get_signless(8)))
-        return mgpu.FragmentedArray(_registers=out_regs, _layout=mgpu.WGMMA_LAYOUT_8BIT,
-                                    _is_signed=True)
-
-    return convert(codes_L8, sc_row, tables)
-
-
-def _q_int8(q_BHD, w_BH):
-    """FP4-simulated q [B, 64, 128] -> (q8 int8 [B, 64, 128], w [B, 64] * 2^-s_h) with
-    q8 = q * 2^s_h, s_h the largest shift that keeps a head's values within +-127. Exact
-    (q8 integral) for a head whose 32-dim blocks' scales are within 2^3 of its largest."""
-    q = q_BHD.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=-1)                                    # [B, 64]
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))          # amax = m 2^e, m in [.5, 1)
-    s = 7 - e            # amax * 2^s in [64, 128): <= 127 once rounded to an e2m1 grid
-    q8 = jnp.clip(jnp.round(jnp.ldexp(q, s[..., None])), -127, 127).astype(jnp.int8)
-    return q8, w_BH.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -s)
-
-
 def _e2m1_lut(byte_WG, to="e4m3", tables=None):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
@@ -527,20 +422,14 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     q_scale = None
-    pipe = _pipeline(stages, overlap, kreg, barriers, w_in_loop)
-    int8 = ("int8" in _ablated() and dequant == "place" and pipe["kreg"]
-            and interpret is None)
-    w = w_BH.astype(jnp.float32)
     if dequant == "fp8mma":
         qh, q_scale = q_fp8_groups(q_BHD)
-    elif int8:   # timing prototype: q as int8, its scale on the head weights
-        qh, w = _q_int8(q_BHD, w)
     else:   # the kernel loads dims 0..63 and 64..127 (split-half packing) as two tiles
         qh = q_BHD.astype(jnp.bfloat16)
-    out = _indexer_call_blocks(qh, w, idx_codes, (scale_u32,), bt,
+    out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                t, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               dequant="int8" if int8 else dequant, q_scale=q_scale,
-                               **pipe)
+                               dequant=dequant, q_scale=q_scale,
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
     return out[:, :n_max] if trim else out
 
 
@@ -574,11 +463,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     plgpu.warp_map, run by warp 0 only.
     w_in_loop: the head weights re-read from SMEM for every chunk's scores instead of held
     in registers a whole CTA (W_IN_LOOP)."""
-    int8 = dequant == "int8"   # DSV4_IDX_ABLATE=int8's timing prototype (indexer_scores)
-    if dequant not in DEQUANTS and not int8:
+    if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
-    if int8 and not (fmt == "fp4" and kreg and interpret is None):
-        raise ValueError("the int8 prototype is for fp4 keys, kreg, on a GPU")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
         raise ValueError(f"format {fmt!r}: got {len(scales)} scale arrays")
     if stages < 2:
@@ -638,7 +524,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 issue(j0, j0)
         @pl.when(n_load > 0)
         def _():
-            if mma8 or int8:
+            if mma8:
                 plgpu.copy_gmem_to_smem(q_g.at[b], q_s, qbar)
             else:   # q_s[half] = q[b, :, half * 64 : half * 64 + 64]
                 for half in range(2):
@@ -650,7 +536,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
 
         o_s[...] = jnp.full((span_s,), -jnp.inf, jnp.float32)
         if tb_s is not None:   # (the barrier after the fill covers these stores too)
-            for k, word in enumerate((*_I8_TABLES, _I8_MASKS) if int8 else _BF16_TABLE_REGS):
+            for k, word in enumerate(_BF16_TABLE_REGS):
                 tb_s[k] = jnp.uint32(word)
         if manual:
             _wg_barrier()   # the fill lands before any thread's scores
@@ -665,14 +551,12 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         # relu(q . k) w is below 2^-62).
         if not w_in_loop:
             wv0 = plgpu.load(w_s, layout=COL)
-            if dequant == "place":   # (int8 takes its head weights as they are)
+            if dequant == "place":
                 wv0 = wv0 * jnp.float32(2.0 ** _PLACE_LOG2)
 
-        def epilogue(j, s, row_scale=None):
+        def epilogue(j, s):
             wv = plgpu.load(w_s, layout=COL) if w_in_loop else wv0
             score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
-            if row_scale is not None:   # int8: each entry's 2^(E - 131)
-                score = score * row_scale
             if w_in_loop and dequant == "place":
                 score = score * jnp.float32(2.0 ** _PLACE_LOG2)
             ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
@@ -828,24 +712,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     s = t if s is None else s + t
                 epilogue(j, s)
                 return carry
-            if int8:   # timing prototype (_e2m1_int8): s8 keys, s32 sums
-                sc8 = plgpu.load(sc_s.at[slot, 0], layout=plgpu.Layout.WGMMA_8BIT.reduce(1))
-                codes = plgpu.load(c_s.at[slot], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
-                k8 = _e2m1_int8(codes, sc8, tb_s)
-
-                def mma8_(acc_ref):
-                    plgpu.wgmma(acc_ref, k8, q_s.T)
-                init = plgpu.layout_cast(jnp.full((CHUNK, N_HEADS), INT8_MAGIC, jnp.int32), WG)
-                acc = pl.run_state(mma8_)(plgpu.ACC.init(init))
-                # the f32 view of MAGIC + S is 1.5 * 2^23 + S (|S| < 2^21): S exactly
-                s = lax.bitcast_convert_type(acc, jnp.float32) - jnp.float32(1.5 * 2.0 ** 23)
-                sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)
-                ex = [(sc >> (8 * k)) & 0xFF for k in range(4)]
-                emax = jnp.maximum(jnp.maximum(ex[0], ex[1]), jnp.maximum(ex[2], ex[3]))
-                # 2^(E - 131) as f32 bits (E >= 5; smaller scale bytes read as 0 here)
-                row = lax.bitcast_convert_type(jnp.maximum(emax, 4) - 4 << 23, jnp.float32)
-                epilogue(j, s, row)
-                return carry
             keys, sc = unpack(slot)
             if kreg:
                 # The keys stay in registers as the wgmma's A operand: no SMEM round trip,
@@ -883,11 +749,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, span)], o_g.at[b, pl.ds(first * CHUNK, span)])
         plgpu.wait_smem_to_gmem(0)
 
-    if int8:   # q as int8 [B, 64 h, 128], K-major for the s8 wgmma
-        tr8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-        scratch = dict(q_s=plgpu.SMEM((N_HEADS, DIM), jnp.int8, transforms=tr8))
-        ins = (qh, w)
-    elif mma8:   # q as e4m3 groups [B, 4, 64 h, 32] + their scales [B, 4, 64 h]
+    if mma8:   # q as e4m3 groups [B, 4, 64 h, 32] + their scales [B, 4, 64 h]
         tr8 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))
         scratch = dict(q_s=plgpu.SMEM((4, N_HEADS, 32), jnp.float8_e4m3fn, transforms=tr8),
                        qs_s=plgpu.SMEM((4, N_HEADS), jnp.float32))
@@ -902,16 +764,13 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         c_s=plgpu.SMEM((stages, CHUNK) + codes.shape[2:], codes.dtype),
         sc_s=plgpu.SMEM((stages, n_sc, CHUNK), scales[0].dtype),
         o_s=plgpu.SMEM((span_s,), jnp.float32),
-        qbar=plgpu.Barrier(num_arrivals=2 if int8 else 3),   # q (2 tiles, q8 + its
-        # scales, or int8's one) and w
+        qbar=plgpu.Barrier(num_arrivals=3),   # q (2 tiles, or q8 + its scales) and w
         bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=stages),
     )
     if not kreg:
         scratch["k_s"] = k_type
     if dequant == "lutbf":
         scratch["tb_s"] = plgpu.SMEM((2,), jnp.uint32)
-    if int8:
-        scratch["tb_s"] = plgpu.SMEM((5,), jnp.uint32)
     params = plgpu.CompilerParams(unsafe_no_auto_barriers=True) if manual else None
     return plgpu.kernel(
         kernel,
