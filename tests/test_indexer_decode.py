@@ -460,9 +460,8 @@ def test_default_chunks_per_cta():
 
 def test_cuda_lowering_every_chunks_per_cta():
     """Every CTA span the default split can pick (1..8 and 16 chunks; nvfp4 / fp8 keys at
-    16) lowers: 5 and 6
-    chunks (320 / 384 scores a CTA) failed in the -inf fill before its buffer was rounded
-    to 256."""
+    16) lowers: 5 and 6 chunks (320 / 384 scores a CTA) failed in the -inf fill before its
+    buffer was rounded to 256."""
     B, NB, MAXB = 3, 256, 63
     S = jax.ShapeDtypeStruct
     args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),

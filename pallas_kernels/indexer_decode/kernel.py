@@ -75,9 +75,9 @@ def _check(q, w, codes, scale, block_table, t):
 # 26 run3); nvfp4 B = 64 100.7 -> 99.7, B = 32 52.1 -> 51.1 (session 27 run4); fp8 B = 64
 # 114.0 -> 110.4, B = 32 59.7 -> 56.5 (session 27 run5); scores bit-identical. B = 8
 # (4096 chunks) went 13.3 -> 15.5 (fp4) and 15.0 -> 16.5 (nvfp4) with 16 and stays at 8.
-# Like the rest of the rule this counts the table's capacity, not the requests' lengths, so it also asks B >= 32
-# (a B = 8 cache sized for 1M would pass the chunk count while its requests may be as
-# short as the slower 128K case).
+# Like the rest of the rule this counts the table's capacity, not the requests' lengths,
+# so it also asks B >= 32 (a B = 8 cache sized for 1M would pass the chunk count while its
+# requests may be as short as the slower 128K case).
 CPC16_MIN_CHUNKS = 16384
 CPC16_MIN_BATCH = 32
 
