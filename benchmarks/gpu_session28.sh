@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # Queued in session 27 (2026-11-27) for the next session's device calls, one PART each, on
 # an H100 (kind nvidia-h100-x1), output in $OUT; each PART's timeouts sum to <= 600 s.
-# 1: the indexer with its keys through SMEM (kreg off: an SS wgmma instead of the
-#    register-A one, which may be the 0.76 dispatch stalls of session 27's Nsight Compute
-#    run), and the dequant's share (DSV4_IDX_ABLATE=nodeq, timing only);
+# 1: the indexer scoring two chunks a loop iteration (chunks_per_step=2: one barrier, TMA
+#    issue, wait and block-table prefetch a pair; compile-only 357 instead of 381 loop
+#    instructions a chunk in warp 0, 315 instead of 331 in warps 1-3, 113 registers, 40 KB
+#    of SMEM a CTA), its GPU test; the keys through SMEM (kreg off: an SS wgmma instead of
+#    the register-A one, which may be the 0.76 dispatch stalls of session 27's Nsight
+#    Compute run); the dequant's share (DSV4_IDX_ABLATE=nodeq, timing only);
 # 2: attention shapes not yet timed at 128K (Pro CSA B=32) and qk_split there.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
 case "${PART:-1}" in
 1)
+  T 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    -k "two_chunks" -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:place:0:2:0:1:w:0,fp4:place:0:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:0
+  V=$V,nvfp4:place:0:2:0:1:w:0:2,fp8:bits:0:2:0:1:w:0,fp8:bits:0:2:0:1:w:0:2
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
+    --variants $V --rounds 3 --out $OUT | tee $OUT/sweep_g2.log | grep "^|"
   V=fp4:place:0:2:0:1:w:0,fp4:place:0:2:0:0:a,fp4:place:0:2:1:0:a
   V=$V,nvfp4:place:0:2:0:1:w:0,nvfp4:place:0:2:0:0:a,nvfp4:place:0:2:1:0:a
-  T 300 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
-    --variants $V --rounds 3 --out $OUT | tee $OUT/sweep.log | grep "^|"
-  for a in halfmma nodeq; do
+  T 150 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,8:131072 \
+    --variants $V --rounds 2 --out $OUT | tee $OUT/sweep.log | grep "^|"
+  for a in nodeq; do
     echo "== DSV4_IDX_ABLATE=$a"
-    DSV4_IDX_ABLATE=$a T 100 python3 benchmarks/indexer_probe.py sweep --cases 64:131072 \
+    DSV4_IDX_ABLATE=$a T 80 python3 benchmarks/indexer_probe.py sweep --cases 64:131072 \
       --variants fp4:place:0:2:0:1:w:0,nvfp4:place:0:2:0:1:w:0 --rounds 2 --out $OUT \
       | tee -a $OUT/ablate.log | grep "^| 64"
   done ;;

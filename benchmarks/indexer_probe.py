@@ -6,9 +6,10 @@ plain run of one variant for Nsight Compute.
   ncu --clock-control none --kernel-name regex:mosaic_gpu --launch-skip 1 --launch-count 1 \
       python3 benchmarks/indexer_probe.py run --cases 64:131072 --variants fp4:e4m3:8:2:0
 
-A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:barriers[:w_in_loop]]]
+A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:barriers[:w_in_loop[:g]]]]
 (chunks_per_cta 0: the default; barriers "a" auto / "m" manual / "w" warp, default the
-kernel's BARRIERS; w_in_loop 1: the head weights re-read every chunk).
+kernel's BARRIERS; w_in_loop 1: the head weights re-read every chunk; g: chunks a loop
+iteration, chunks_per_step).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
 .profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls
@@ -32,14 +33,15 @@ from pallas_kernels.indexer_decode import kernel as IK
 
 def parse_variant(v):
     fields = v.split(":")
-    if len(fields) not in (5, 6, 7, 8):
+    if len(fields) not in (5, 6, 7, 8, 9):
         raise SystemExit(f"variant {v!r}: expected "
-                         "fmt:dequant:cpc:stages:overlap[:kreg[:barriers[:w_in_loop]]]")
+                         "fmt:dequant:cpc:stages:overlap[:kreg[:barriers[:w_in_loop[:g]]]]")
     fmt, dq, cpc, st, ov, *rest = fields
     bar = {"a": "auto", "m": "manual", "w": "warp"}[rest[1]] if len(rest) > 1 else None
     return dict(fmt=fmt, dequant=dq, chunks_per_cta=int(cpc) or None, stages=int(st),
                 overlap=ov == "1", kreg=rest[:1] == ["1"], barriers=bar,
-                w_in_loop=rest[2] == "1" if len(rest) > 2 else None)
+                w_in_loop=rest[2] == "1" if len(rest) > 2 else None,
+                chunks_per_step=int(rest[3]) if len(rest) > 3 else None)
 
 
 def scorer(var, interpret=False):

@@ -603,3 +603,43 @@ def test_gpu_other_key_formats_match_reference(fmt):
         jnp.asarray(rng.standard_normal((256, 32, 128)), jnp.float32), "fp8"))
     out = np.asarray(jax.jit(functools.partial(K.score_keys, fmt=fmt))(q, w, keys, bt, t))
     check_scores(out, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t, fmt=fmt)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant,stages", [("fp4", "place", 2), ("fp4", "place", 3),
+                                                ("nvfp4", "place", 2), ("fp8", "bits", 2)])
+def test_gpu_two_chunks_a_step_match(fmt, dequant, stages):
+    """chunks_per_step=2 (two chunks from one ring slot a loop iteration): the same scores,
+    bit for bit, as one chunk a step, and the reference's: CTA spans of 2, 6 and 16
+    chunks, a request whose last step has one chunk to score (its second chunk's entries
+    are past the eligible count), unused (-1) blocks, the table's end mid-chunk."""
+    q, w, keys, bt, t, ref = _split_edge_case(fmt)
+    for cpc in (2, 6, 16):
+        run = lambda g: np.asarray(jax.jit(functools.partial(
+            K.score_keys, fmt=fmt, dequant=dequant, stages=stages, chunks_per_cta=cpc,
+            chunks_per_step=g))(q, w, keys, bt, t))
+        out = run(2)
+        check_scores(out, ref)
+        assert np.array_equal(out, run(1))
+
+
+def test_two_chunks_a_step_lowering_and_errors():
+    """chunks_per_step=2 lowers for the GPU in every key format; it refuses what it cannot
+    do (Pallas' automatic barriers, keys through SMEM, a CTA span that is not a multiple)."""
+    B, NB, MAXB = 8, 8192, 1024
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
+            S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
+            S((B, MAXB), jnp.int32), S((B,), jnp.int32))
+    argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
+    args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
+    for f, a in ((K.indexer_scores, args), (K.indexer_scores_nvfp4, argsn),
+                 (K.indexer_scores_fp8, args8)):
+        for cpc in (2, 16):
+            g = functools.partial(f, chunks_per_step=2, chunks_per_cta=cpc)
+            assert "mosaic_gpu" in jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    for kw, msg in ((dict(barriers="auto"), "barriers"), (dict(kreg=False), "kreg"),
+                    (dict(chunks_per_cta=5), "5 chunks a CTA")):
+        g = functools.partial(K.indexer_scores, chunks_per_step=2, **kw)
+        with pytest.raises(ValueError, match=msg):
+            jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",))

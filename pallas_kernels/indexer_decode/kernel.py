@@ -116,6 +116,10 @@ BARRIERS = "warp"
 # nvfp4 keys, 128K): B = 64 91.9 -> 90.5 / 100.3 -> 98.9 us, but B = 8 13.3 -> 13.8 /
 # 14.7 -> 14.9: a wash, so off.
 W_IN_LOOP = False
+# chunks_per_step: 2 makes each loop iteration score two chunks from one ring slot of two,
+# so its barrier, TMA issue (~50 instructions in warp 0), wait and block-table prefetch
+# come once for both (sm_90a SASS: see BENCHMARKS.md, session 27). Not yet timed on a GPU.
+CHUNKS_PER_STEP = 1
 # The fp4 keys' dequant when a call names none: "place" (bits placed, no tables) measured
 # 92.3 us against "lutbf" 100.4 at B = 64, 128K and 13.5 against 15.3 at B = 8; nvfp4
 # keys 100.4 against 110.2 and 14.7 against 16.7; B = 1, 32K 2.5-2.6 both (H100,
@@ -134,8 +138,9 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_IDX_ABLATE", "").split("/")))
 
 
-def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None):
-    return dict(stages=STAGES if stages is None else stages,
+def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None):
+    return dict(chunks_per_step=CHUNKS_PER_STEP if chunks_per_step is None else chunks_per_step,
+                stages=STAGES if stages is None else stages,
                 overlap=OVERLAP if overlap is None else overlap,
                 kreg=KREG if kreg is None else kreg,
                 barriers=BARRIERS if barriers is None else barriers,
@@ -158,7 +163,8 @@ def _grid(B, block_table, t_B, chunks_per_cta):
 
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
-                       overlap=None, kreg=None, barriers=None, w_in_loop=None):
+                       overlap=None, kreg=None, barriers=None, w_in_loop=None,
+                       chunks_per_step=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
@@ -171,7 +177,8 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
-                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop,
+                                           chunks_per_step))
     return out[:, :n_max] if trim else out
 
 
@@ -325,7 +332,7 @@ def _e4m3_bits_to_f32(x_u32, scale=1.0):
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
                          overlap=None, kreg=None, dequant=None, barriers=None,
-                         w_in_loop=None):
+                         w_in_loop=None, chunks_per_step=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -349,7 +356,8 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
                                idx_codes, words, bt, t,
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant,
-                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop,
+                                           chunks_per_step))
     return out[:, :n_max] if trim else out
 
 
@@ -391,7 +399,8 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **k
 
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant=None,
-                   stages=None, overlap=None, kreg=None, barriers=None, w_in_loop=None):
+                   stages=None, overlap=None, kreg=None, barriers=None, w_in_loop=None,
+                   chunks_per_step=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -429,13 +438,14 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     out = _indexer_call_blocks(qh, w_BH.astype(jnp.float32), idx_codes, (scale_u32,), bt,
                                t, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
-                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop))
+                               **_pipeline(stages, overlap, kreg, barriers, w_in_loop,
+                                           chunks_per_step))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
-                         barriers="auto", w_in_loop=False):
+                         barriers="auto", w_in_loop=False, chunks_per_step=1):
     """The scoring kernel, reading the stored key blocks: qh bf16 [B, 64 h, 128] (loaded as
     the two tiles of dims 0..63 and 64..127; "fp8mma": q_fp8_groups' [B, 4, 64 h, 32]),
     bt int32 [R >= B, MAXB] (the raw block table, -1 unused), t int32 [B]. fmt "fp4": codes
@@ -462,7 +472,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     (a loop carry), so no warp waits on them. "warp": as "manual", with the issue inside
     plgpu.warp_map, run by warp 0 only.
     w_in_loop: the head weights re-read from SMEM for every chunk's scores instead of held
-    in registers a whole CTA (W_IN_LOOP)."""
+    in registers a whole CTA (W_IN_LOOP).
+    chunks_per_step (kreg with manual / warp barriers, cpc a multiple of it): chunks a loop
+    iteration; a ring slot holds that many, so the iteration's barrier, TMA issue, wait and
+    block-table prefetch are paid once for all of them (CHUNKS_PER_STEP)."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -479,6 +492,11 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         raise ValueError(f"barriers must be 'auto', 'manual' or 'warp', got {barriers!r}")
     manual = barriers in ("manual", "warp") and kreg   # SMEM keys need the store barriers
     warp_issue = manual and barriers == "warp"
+    G = chunks_per_step
+    if G != 1 and not (manual and cpc % G == 0):
+        raise ValueError(f"chunks_per_step={G} needs kreg, manual / warp barriers and a CTA "
+                         f"span that is a multiple of it (got kreg={kreg}, barriers="
+                         f"{barriers!r}, {cpc} chunks a CTA)")
     B = qh.shape[0]
     MAXB = bt.shape[1]
     WG = plgpu.Layout.WGMMA
@@ -499,6 +517,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         ne = jnp.minimum(lax.div(jnp.maximum(t_g[b] + 1, 0), RATIO), MAXB * EPB)  # eligible
         first = cta * cpc
         n_load = jnp.clip(lax.div(ne - first * CHUNK + CHUNK - 1, CHUNK), 0, cpc)
+        n_steps = lax.div(n_load + G - 1, G)   # loop iterations of G chunks
 
         def blocks(j):
             """The pool blocks of this CTA's chunk j. Columns past the table (the last CTA's
@@ -508,18 +527,23 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             ids = (bt_g[b, jnp.minimum(col, MAXB - 1)], bt_g[b, jnp.minimum(col + 1, MAXB - 1)])
             return tuple(jnp.maximum(i, 0) for i in ids)
 
-        def issue(j, slot, blks=None):
-            blks = blocks(j) if blks is None else blks
-            for half in range(2):
-                blk = blks[half]
-                rows = pl.ds(half * EPB, EPB)
+        def step_blocks(i):
+            """The pool blocks of step i's G chunks (2 G ids)."""
+            return sum((blocks(G * i + g) for g in range(G)), ())
+
+        def issue(i, slot, blks=None):
+            """Copies of step i's G chunks (2 G pool blocks) into ring slot `slot`."""
+            blks = step_blocks(i) if blks is None else blks
+            for k in range(2 * G):
+                blk = blks[k]
+                rows = pl.ds(k * EPB, EPB)
                 plgpu.copy_gmem_to_smem(codes_g.at[blk], c_s.at[slot, rows], bar.at[slot])
                 for i, scale_g in enumerate(scale_gs):
                     plgpu.copy_gmem_to_smem(scale_g.at[blk], sc_s.at[slot, i, rows],
                                             bar.at[slot])
 
         for j0 in range(stages - 1):
-            @pl.when(j0 < n_load)
+            @pl.when(j0 < n_steps)
             def _():
                 issue(j0, j0)
         @pl.when(n_load > 0)
@@ -563,13 +587,13 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             o_s[pl.ds(j * CHUNK, CHUNK)] = jnp.where(ids < ne, score, -jnp.inf)
 
         def top(j, carry):
-            """The iteration's sync, the next chunk's issue, the wait for chunk j's data."""
+            """The iteration's sync, the next step's issue, the wait for step j's data."""
             slot = lax.rem(j, stages)
             ahead = j + stages - 1
             if manual:
                 _wg_barrier()   # all warps are done with the slot the issue overwrites
 
-            @pl.when(ahead < n_load)
+            @pl.when(ahead < n_steps)
             def _():
                 if warp_issue:
                     # Only warp 0 runs the issue's ~60 instructions (one lane issues
@@ -582,19 +606,20 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                 else:
                     issue(ahead, lax.rem(ahead, stages), carry if manual else None)
             if manual:
-                carry = blocks(ahead + 1)   # used by the next iteration's issue
+                carry = step_blocks(ahead + 1)   # used by the next iteration's issue
             plgpu.barrier_wait(bar.at[slot])
 
             return slot, carry
 
-        def unpack(slot):
-            """Chunk data in ring slot `slot` -> (keys(half): bf16 [64 e, 64] keys of dims
+        def unpack(slot, g=0):
+            """Chunk g of ring slot `slot` -> (keys(half): bf16 [64 e, 64] keys of dims
             half*64.., sc: the [64] per-entry scale words)."""
-            sc = plgpu.load(sc_s.at[slot, 0], layout=ROW)                   # [64]
+            rows = pl.ds(g * CHUNK, CHUNK)
+            sc = plgpu.load(sc_s.at[slot, 0, rows], layout=ROW)             # [64]
             if fmt != "fp8":
                 # (the bit ops below on u16 instead of u32 measured the same: 169.0 vs
                 # 168.8 us at B=64, 128K, H200; Mosaic has no shifts on 8-bit types)
-                byte8 = plgpu.load(c_s.at[slot], layout=WG)                     # [64 e, 64]
+                byte8 = plgpu.load(c_s.at[slot, rows], layout=WG)               # [64 e, 64]
                 byte = byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
                 if dequant in ("lut", "lutbf"):   # both halves' e2m1 values, from the tables
@@ -608,7 +633,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             def keys(half):
                 """Keys of dims half*64.. of this chunk: bf16 [64 e, 64] (WGMMA layout)."""
                 if fmt == "fp8":   # e4m3 -> bf16 is exact
-                    x = plgpu.load(c_s.at[slot, :, pl.ds(half * 64, 64)], layout=WG)
+                    x = plgpu.load(c_s.at[slot, rows, pl.ds(half * 64, 64)], layout=WG)
                     return x.astype(jnp.float32).astype(jnp.bfloat16)
                 if fmt == "fp4" and dequant in ("lut", "lutbf", "place"):
                     # e2m1 values as e4m3 from the prmt tables; exact in f16 and bf16; the
@@ -644,7 +669,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     # decoded from their bits on [64] vectors, * unit (64 undoes the e4m3
                     # re-packing's 2^-6; the lut values need none); the product e2m1 * s (at most 6 significant bits, 2^-10..2688) is exact in
                     # f16 and then in bf16.
-                    word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1], layout=ROW)
+                    word = sc if half == 0 else plgpu.load(sc_s.at[slot, 1, rows], layout=ROW)
                     blk = None
                     # lutbf: the values are bf16 already; e2m1 * e4m3 (at most 6 significant
                     # bits) is exact in bf16 too.
@@ -712,7 +737,13 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                     s = t if s is None else s + t
                 epilogue(j, s)
                 return carry
-            keys, sc = unpack(slot)
+            for g in range(G):   # the step's chunks, one after another
+                chunk(slot, g, G * j + g)
+            return carry
+
+        def chunk(slot, g, j):
+            """Scores of chunk j, the g-th of ring slot `slot`, into o_s."""
+            keys, sc = unpack(slot, g)
             if kreg:
                 # The keys stay in registers as the wgmma's A operand: no SMEM round trip,
                 # no fence; the second half's dequant runs under the first half's wgmma.
@@ -740,9 +771,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             if fmt == "fp8":
                 s = s * lax.broadcast_in_dim(sc, s.shape, [0])
             epilogue(j, s)
-            return carry
 
-        lax.fori_loop(0, n_load, body, blocks(stages - 1) if manual else 0)
+        lax.fori_loop(0, n_steps, body, step_blocks(stages - 1) if manual else 0)
         if manual:
             _wg_barrier()   # every thread's scores are in o_s
         plgpu.commit_smem()
@@ -761,11 +791,11 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         ins = (qh, w)
     scratch.update(
         w_s=plgpu.SMEM((N_HEADS,), jnp.float32),
-        c_s=plgpu.SMEM((stages, CHUNK) + codes.shape[2:], codes.dtype),
-        sc_s=plgpu.SMEM((stages, n_sc, CHUNK), scales[0].dtype),
+        c_s=plgpu.SMEM((stages, G * CHUNK) + codes.shape[2:], codes.dtype),
+        sc_s=plgpu.SMEM((stages, n_sc, G * CHUNK), scales[0].dtype),
         o_s=plgpu.SMEM((span_s,), jnp.float32),
         qbar=plgpu.Barrier(num_arrivals=3),   # q (2 tiles, or q8 + its scales) and w
-        bar=plgpu.Barrier(num_arrivals=2 * (1 + n_sc), num_barriers=stages),
+        bar=plgpu.Barrier(num_arrivals=2 * G * (1 + n_sc), num_barriers=stages),
     )
     if not kreg:
         scratch["k_s"] = k_type
@@ -811,7 +841,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
               interpret=None, select="xla", dequant=None, stages=None, overlap=None,
-              kreg=None, barriers=None, w_in_loop=None):
+              kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -822,7 +852,7 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
                    stages=stages, overlap=overlap, kreg=kreg, barriers=barriers,
-                   w_in_loop=w_in_loop)
+                   w_in_loop=w_in_loop, chunks_per_step=chunks_per_step)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
