@@ -458,6 +458,17 @@ def test_default_chunks_per_cta():
     assert K.default_chunks_per_cta(8, 4 * n128k) == 8    # B = 8, a 512K table
 
 
+def test_default_chunks_per_step():
+    """Two chunks a loop iteration where the H100 measured it faster (fp4 / nvfp4 keys at
+    every span; fp8 keys below 16 chunks a CTA), one where the pipeline cannot (odd spans,
+    Pallas' automatic barriers)."""
+    f = K.default_chunks_per_step
+    assert [f("fp4", c) for c in (1, 2, 3, 8, 16)] == [1, 2, 1, 2, 2]
+    assert [f("nvfp4", c) for c in (1, 8, 16)] == [1, 2, 2]
+    assert [f("fp8", c) for c in (2, 8, 16)] == [2, 2, 1]
+    assert f("fp4", 8, manual=False) == 1
+
+
 def test_cuda_lowering_every_chunks_per_cta():
     """Every CTA span the default split can pick (1..8 and 16 chunks; nvfp4 / fp8 keys at
     16) lowers: 5 and 6 chunks (320 / 384 scores a CTA) failed in the -inf fill before its

@@ -118,8 +118,21 @@ BARRIERS = "warp"
 W_IN_LOOP = False
 # chunks_per_step: 2 makes each loop iteration score two chunks from one ring slot of two,
 # so its barrier, TMA issue (~50 instructions in warp 0), wait and block-table prefetch
-# come once for both (sm_90a SASS: see BENCHMARKS.md, session 27). Not yet timed on a GPU.
-CHUNKS_PER_STEP = 1
+# come once for both (sm_90a SASS: 357 instead of 381 loop instructions a chunk in warp 0).
+# None in a call: default_chunks_per_step. Timed on the H100 (2026-11-27, session 28 run1,
+# 128K, bit-identical scores): fp4 B = 64 / 32 / 8 90.8 -> 87.6 / 46.3 -> 45.5 / 13.9 ->
+# 13.4 us; nvfp4 100.1 -> 97.0 / 51.0 -> 49.7 / 15.0 -> 14.6; fp8 at 16 chunks a CTA
+# slower (110.5 -> 116.6 / 56.9 -> 63.1: its ring slots are twice as large, 128 B keys),
+# at 8 faster (15.4 -> 14.6).
+CHUNKS_PER_STEP = None
+
+
+def default_chunks_per_step(fmt, cpc, manual=True):
+    """Chunks a loop iteration: 2 where measured faster (fp4 / nvfp4 keys; fp8 keys below
+    16 chunks a CTA), when the pipeline allows it (manual barriers, an even CTA span)."""
+    if not manual or cpc % 2 or (fmt == "fp8" and cpc >= 16):
+        return 1
+    return 2
 # The fp4 keys' dequant when a call names none: "place" (bits placed, no tables) measured
 # 92.3 us against "lutbf" 100.4 at B = 64, 128K and 13.5 against 15.3 at B = 8; nvfp4
 # keys 100.4 against 110.2 and 14.7 against 16.7; B = 1, 32K 2.5-2.6 both (H100,
@@ -445,7 +458,7 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
-                         barriers="auto", w_in_loop=False, chunks_per_step=1):
+                         barriers="auto", w_in_loop=False, chunks_per_step=None):
     """The scoring kernel, reading the stored key blocks: qh bf16 [B, 64 h, 128] (loaded as
     the two tiles of dims 0..63 and 64..127; "fp8mma": q_fp8_groups' [B, 4, 64 h, 32]),
     bt int32 [R >= B, MAXB] (the raw block table, -1 unused), t int32 [B]. fmt "fp4": codes
@@ -475,7 +488,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     in registers a whole CTA (W_IN_LOOP).
     chunks_per_step (kreg with manual / warp barriers, cpc a multiple of it): chunks a loop
     iteration; a ring slot holds that many, so the iteration's barrier, TMA issue, wait and
-    block-table prefetch are paid once for all of them (CHUNKS_PER_STEP)."""
+    block-table prefetch are paid once for all of them (None: default_chunks_per_step)."""
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     if len(scales) != (2 if fmt == "nvfp4" else 1):
@@ -492,7 +505,8 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
         raise ValueError(f"barriers must be 'auto', 'manual' or 'warp', got {barriers!r}")
     manual = barriers in ("manual", "warp") and kreg   # SMEM keys need the store barriers
     warp_issue = manual and barriers == "warp"
-    G = chunks_per_step
+    G = (default_chunks_per_step(fmt, cpc, manual) if chunks_per_step is None
+         else chunks_per_step)
     if G != 1 and not (manual and cpc % G == 0):
         raise ValueError(f"chunks_per_step={G} needs kreg, manual / warp barriers and a CTA "
                          f"span that is a multiple of it (got kreg={kreg}, barriers="
