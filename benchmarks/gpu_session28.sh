@@ -32,4 +32,21 @@ case "${PART:-1}" in
 2)
   T 250 python3 benchmarks/attn_probe.py --cases flash:csa:64:131072,pro:csa:32:131072 \
     --variants cpasync+idp,cpasync+idp+qks,xla --rounds 2 | tee $OUT/attn.log | grep "^|" ;;
+3)
+  # session 28: two chunks a loop iteration is now the default (fp4 / nvfp4; fp8 below 16
+  # chunks a CTA): every indexer GPU test with it; four and eight chunks a step against two
+  T 260 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=fp4:place:0:2:0:1:w:0:2,fp4:place:0:2:0:1:w:0:4,fp4:place:0:2:0:1:w:0:8
+  V=$V,nvfp4:place:0:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:0:4
+  T 200 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
+    --variants $V --rounds 3 --out $OUT | tee $OUT/sweep_g4.log | grep "^|" ;;
+4)
+  # the decode check and the stream step with session 28's indexer default
+  T 200 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 --random-cache \
+    --matmul pallas --batch 32 --context 131072 --steps 3 --index-format fp4 \
+    | tee $OUT/check_b32_fp4.log | grep -E "median|Error"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
+    | grep -E "stream step" | head -1 ;;
 esac
