@@ -49,4 +49,12 @@ case "${PART:-1}" in
   BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
   T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 | tee $OUT/b64.log \
     | grep -E "stream step" | head -1 ;;
+5)
+  # on top of two chunks a step: the head weights re-read a chunk (fewer registers, 5
+  # CTAs an SM), 32 chunks a CTA (fewer waves' tails), a 3-slot ring
+  V=fp4:place:0:2:0:1:w:0:2,fp4:place:0:2:0:1:w:1:2,fp4:place:32:2:0:1:w:0:2
+  V=$V,fp4:place:0:3:0:1:w:0:2,nvfp4:place:0:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:1:2
+  V=$V,nvfp4:place:32:2:0:1:w:0:2
+  T 300 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
+    --variants $V --rounds 3 --out $OUT | tee $OUT/sweep_g2x.log | grep "^|" ;;
 esac
