@@ -57,4 +57,20 @@ case "${PART:-1}" in
   V=$V,nvfp4:place:32:2:0:1:w:0:2
   T 300 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
     --variants $V --rounds 3 --out $OUT | tee $OUT/sweep_g2x.log | grep "^|" ;;
+6)
+  # attention with two K tiles (double_k: block i+1's dequant under block i's scores):
+  # its GPU test (bit-identical to the cpasync kernel), then timed against it and XLA
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "double_k or cpasync_pool" -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  T 200 python3 benchmarks/attn_probe.py --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_DOUBLE_K=1,xla --rounds 2 | tee $OUT/attn_csa.log | grep "^|"
+  T 160 python3 benchmarks/attn_probe.py --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_DOUBLE_K=1 --rounds 2 | tee $OUT/attn_hca.log | grep "^|" ;;
+7)
+  # the 4-layer stream step at B = 64, 128K with double_k off / on
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  for dk in 0 1; do
+    DSV4_ATTN_DOUBLE_K=$dk T 140 python3 $BENCH --batch 64 --context 131072 --steps 10 \
+      | tee $OUT/b64_dk$dk.log | grep -E "stream step" | head -1
+  done ;;
 esac

@@ -185,6 +185,69 @@ def test_gpu_cpasync_implicit_hca_ids():
 
 
 @pytest.mark.gpu
+def test_gpu_double_k_matches_cpasync():
+    """double_k (two K tiles, the next block's dequant under the scores' wgmma, P V from
+    registers, rope rows copied straight into the K tile) gives the cpasync kernel's output
+    bit for bit: the same operands and roundings. Pool edges and -1 holes, a whole block
+    of -1, bounds from t below / above K, Flash and Pro head counts, in-kernel HCA ids
+    (0, 7 and 150 entries), 1 to 3 splits (odd and even block counts a CTA)."""
+    cases = [(edge_inputs(), None, False),
+             (make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(700, 4095),
+                          n_valid=(175, 512)), None, True),
+             (make_inputs(9, B=2, H=128, NB=64, MAXB=32, n_idx=512, t=(4095, 2000),
+                          n_valid=(512, 300)), None, True)]
+    q, win, cmp, bt, _, _, sink = make_inputs(7, B=3, H=64, NB=640, EPB=1, MAXB=150,
+                                              n_idx=150, t=(1000, 5119, 100), n_valid=(0,) * 3)
+    t = jnp.asarray([1000, 150 * 128 + 700, 100], jnp.int32)      # 7, 150 (capped), 0
+    cases.append(((q, win, cmp, bt, None, t, sink), 150, True))
+    for args, hca, prefix in cases:
+        ids = R.hca_indices(args[5], hca) if hca else args[4]
+        ref = np.asarray(R.sparse_decode_attention_reference(
+            *args[:4], ids, *args[5:])).astype(np.float32)
+        for splits in (1, 2, 3):
+            run = lambda dk: np.asarray(jax.jit(functools.partial(
+                K.sparse_decode_attention, splits=splits, gather="cpasync", ids_prefix=prefix,
+                hca_entries=hca, double_k=dk))(*args)).astype(np.float32)
+            out = run(True)
+            assert np.isfinite(out).all()
+            np.testing.assert_array_equal(out, run(False))
+            assert rel_err(out, ref) < 5e-3
+
+
+def test_double_k_lowering_and_refusals():
+    """double_k lowers for Flash / Pro head counts, top-k and in-kernel HCA ids, 1 and 3
+    splits; it refuses qk_split and the in-kernel merge; interpreted calls ignore it."""
+    B, NB, EPB, MAXB = 8, 4096, 32, 512
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
+           S((B, 128), jnp.int32))
+    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
+    hcmp = tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
+    for H in (64, 128):
+        rest = (S((B, MAXB), jnp.int32),)
+        a = (S((B, H, 512), jnp.bfloat16), win, cmp, *rest, S((B, 512), jnp.int32),
+             S((B,), jnp.int32), S((H,), jnp.float32))
+        for splits in (1, 3):
+            f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
+                                  ids_prefix=True, double_k=True)
+            assert "mosaic_gpu" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        ha = a[:2] + (hcmp,) + a[3:4] + (None,) + a[5:]
+        f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
+                              ids_prefix=True, hca_entries=MAXB, double_k=True)
+        assert "mosaic_gpu" in jax.jit(f).trace(*ha).lower(lowering_platforms=("cuda",)).as_text()
+    for kw in (dict(qk_split=True), dict(splits=2, merge="cluster")):
+        f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True,
+                              double_k=True, **kw)
+        with pytest.raises(ValueError, match="double_k"):
+            jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",))
+    args = edge_inputs()   # the interpreter runs the direct gather: double_k has no effect
+    ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+    out = run_kernel(args, splits=1, gather="cpasync", double_k=True)
+    assert rel_err(out, ref) < 5e-3
+
+
+@pytest.mark.gpu
 def test_gpu_cluster_merge_matches_xla_merge():
     """merge="cluster" (2 key splits as a cluster of 2 CTAs, merged through distributed
     SMEM) against the XLA merge of the same kernel's partials: within a bf16 ulp (the

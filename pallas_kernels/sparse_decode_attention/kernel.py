@@ -141,7 +141,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                             splits=None, gather="direct", warp_specialized=True,
                             backend="mosaic", head_tile=64, num_warps=8, num_stages=1,
                             q_in_loop=False, col_split=1, joined=False, qk_split=False,
-                            ids_prefix=False, hca_entries=None, merge=None, interpret=None):
+                            ids_prefix=False, hca_entries=None, merge=None, double_k=None,
+                            interpret=None):
     """-> out [B, H, 512] bf16. Same arguments as reference.sparse_decode_attention_reference.
     -1 entries anywhere are masked; key blocks after the last valid id are skipped, so lists
     with valid ids first (top-k output, HCA prefix) do the least work. gather: "direct"
@@ -178,8 +179,13 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     The in-kernel merge runs on the H100 with the XLA merge's error (session 24 run1), but
     the op is slower: the kernel grows by more than the two merge fusions it saves (Flash
     CSA B=64 33.2 -> 33.9 us, HCA B=64 50.3 -> 52.4, Pro CSA B=32 47.4 -> 48.0), so "xla"
-    is the default."""
+    is the default.
+    double_k (gather="cpasync" on a GPU, no qk_split, merge "xla"; None: $DSV4_ATTN_DOUBLE_K,
+    else off): two K tiles, block i+1's dequant overlapping block i's score wgmma
+    (_attn_call_dk); the same values. Interpreted calls (gather "direct") ignore it."""
     H = q_BHD.shape[1]
+    if double_k is None:
+        double_k = os.environ.get("DSV4_ATTN_DOUBLE_K", "0") == "1"
     merge = merge or os.environ.get("DSV4_ATTN_MERGE", "xla")
     if merge not in ("auto", "xla", "cluster"):
         raise ValueError(f"merge must be 'auto', 'xla' or 'cluster', got {merge!r}")
@@ -229,7 +235,13 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                              f"and no qk_split (got gather={gather!r}, splits={NS}, "
                              f"qk_split={qk_split})")
         cluster = can and merge != "xla"
-        if warp_specialized:
+        if double_k and gather == "cpasync":
+            if qk_split or cluster:
+                raise ValueError(f"double_k takes neither qk_split nor the in-kernel merge "
+                                 f"(got qk_split={qk_split}, merge={merge!r})")
+            o, lse = _attn_call_dk(*args, NS=NS, epb=cmp[0].shape[1],
+                                   used_from_t=ids_prefix, implicit=implicit)
+        elif warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
                                    qk_split=qk_split, epb=cmp[0].shape[1],
                                    used_from_t=ids_prefix and gather == "cpasync",
@@ -399,7 +411,8 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_ATTN_ABLATE", "").split("/")))
 
 
-def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0):
+def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0,
+               parts="nr", rope_in_k=False):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
     this thread's copies (the caller's barrier_arrive releases them to the consumers).
@@ -411,12 +424,18 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
     i32) in GMEM; s_refs = (n_s [2, 7, 64, 64] (chunk-major, tiled and swizzled: see
     below), r_s [2, 64, 64], m_s [2, 8, 64]) in SMEM. GPU only (inline PTX).
     implicit = K > 0 (HCA): idx is not read; the id at list position idx_off + key is the
-    position itself, valid below min(K, (t[b] + 1) * epb // 128) (what hca_indices lists)."""
+    position itself, valid below min(K, (t[b] + 1) * epb // 128) (what hca_indices lists).
+    parts: "n" the nope rows and the meta, "r" the rope rows, "nr" both. rope_in_k (the
+    double_k kernel): s_refs = (n_s [1, 7, 64, 64], k_s [2, 64, 512] bf16 (tiled (8, 64),
+    128-byte swizzled), m_s [2, 8, 64]); the nope rows go to n_s's one slot, the meta to
+    m_s[slot], the rope rows straight into columns 448.. of K tile `slot`, followed by a
+    proxy fence (the consumers' wgmma read them through the async proxy)."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
+    r_ref = plgpu.RefType(TILED) if rope_in_k else ref
     EPB_, MAXB = epb, refs[3].shape[1]
 
-    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, ref, ref) + (splat,) * 4)
+    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4)
     def gather(ctx, nope_g, rope_g, idx_g, bt_g, wsc_g, csc_g, pos_g, t_g, n_s, r_s, m_s,
                rb, io, bb, sl):
         del ctx
@@ -479,18 +498,42 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         # n_s is [2, 7 chunks, 64 keys, 64 B], tiled (8, 64) and 64-byte swizzled: key r's
         # 16-byte unit v of chunk j sits at j * 4096 + (r // 8) * 512 + (r % 8) * 64 +
         # (v ^ ((r >> 1) & 3)) * 16; this thread's units are v = h (even i), h + 2 (odd i)
-        x = arith.andi(arith.shrui(key, c32(1)), c32(3))
-        base = arith.addi(s_n, arith.addi(arith.muli(sl, c32(NCH * BLK * 64)),
-                                          arith.muli(key, c32(64))))
-        unit = [arith.addi(base, arith.muli(arith.xori(arith.addi(h, c32(2 * k)), x), c32(16)))
-                for k in range(2)]
-        for i in range(CP_NOPE // 2):
-            copy(arith.addi(unit[i % 2], c32((i // 2) * BLK * 64)), arith.addi(src, c64(32 * i)))
-        src = arith.addi(g_r, arith.addi(arith.muli(row, c64(ROPE * 2)), arith.extui(i64, h16)))
-        dst = arith.addi(s_r, arith.addi(arith.muli(sl, c32(BLK * ROPE * 2)),
-                                         arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
-        for i in range(CP_ROPE // 2):
-            copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
+        if "n" in parts:
+            x = arith.andi(arith.shrui(key, c32(1)), c32(3))
+            n_off = c32(0) if rope_in_k else arith.muli(sl, c32(NCH * BLK * 64))
+            base = arith.addi(s_n, arith.addi(n_off, arith.muli(key, c32(64))))
+            unit = [arith.addi(base, arith.muli(arith.xori(arith.addi(h, c32(2 * k)), x),
+                                                c32(16))) for k in range(2)]
+            for i in range(CP_NOPE // 2):
+                copy(arith.addi(unit[i % 2], c32((i // 2) * BLK * 64)),
+                     arith.addi(src, c64(32 * i)))
+        if "r" in parts:
+            src = arith.addi(g_r, arith.addi(arith.muli(row, c64(ROPE * 2)),
+                                             arith.extui(i64, h16)))
+            if rope_in_k:
+                # K tile [64 keys, 512] bf16, tiled (8, 64), 128-byte swizzled: the rope
+                # columns are tile column 7; key r's 16-byte unit u sits at slot * 64 KB +
+                # ((r // 8) * 8 + 7) * 1024 + (r % 8) * 128 + (u ^ (r % 8)) * 16; this
+                # thread's units are u = h + 2 i
+                r8 = arith.andi(key, c32(7))
+                base = arith.addi(s_r, arith.addi(
+                    arith.muli(sl, c32(BLK * D * 2)),
+                    arith.addi(arith.muli(arith.addi(arith.muli(arith.shrui(key, c32(3)), c32(8)),
+                                                     c32(NCH)), c32(1024)),
+                               arith.muli(r8, c32(128)))))
+                for i in range(CP_ROPE // 2):
+                    u = arith.xori(arith.addi(h, c32(2 * i)), r8)
+                    copy(arith.addi(base, arith.muli(u, c32(16))), arith.addi(src, c64(32 * i)))
+            else:
+                dst = arith.addi(s_r, arith.addi(arith.muli(sl, c32(BLK * ROPE * 2)),
+                                                 arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
+                for i in range(CP_ROPE // 2):
+                    copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
+        if "n" not in parts:
+            mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
+            if rope_in_k:
+                mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
+            return
         # meta: thread h writes exponents 4h .. 4h + 3 of its key into m_s [8, 64]; the
         # format's unused 8th exponent becomes the validity byte
         w = mu.inline_ptx("ld.global.nc.b32 $0, [$1];",
@@ -506,19 +549,22 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
             mu.inline_ptx("st.shared.u8 [$0], $1;", arith.addi(m, c32(k * BLK)),
                           arith.shrui(w, c32(8 * k)), has_side_effects=True)
         mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
+        if rope_in_k and "r" in parts:
+            mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
 
     gather(*refs, *s_refs, row_base, idx_off, b, slot)
 
 
-def _cp_issuer(b, g_refs, s_refs, epb, implicit=0):
+def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
     on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
     cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t). implicit: as
-    _cp_gather's (then idx is not read)."""
+    _cp_gather's (then idx is not read); parts, rope_in_k: _cp_gather's (double_k)."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
-    gather = (lambda *a: None) if "copy" in _ablated() else _cp_gather
+    gather = ((lambda *a, **k: None) if "copy" in _ablated() else
+              functools.partial(_cp_gather, parts=parts, rope_in_k=rope_in_k))
 
     def issue(g, slot, wbar, cbar):
         @pl.when(g < NW)
@@ -546,13 +592,15 @@ def _wait_block(g, slot, wbar, cbar):
         plgpu.barrier_wait(cbar.at[slot])
 
 
-def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, swizzled=False):
+def _dequant(n_s, r_s, m_s, k_s, slot, chunks, rope, swizzled=False, n_slot=None):
     """K[:, 64j:64j+64] = e4m3 * 2^(e_j - 127) (exact in bf16) for j in chunks; rope as is.
     swizzled: n_s is [2, 8, 64, 64] chunk-major, tiled (8, 64) and 64-byte swizzled
-    (gather="cpasync" writes it so): conflict-free loads."""
+    (gather="cpasync" writes it so): conflict-free loads. n_slot: n_s's slot when it is
+    not `slot` (m_s's; the double_k kernel has one FP8 slot)."""
+    n_slot = slot if n_slot is None else n_slot
     for j in chunks:
         if swizzled:
-            x = plgpu.load(n_s.at[slot, j], layout=WG)
+            x = plgpu.load(n_s.at[n_slot, j], layout=WG)
         else:   # row stride of 512 B: bank conflicts, accepted (optimized=False)
             x = plgpu.load(n_s.at[slot, :, j], layout=WG, optimized=False)
         e = plgpu.load(m_s.at[slot, j], layout=ROW).astype(jnp.int32)
@@ -880,6 +928,164 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
         compiler_params=_params(),
         interpret=interpret,
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
+
+
+def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
+    """double_k (gather="cpasync", GPU only): the warp-specialised kernel with two bf16 K
+    tiles, so that block i+1's dequant runs while block i's score wgmma is in flight,
+    instead of after block i's P V as in _attn_call_ws. What makes the second 64 KB tile
+    fit (of 227 KB): P goes to P V from registers (no P tiles: -16 KB), the FP8 rows have
+    one staging slot (-28 KB) and the rope rows are copied by the producer straight into
+    the K tile (no rope staging: -16 KB): q 64 + K 2 x 64 + FP8 28 + meta 1 = 221 KB.
+    Same values and roundings as _attn_call_ws (qk_split off): the same wgmma operands.
+
+    Block i (K tile s = i % 2), consumer c (output columns 256c..):
+      wait kfull (both dequants of block i done, both score wgmma of block i-1 done) and
+      rbar[s] (its rope landed); bias from m_s[s]; issue S = q K[s]^T; while it runs:
+      wait block i+1's FP8 rows, dequantise half c of them into K[1-s] (the columns only
+      this consumer's P V reads, so the other consumer's P V of block i-1 may still run),
+      arrive `free` (the FP8 slot may be refilled); wait S; arrive kfull (block i+1);
+      softmax; P V from registers; arrive kfree[s].
+    The producer, for block j: wait free (block j-1 dequantised) -> FP8 rows + meta of
+    block j; wait kfree[j % 2] (block j-2's P V done by both) -> rope rows of block j into
+    K[j % 2]. Each lands a block ahead of its use."""
+    B, HP, _ = q.shape
+    keys = args[:-2]
+    kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
+    n_blk = NW + kp // BLK
+    bps = -(-n_blk // NS)
+
+    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
+        *key_g, nb_g, sink_g, o_g, lse_g = refs
+        b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
+        wg = lax.axis_index("wg")
+        g0 = s_id * bps
+        used = nb_g[b]
+        if used_from_t:
+            used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS), kp)
+        nb = NW + (used + BLK - 1) // BLK
+        n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
+
+        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree):
+            @pl.when(wg == 2)
+            def _producer():
+                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
+                                        action="decrease")
+                g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
+                s_refs = (n_s, k_s, m_s)
+                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
+                rope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="r", rope_in_k=True)
+                plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
+                plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
+
+                @pl.loop(0, n_load)
+                def _(j):
+                    s = lax.rem(j, 2)
+
+                    @pl.when(j >= 1)
+                    def _():
+                        plgpu.barrier_wait(free)            # block j-1 dequantised
+                    nope(g0 + j, s, wbar, cbar)
+
+                    @pl.when(j >= 2)
+                    def _():
+                        plgpu.barrier_wait(kfree.at[s])     # block j-2's P V done
+                    rope(g0 + j, s, rbar, rbar)
+
+                plgpu.barrier_wait(qbar)
+
+            @pl.when(wg < 2)
+            def _consumer():
+                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)),
+                                        action="increase")
+                c = wg
+
+                def dequant(i):
+                    """Half c of block i's FP8 rows -> K tile i % 2; its scale exponents
+                    from m_s[i % 2]; then the FP8 slot is released."""
+                    s = lax.rem(i, 2)
+                    _wait_block(g0 + i, s, wbar, cbar)
+                    for h, chunks in ((0, range(4)), (1, range(4, NCH))):
+                        @pl.when(c == h)
+                        def _():
+                            _dequant(n_s, None, m_s, k_s.at[s], s, chunks, False, True,
+                                     n_slot=0)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(free)
+
+                def body(i, carry):
+                    acc, m, l = carry
+                    s = lax.rem(i, 2)
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(kfull)
+                        plgpu.barrier_wait(rbar.at[s])
+                    bias = _bias(m_s, s)
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_s, k_s.at[s].T)
+                        with jax.named_scope("deq_next"):
+                            @pl.when(i + 1 < n_load)
+                            def _():
+                                dequant(i + 1)
+                        return acc_ref[...]
+                    with jax.named_scope("qk_softmax"):
+                        sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
+
+                        @pl.when(i + 1 < n_load)
+                        def _():
+                            plgpu.barrier_arrive(kfull)
+                        sc = sc * (1.0 / math.sqrt(D)) + lax.broadcast_in_dim(bias, sc.shape, [1])
+                        m_new = jnp.maximum(m, sc.max(axis=1))
+                        p, l, acc = _online_update(sc, m_new, m, l, acc)
+                        p = p.astype(jnp.bfloat16)
+
+                    with jax.named_scope("pv"):
+                        def half(h):
+                            def mma(acc_ref):
+                                plgpu.wgmma(acc_ref, p, k_s.at[s, :, pl.ds(h * (D // 2), D // 2)])
+                            return lambda a: pl.run_state(mma)(plgpu.ACC.init(a))
+                        acc = lax.cond(c == 0, half(0), half(1), acc)
+                        plgpu.barrier_arrive(kfree.at[s])
+                    return acc, m_new, l
+
+                plgpu.barrier_wait(qbar)
+
+                @pl.when(n_load > 0)
+                def _():
+                    dequant(0)
+                    plgpu.barrier_arrive(kfull)
+                acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
+                with jax.named_scope("finish"):
+                    # both consumers are done reading q_s (their last scores) before either
+                    # stages its output through it
+                    plgpu.barrier_arrive(kfull)
+                    plgpu.barrier_wait(kfull)
+                    _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
+            plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),         # k_s: 2 tiles
+            plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),  # n_s
+            plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
+            plgpu.SMEM((HT,), jnp.float32),                                  # v_s
+            plgpu.Barrier(num_arrivals=2),                    # qbar
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # wbar: FP8 rows + meta landed
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # cbar
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # rbar: rope rows in K[s]
+            plgpu.Barrier(num_arrivals=2),                    # free: the FP8 slot
+            plgpu.Barrier(num_arrivals=2),                    # kfull
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree: K[s] read by P V
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        kernel,
+        out_type=_out_types(NS, B, HP),
+        num_threads=3, thread_name="wg",
+        compiler_params=_params(),
+        grid=(B, NS, HP // HT), grid_names=("b", "s", "h"),
+    )(q, wn, wr, cn, cr, *args)
 
 
 def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
