@@ -73,4 +73,11 @@ case "${PART:-1}" in
     DSV4_ATTN_DOUBLE_K=$dk T 140 python3 $BENCH --batch 64 --context 131072 --steps 10 \
       | tee $OUT/b64_dk$dk.log | grep -E "stream step" | head -1
   done ;;
+8)
+  # double_k's next dequant under the scores (qk) or under P V (pv): GPU test, then timed
+  T 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "double_k" -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  V=cpasync+idp,cpasync+idp:DSV4_ATTN_DOUBLE_K=1,cpasync+idp:DSV4_ATTN_DOUBLE_K=1:DSV4_ATTN_DK_AT=pv
+  T 220 python3 benchmarks/attn_probe.py --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants $V --rounds 2 | tee $OUT/attn_csa.log | grep "^|" ;;
 esac

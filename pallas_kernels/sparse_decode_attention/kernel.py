@@ -930,6 +930,14 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
+def DK_OVERLAP():
+    """$DSV4_ATTN_DK_AT: "qk" (default) or "pv", where double_k puts the next dequant."""
+    v = os.environ.get("DSV4_ATTN_DK_AT", "qk")
+    if v not in ("qk", "pv"):
+        raise ValueError(f"DSV4_ATTN_DK_AT must be 'qk' or 'pv', got {v!r}")
+    return v
+
+
 def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
     """double_k (gather="cpasync", GPU only): the warp-specialised kernel with two bf16 K
     tiles, so that block i+1's dequant runs while block i's score wgmma is in flight,
@@ -954,6 +962,9 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
     n_blk = NW + kp // BLK
     bps = -(-n_blk // NS)
+    # where block i+1's dequant goes: under block i's scores ("qk") or its P V ("pv": the
+    # FP8 rows have longer to land, and P V reads less SMEM than the scores)
+    under_pv = DK_OVERLAP() == "pv"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1021,19 +1032,23 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                         plgpu.barrier_wait(rbar.at[s])
                     bias = _bias(m_s, s)
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_s, k_s.at[s].T)
+                    def deq_next():
                         with jax.named_scope("deq_next"):
                             @pl.when(i + 1 < n_load)
                             def _():
                                 dequant(i + 1)
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_s, k_s.at[s].T)
+                        if not under_pv:
+                            deq_next()
                         return acc_ref[...]
                     with jax.named_scope("qk_softmax"):
                         sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
-
-                        @pl.when(i + 1 < n_load)
-                        def _():
-                            plgpu.barrier_arrive(kfull)
+                        if not under_pv:
+                            @pl.when(i + 1 < n_load)
+                            def _():
+                                plgpu.barrier_arrive(kfull)
                         sc = sc * (1.0 / math.sqrt(D)) + lax.broadcast_in_dim(bias, sc.shape, [1])
                         m_new = jnp.maximum(m, sc.max(axis=1))
                         p, l, acc = _online_update(sc, m_new, m, l, acc)
@@ -1043,9 +1058,15 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                         def half(h):
                             def mma(acc_ref):
                                 plgpu.wgmma(acc_ref, p, k_s.at[s, :, pl.ds(h * (D // 2), D // 2)])
+                                if under_pv:
+                                    deq_next()
                             return lambda a: pl.run_state(mma)(plgpu.ACC.init(a))
                         acc = lax.cond(c == 0, half(0), half(1), acc)
                         plgpu.barrier_arrive(kfree.at[s])
+                        if under_pv:
+                            @pl.when(i + 1 < n_load)
+                            def _():
+                                plgpu.barrier_arrive(kfull)
                     return acc, m_new, l
 
                 plgpu.barrier_wait(qbar)
