@@ -184,30 +184,36 @@ def test_gpu_cpasync_implicit_hca_ids():
         np.testing.assert_array_equal(out, f(R.hca_indices(t, 150), None))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("at", ["qk", "pv"])
-def test_gpu_double_k_matches_cpasync(at, monkeypatch):
-    """double_k (two K tiles, the next block's dequant under the scores' wgmma, P V from
-    registers, rope rows copied straight into the K tile) gives the cpasync kernel's output
-    bit for bit: the same operands and roundings. Pool edges and -1 holes, a whole block
-    of -1, bounds from t below / above K, Flash and Pro head counts, in-kernel HCA ids
-    (0, 7 and 150 entries), 1 and 3 splits (odd and even block counts a CTA); the next
-    block's dequant under the scores or under P V ($DSV4_ATTN_DK_AT)."""
-    monkeypatch.setenv("DSV4_ATTN_DK_AT", at)
-    cases = [(edge_inputs(), None, False),
-             (make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(700, 4095),
-                          n_valid=(175, 512)), None, True),
-             (make_inputs(9, B=2, H=128, NB=64, MAXB=32, n_idx=512, t=(4095, 2000),
-                          n_valid=(512, 300)), None, True)]
+def _double_k_cases(kind):
+    """(args, hca_entries, ids_prefix, splits) for the double_k GPU tests."""
+    if kind == "csa":
+        return [(edge_inputs(), None, False, (1, 2)),
+                (make_inputs(4, B=2, H=64, NB=64, MAXB=32, n_idx=512, t=(700, 4095),
+                             n_valid=(175, 512)), None, True, (1, 3)),
+                (make_inputs(9, B=2, H=128, NB=64, MAXB=32, n_idx=512, t=(4095, 2000),
+                             n_valid=(512, 300)), None, True, (2,))]
     q, win, cmp, bt, _, _, sink = make_inputs(7, B=3, H=64, NB=640, EPB=1, MAXB=150,
                                               n_idx=150, t=(1000, 5119, 100), n_valid=(0,) * 3)
     t = jnp.asarray([1000, 150 * 128 + 700, 100], jnp.int32)      # 7, 150 (capped), 0
-    cases.append(((q, win, cmp, bt, None, t, sink), 150, True))
-    for args, hca, prefix in cases:
+    return [((q, win, cmp, bt, None, t, sink), 150, True, (1, 3))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("at", ["qk", "pv"])
+def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
+    """double_k (two K tiles, the next block's dequant under the scores' or P V's wgmma,
+    P V from registers, rope rows copied straight into the K tile) gives the cpasync
+    kernel's output bit for bit: the same operands and roundings. csa: pool edges and -1
+    holes, a whole block of -1, bounds from t below / above K, Flash and Pro head counts;
+    hca: in-kernel ids (0, 7 and 150 entries); 1 to 3 splits (odd and even block counts a
+    CTA)."""
+    monkeypatch.setenv("DSV4_ATTN_DK_AT", at)
+    for args, hca, prefix, all_splits in _double_k_cases(kind):
         ids = R.hca_indices(args[5], hca) if hca else args[4]
         ref = np.asarray(R.sparse_decode_attention_reference(
             *args[:4], ids, *args[5:])).astype(np.float32)
-        for splits in (1, 3):
+        for splits in all_splits:
             run = lambda dk: np.asarray(jax.jit(functools.partial(
                 K.sparse_decode_attention, splits=splits, gather="cpasync", ids_prefix=prefix,
                 hca_entries=hca, double_k=dk))(*args)).astype(np.float32)

@@ -931,8 +931,13 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
 
 
 def DK_OVERLAP():
-    """$DSV4_ATTN_DK_AT: "qk" (default) or "pv", where double_k puts the next dequant."""
-    v = os.environ.get("DSV4_ATTN_DK_AT", "qk")
+    """$DSV4_ATTN_DK_AT: "pv" (default) or "qk", where double_k puts the next dequant.
+    H100, 128K (session 28 run6 / run7; cpasync kernel -> qk -> pv, us): Flash CSA B=64
+    34.9 -> 36.4 -> 33.5, Pro CSA B=32 52.5 -> 48.6 -> 47.6, Flash CSA B=8 13.5 -> 13.0 ->
+    13.0; Flash HCA B=64 47.9 -> 49.2 (qk), Pro HCA B=32 47.0 -> 44.3 (qk). Under the
+    scores, the dequant's SMEM traffic meets the scores' (q and K read by both consumers)
+    and the FP8 rows (one staging slot) have the least time to land."""
+    v = os.environ.get("DSV4_ATTN_DK_AT", "pv")
     if v not in ("qk", "pv"):
         raise ValueError(f"DSV4_ATTN_DK_AT must be 'qk' or 'pv', got {v!r}")
     return v
