@@ -827,7 +827,8 @@ SWZ64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 def _scratch(p_copies, swizzled=False, qk_split=False):
     # SMEM of the warp-specialised cpasync kernel (of 227 KB an SM): q 64 KB, K 64 KB,
     # FP8 rows 2 x 28 KB, rope rows 2 x 8 KB, P 2 x 8 KB (qk_split: 8), meta 1 KB: ~222 KB.
-    # A second bf16 K tile (to dequantise block i+1 while block i's wgmma run) does not fit.
+    # A second bf16 K tile (to dequantise block i+1 while block i's wgmma run) does not fit
+    # beside these; the double_k kernel (_attn_call_dk) drops P, rope and one FP8 slot for it.
     # FP8 rows: key-major, 512 B a key (7 chunks of 64 used, the 8th is padding) for the
     # row TMAs; chunk-major + swizzled, 7 chunks (448 B a key), for cp.async
     n_s = (plgpu.SMEM((2, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64) if swizzled
