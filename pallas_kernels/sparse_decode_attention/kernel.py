@@ -403,6 +403,14 @@ CP_NOPE, CP_ROPE = NOPE // 16, ROPE * 2 // 16     # 16-byte pieces of a row
 P_REGS, C_REGS = 56, 224
 
 
+def _set_registers(consumer):
+    """The warpgroup's register budget (P_REGS / C_REGS, or $DSV4_ATTN_PREG / _CREG)."""
+    if consumer:
+        plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)), action="increase")
+    else:
+        plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)), action="decrease")
+
+
 def _ablated():
     """Stages the warp-specialised kernel skips, for timing only (wrong results):
     DSV4_ATTN_ABLATE = a "/"-separated list of copy (no row copies), deq (no dequant), qk
@@ -986,8 +994,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
         def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree):
             @pl.when(wg == 2)
             def _producer():
-                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
-                                        action="decrease")
+                _set_registers(consumer=False)
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
                 s_refs = (n_s, k_s, m_s)
                 nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
@@ -1013,8 +1020,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 
             @pl.when(wg < 2)
             def _consumer():
-                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)),
-                                        action="increase")
+                _set_registers(consumer=True)
                 c = wg
 
                 def dequant(i):
@@ -1160,8 +1166,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
             clbar, rbar = extra_refs[-2:] if cluster_merge else (None,) * 2
             @pl.when(wg == 2)
             def _producer():
-                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_PREG", P_REGS)),
-                                        action="decrease")
+                _set_registers(consumer=False)
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
                 issue = (_cp_issuer(b, g_refs, (n_s, r_s, m_s), epb, implicit) if cpasync else
                          _issuer(b, g_refs, (n_s, r_s, m_s), direct))
@@ -1192,8 +1197,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
 
             @pl.when(wg < 2)
             def _consumer():
-                plgpu.set_max_registers(int(os.environ.get("DSV4_ATTN_CREG", C_REGS)),
-                                        action="increase")
+                _set_registers(consumer=True)
                 c = wg
 
                 def body(i, carry):
