@@ -90,23 +90,20 @@ def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_generate_on_a_mesh_equals_single_device(tiny_generate_cmd):
+def test_generate_on_a_mesh_equals_single_device(tiny_generate):
     """`dsv4 generate --devices 2` (2 virtual CPU devices, experts split, the checkpoint
-    loaded into its shards) prints the same greedy completion as one device; a mesh axis
-    without --devices is a clear error."""
-    import os
+    loaded into its shards) prints the same greedy completion as one device (the shared
+    single-device run of conftest's tiny_generate); a mesh axis without --devices is a
+    clear error."""
     import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=root, DSV4_COMPILE_CACHE="off")
-    gen = tiny_generate_cmd(env)
-    outs = [subprocess.run(gen + extra, env=env, capture_output=True, text=True, timeout=900)
-            for extra in ([], ["--devices", "2"])]
-    for p in outs:
-        assert p.returncode == 0, p.stderr[-2000:]
-    assert "--- prompt" in outs[0].stdout and outs[0].stdout == outs[1].stdout
-    assert "mesh {'data': 1, 'expert': 2, 'model': 1}" in outs[1].stderr
-    assert "mesh" not in outs[0].stderr
+    env, gen, single = tiny_generate
+    env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    mesh = subprocess.run(gen + ["--devices", "2"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert mesh.returncode == 0, mesh.stderr[-2000:]
+    assert "--- prompt" in single.stdout and single.stdout == mesh.stdout
+    assert "mesh {'data': 1, 'expert': 2, 'model': 1}" in mesh.stderr
+    assert "mesh" not in single.stderr
     bad = subprocess.run(gen + ["--expert", "2"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "--expert needs --devices" in bad.stderr

@@ -543,16 +543,13 @@ def test_kernel_decode_step_on_an_expert_mesh():
     assert "splits {'model': 2}" in res["errs"][1], res["errs"]
 
 
-def test_two_processes_generate_the_same_tokens(tiny_generate_cmd):
+def test_two_processes_generate_the_same_tokens(tiny_generate):
     """Multi-controller JAX: `dsv4 generate --devices 2` run as two processes of one CPU
     device each (joined through DSV4_COORDINATOR, gloo collectives, the checkpoint loaded
-    into each process's shards) prints the same greedy completion as one process."""
+    into each process's shards) prints the same greedy completion as one process (the
+    shared single-device run of conftest's tiny_generate)."""
     import socket
-    env = dict(os.environ, PYTHONPATH=ROOT, DSV4_COMPILE_CACHE="off", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    gen = tiny_generate_cmd(env)
-    single = subprocess.run(gen, env=env, capture_output=True, text=True, timeout=900)
-    assert single.returncode == 0, single.stderr[-2000:]
+    env, gen, single = tiny_generate
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
