@@ -181,8 +181,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     CSA B=64 33.2 -> 33.9 us, HCA B=64 50.3 -> 52.4, Pro CSA B=32 47.4 -> 48.0), so "xla"
     is the default.
     double_k (gather="cpasync" on a GPU, no qk_split, merge "xla"; None: $DSV4_ATTN_DOUBLE_K,
-    else off): two K tiles, block i+1's dequant overlapping block i's score wgmma
-    (_attn_call_dk); the same values. Interpreted calls (gather "direct") ignore it."""
+    else off): two K tiles, block i+1's dequant overlapping block i's P V wgmma (or its
+    score wgmma: $DSV4_ATTN_DK_AT=qk; _attn_call_dk); the same values. Interpreted calls
+    (gather "direct") ignore it."""
     H = q_BHD.shape[1]
     if double_k is None:
         double_k = os.environ.get("DSV4_ATTN_DOUBLE_K", "0") == "1"
@@ -502,11 +503,11 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         # so the two threads of a key read adjacent 16 bytes (whole 32-byte sectors), one
         # row id a thread, and every piece is a constant offset from two base addresses
         h16 = arith.muli(h, c32(16))
-        src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)), arith.extui(i64, h16)))
         # n_s is [2, 7 chunks, 64 keys, 64 B], tiled (8, 64) and 64-byte swizzled: key r's
         # 16-byte unit v of chunk j sits at j * 4096 + (r // 8) * 512 + (r % 8) * 64 +
         # (v ^ ((r >> 1) & 3)) * 16; this thread's units are v = h (even i), h + 2 (odd i)
         if "n" in parts:
+            src = arith.addi(g_n, arith.addi(arith.muli(row, c64(NOPE)), arith.extui(i64, h16)))
             x = arith.andi(arith.shrui(key, c32(1)), c32(3))
             n_off = c32(0) if rope_in_k else arith.muli(sl, c32(NCH * BLK * 64))
             base = arith.addi(s_n, arith.addi(n_off, arith.muli(key, c32(64))))
@@ -939,7 +940,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
-def DK_OVERLAP():
+def _dk_overlap():
     """$DSV4_ATTN_DK_AT: "pv" (default) or "qk", where double_k puts the next dequant.
     H100, 128K (session 28 run6 / run7; cpasync kernel -> qk -> pv, us): Flash CSA B=64
     34.9 -> 36.4 -> 33.5, Pro CSA B=32 52.5 -> 48.6 -> 47.6, Flash CSA B=8 13.5 -> 13.0 ->
@@ -954,8 +955,9 @@ def DK_OVERLAP():
 
 def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
     """double_k (gather="cpasync", GPU only): the warp-specialised kernel with two bf16 K
-    tiles, so that block i+1's dequant runs while block i's score wgmma is in flight,
-    instead of after block i's P V as in _attn_call_ws. What makes the second 64 KB tile
+    tiles, so that block i+1's dequant runs while one of block i's wgmma is in flight (P V
+    by default; the scores with $DSV4_ATTN_DK_AT=qk: _dk_overlap), instead of after block
+    i's P V as in _attn_call_ws. What makes the second 64 KB tile
     fit (of 227 KB): P goes to P V from registers (no P tiles: -16 KB), the FP8 rows have
     one staging slot (-28 KB) and the rope rows are copied by the producer straight into
     the K tile (no rope staging: -16 KB): q 64 + K 2 x 64 + FP8 28 + meta 1 = 221 KB.
@@ -963,11 +965,12 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 
     Block i (K tile s = i % 2), consumer c (output columns 256c..):
       wait kfull (both dequants of block i done, both score wgmma of block i-1 done) and
-      rbar[s] (its rope landed); bias from m_s[s]; issue S = q K[s]^T; while it runs:
+      rbar[s] (its rope landed); bias from m_s[s]; S = q K[s]^T; softmax; P V from
+      registers; arrive kfree[s]. Under the wgmma that takes it (P V, or S with "qk"):
       wait block i+1's FP8 rows, dequantise half c of them into K[1-s] (the columns only
-      this consumer's P V reads, so the other consumer's P V of block i-1 may still run),
-      arrive `free` (the FP8 slot may be refilled); wait S; arrive kfull (block i+1);
-      softmax; P V from registers; arrive kfree[s].
+      this consumer's P V reads, so the other consumer's P V of block i-1 may still run
+      with "qk"), arrive `free` (the FP8 slot may be refilled); once that wgmma is done,
+      arrive kfull (block i+1).
     The producer, for block j: wait free (block j-1 dequantised) -> FP8 rows + meta of
     block j; wait kfree[j % 2] (block j-2's P V done by both) -> rope rows of block j into
     K[j % 2]. Each lands a block ahead of its use."""
@@ -978,7 +981,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     bps = -(-n_blk // NS)
     # where block i+1's dequant goes: under block i's scores ("qk") or its P V ("pv": the
     # FP8 rows have longer to land, and P V reads less SMEM than the scores)
-    under_pv = DK_OVERLAP() == "pv"
+    under_pv = _dk_overlap() == "pv"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
