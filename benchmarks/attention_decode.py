@@ -196,6 +196,20 @@ def make_case(key, B, H, ctx, topk, mode):
     return q, (*win, pos), cmp, bt, idx, t, sink
 
 
+def op_cost(args):
+    """(n_valid, bytes, flops) of one attention op on make_case's args: n_valid = attended
+    cache entries (the window slots inside the last 128 positions + the valid ids); bytes =
+    584 a cache entry (448 FP8 nope + 8 scale bytes + 128 rope) + q and the bf16 output;
+    flops = the algorithm's tensor work, 2 * H * n_valid * (512 for q.k + 512 for p.v)
+    (the kernel's two consumers each compute all of q.k: it issues 1.5x this)."""
+    q, win, _, _, idx, t, _ = args
+    B, H, _ = q.shape
+    pos = win[3][:B]
+    n_valid = int(jnp.sum(idx >= 0)) + int(jnp.sum(
+        (pos >= 0) & (pos <= t[:, None]) & (pos >= t[:, None] - 127)))
+    return n_valid, n_valid * 584 + 2 * B * H * 512 * 2, 2.0 * H * n_valid * 1024
+
+
 def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -228,10 +242,7 @@ def run_case(model, mode, B, ctx, variants, bw, log, split_times=False, models=M
     n_sets = int(max(2, min(3, (300 * MB) // max(pool_bytes, 1))))
     sets = [make_case(jax.random.key(1000 * B + 7 * ctx + i), B, H, ctx, K, mode)
             for i in range(n_sets)]
-    a = sets[0]
-    n_valid = int(jnp.sum(a[4] >= 0)) + int(jnp.sum(
-        (a[1][3][:B] >= 0) & (a[1][3][:B] <= a[5][:, None]) & (a[1][3][:B] >= a[5][:, None] - 127)))
-    op_bytes = n_valid * 584 + 2 * B * H * 512 * 2
+    n_valid, op_bytes, _ = op_cost(sets[0])
     ref_many = batched(AR.sparse_decode_attention_reference)
     t_ref, ref = wall_time(ref_many, sets, reps=reps)
     ref = np.asarray(ref).astype(np.float32)

@@ -6,7 +6,11 @@ consumers (qk_split), gather+sN runs N key-block splits (default: kernel.default
 gather+idp bounds the key blocks from t (ids_prefix), gather+hid (HCA cases) derives the
 ids in-kernel (idx_BK=None, hca_entries; implies idp), gather+hix builds them with
 hca_indices inside the program as the decode step did before (implies idp), e.g.
-cpasync+qks+s3; "xla" is the pure-JAX reference (the path the kernel replaces). Usage:
+cpasync+qks+s3; "xla" is the pure-JAX reference (the path the kernel replaces).
+--roofline measures the HBM ceiling and the dense BF16 tensor ceiling (benchmarks/common)
+and adds, per case, the op's bytes and flops (attention_decode.op_cost) and, per variant,
+the share of the roofline: max(bytes / HBM ceiling, flops / tensor ceiling) / its time.
+Usage:
   python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants direct,cpasync"""
 import argparse
 import functools
@@ -16,7 +20,8 @@ import statistics
 import numpy as np
 import jax
 
-from benchmarks.attention_decode import MODELS, make_case, profile_times
+from benchmarks.attention_decode import MODELS, make_case, op_cost, profile_times
+from benchmarks.common import hbm_bandwidth, tensor_peak
 from pallas_kernels.sparse_decode_attention import kernel as K
 from pallas_kernels.sparse_decode_attention import reference as R
 
@@ -61,15 +66,30 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--events", action="store_true",
                     help="also print each variant's GPU time per kernel (last round)")
+    ap.add_argument("--roofline", action="store_true",
+                    help="measure the HBM and tensor ceilings; print each variant's share")
     a = ap.parse_args()
-    print("| case | variant | GPU us (median of rounds; min-max) | rel err |")
-    print("|---|---|---|---|")
+    bw = peak = None
+    if a.roofline:
+        bw, peak = hbm_bandwidth()["ceiling"], tensor_peak()
+        print(f"{jax.devices()[0].device_kind}: HBM ceiling {bw / 1e9:.0f} GB/s, dense BF16 "
+              f"tensor ceiling {peak / 1e12:.0f} TFLOP/s (measured)", flush=True)
+    roof_cols = " MB | GFLOP | bound | roofline us | % of roofline |" if bw else ""
+    print("| case | variant | GPU us (median of rounds; min-max) | rel err |" + roof_cols)
+    print("|---|---|---|---|" + "---|" * (5 if bw else 0))
     for case in a.cases.split(","):
         model, mode, B, ctx = case.split(":")
         B, ctx = int(B), int(ctx)
         H, topk = MODELS[model]
         args = make_case(jax.random.key(0), B, H, ctx, topk if mode == "csa" else ctx // 128, mode)
         ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+        roof = ""
+        if bw:
+            _, nbytes, flops = op_cost(args)
+            t_mem, t_mma = nbytes / bw, flops / peak
+            t_roof = max(t_mem, t_mma)
+            roof = (f" {nbytes / 1e6:.1f} | {flops / 1e9:.2f} | "
+                    f"{'HBM' if t_mem >= t_mma else 'tensor'} | {t_roof * 1e6:.1f} |")
         progs, errs = [], {}
         for v in a.variants.split(","):
             if mode != "hca" and ("+hid" in v or "+hix" in v):
@@ -89,8 +109,10 @@ def main():
             for v in ts:
                 print(f"  {case} {v}: " + "; ".join(f"{k} {t * 1e6:.1f}" for k, t in r[v]["per"]))
         for v, t in ts.items():
-            print(f"| {case} | {v} | {statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f}) | "
-                  f"{errs[v]:.2e} |", flush=True)
+            med = statistics.median(t)
+            share = f" {100 * t_roof * 1e6 / med:.1f}% |" if bw else ""
+            print(f"| {case} | {v} | {med:.1f} ({min(t):.1f}-{max(t):.1f}) | "
+                  f"{errs[v]:.2e} |{roof}{share}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,29 @@ def hbm_bandwidth(nbytes: int = 1 << 30, calls: int = 10, rounds: int = 3,
     return out
 
 
+def tensor_peak(n: int = 8192, calls: int = 10, rounds: int = 3, warm_s: float = 0.5) -> float:
+    """The dense BF16 tensor-core ceiling, measured (flop/s): an [n, n] @ [n, n] bf16 matmul
+    (f32 accumulation, as the kernels' wgmma) timed as hbm_bandwidth times its passes. An
+    H100 SXM's datasheet says 989 TFLOP/s; cuBLAS reaches less, and that is what counts."""
+    ka, kb = jax.random.split(jax.random.key(11))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
+    jax.block_until_ready(f(a, b))
+    t_end = time.perf_counter() + warm_s
+    while time.perf_counter() < t_end:
+        jax.block_until_ready(f(a, b))
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        y = None
+        for _ in range(calls):
+            y = f(a, b)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return 2.0 * n ** 3 / best
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """The ceiling of hbm_bandwidth (bytes/s): what every "% of bandwidth" divides by."""
     return hbm_bandwidth(nbytes)["ceiling"]

@@ -9,6 +9,11 @@
 # 3: the decode check and the B=64 stream step with double_k on: if both hold, make
 #    double_k the default (sparse_decode_attention's double_k=None reads
 #    $DSV4_ATTN_DOUBLE_K).
+# (Parts 1-3 ran in session 29 (2026-11-27): all held, double_k is the default.)
+# 4: the indexer's paired accumulators (DSV4_IDX_PAIR=1) against the default, fp4 / nvfp4
+#    keys, and their bit-identity test;
+# 5: attention against its roofline (max of bytes / HBM ceiling and flops / measured BF16
+#    tensor ceiling), double_k (the default now) vs the one-tile kernel vs XLA.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -31,4 +36,18 @@ case "${PART:-1}" in
     DSV4_ATTN_DOUBLE_K=$dk T 140 python3 $BENCH --batch 64 --context 131072 --steps 10 \
       | tee $OUT/b64_dk$dk.log | grep -E "stream step" | head -1
   done ;;
+4)
+  T 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    -k "pair_acc" -rA | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|Error"
+  D=place:0:2:0:1:w:0:2
+  T 400 python3 benchmarks/indexer_probe.py sweep --cases 64:131072,32:131072,8:131072 \
+    --variants fp4:$D,fp4:$D+DSV4_IDX_PAIR=1,nvfp4:$D,nvfp4:$D+DSV4_IDX_PAIR=1 --out $OUT \
+    | tee $OUT/idx_pair.log | grep -E "^\||device" ;;
+5)
+  T 300 python3 benchmarks/attn_probe.py --roofline --rounds 2 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_DOUBLE_K=0,xla | tee $OUT/attn_roof_csa.log
+  T 250 python3 benchmarks/attn_probe.py --roofline --rounds 2 \
+    --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_DOUBLE_K=0,xla | tee $OUT/attn_roof_hca.log ;;
 esac

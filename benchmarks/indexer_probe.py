@@ -9,7 +9,8 @@ plain run of one variant for Nsight Compute.
 A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:barriers[:w_in_loop[:g]]]]
 (chunks_per_cta 0: the default; barriers "a" auto / "m" manual / "w" warp, default the
 kernel's BARRIERS; w_in_loop 1: the head weights re-read every chunk; g: chunks a loop
-iteration, chunks_per_step).
+iteration, chunks_per_step), optionally followed by +NAME=VALUE environment knobs set while
+the variant is traced (e.g. fp4:place:0:2:0:1:w:0:2+DSV4_IDX_PAIR=1).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
 .profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls
@@ -32,6 +33,7 @@ from pallas_kernels.indexer_decode import kernel as IK
 
 
 def parse_variant(v):
+    v, *knobs = v.split("+")
     fields = v.split(":")
     if len(fields) not in (5, 6, 7, 8, 9):
         raise SystemExit(f"variant {v!r}: expected "
@@ -41,11 +43,27 @@ def parse_variant(v):
     return dict(fmt=fmt, dequant=dq, chunks_per_cta=int(cpc) or None, stages=int(st),
                 overlap=ov == "1", kreg=rest[:1] == ["1"], barriers=bar,
                 w_in_loop=rest[2] == "1" if len(rest) > 2 else None,
-                chunks_per_step=int(rest[3]) if len(rest) > 3 else None)
+                chunks_per_step=int(rest[3]) if len(rest) > 3 else None,
+                env=dict(k.split("=", 1) for k in knobs))
+
+
+def traced_with(env, call):
+    """call() with the variables in env set (the kernel reads its knobs when traced)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return call()
+    finally:
+        for k, val in old.items():
+            if val is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = val
 
 
 def scorer(var, interpret=False):
     kw = dict(var)
+    kw.pop("env")
     if interpret:   # CPU check of this script (the Mosaic GPU interpreter)
         from jax.experimental.pallas import mosaic_gpu as plgpu
         kw["interpret"] = plgpu.InterpretGPUParams()
@@ -69,7 +87,8 @@ def main():
             for _, var in variants:
                 inp = indexer_inputs(jax.random.key(B), B, ctx, var["fmt"])
                 f = scorer(var)
-                for _ in range(3):
+                traced_with(var["env"], lambda: jax.block_until_ready(f(*inp)))
+                for _ in range(2):
                     jax.block_until_ready(f(*inp))
         return
     bw = hbm_bandwidth()
@@ -88,7 +107,8 @@ def main():
             f = scorer(var, a.interpret)
             # (untrimmed: the width depends on the CTA span; the scores are the first
             # ctx // 4 columns, -inf past them)
-            out = np.asarray(jax.block_until_ready(f(*inputs[fmt])))[:, :ctx // 4]
+            out = np.asarray(traced_with(
+                var["env"], lambda: jax.block_until_ready(f(*inputs[fmt]))))[:, :ctx // 4]
             if fmt not in first:
                 first[fmt] = out
             fin = np.isfinite(first[fmt])
