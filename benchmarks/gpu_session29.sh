@@ -11,9 +11,13 @@
 #    $DSV4_ATTN_DOUBLE_K).
 # (Parts 1-3 ran in session 29 (2026-11-27): all held, double_k is the default.)
 # 4: the indexer's paired accumulators (DSV4_IDX_PAIR=1) against the default, fp4 / nvfp4
-#    keys, and their bit-identity test;
+#    keys, and their bit-identity test (ran in session 29: bit-identical but 7-27% slower,
+#    so the knob was removed again; commit 068ba37 has it and its tests);
 # 5: attention against its roofline (max of bytes / HBM ceiling and flops / measured BF16
-#    tensor ceiling), double_k (the default now) vs the one-tile kernel vs XLA.
+#    tensor ceiling), double_k (the default now) vs the one-tile kernel vs XLA;
+# 6: the attention GPU tests that now run double_k by default (the cpasync edge cases:
+#    pool edges and -1 holes, ids past the table, bounds from t, in-kernel HCA ids; the
+#    kernel vs the reference), and the in-kernel merge (which falls back to one K tile).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -50,4 +54,8 @@ case "${PART:-1}" in
   T 250 python3 benchmarks/attn_probe.py --roofline --rounds 2 \
     --cases flash:hca:64:131072,pro:hca:32:131072 \
     --variants cpasync+hid,cpasync+hid:DSV4_ATTN_DOUBLE_K=0,xla | tee $OUT/attn_roof_hca.log ;;
+6)
+  T 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "not double_k and not triton" -rA | tee $OUT/gpu_tests.log \
+    | grep -E "passed|failed|FAILED|Error" ;;
 esac

@@ -10,7 +10,7 @@ A variant is fmt:dequant:chunks_per_cta:stages:overlap[:kreg[:barriers[:w_in_loo
 (chunks_per_cta 0: the default; barriers "a" auto / "m" manual / "w" warp, default the
 kernel's BARRIERS; w_in_loop 1: the head weights re-read every chunk; g: chunks a loop
 iteration, chunks_per_step), optionally followed by +NAME=VALUE environment knobs set while
-the variant is traced (e.g. fp4:place:0:2:0:1:w:0:2+DSV4_IDX_PAIR=1).
+the variant is traced (e.g. fp4:place:0:2:0:1:w:0:2+DSV4_IDX_ABLATE=nodeq).
 sweep: per case and variant, the GPU time of one call (untrimmed scores, as the decode step
 calls it: the kernel + q's small XLA prep), from a profiler trace (benchmarks.attention_decode
 .profile_times: sum of the GPU events of a call), median over --rounds rounds of 3 calls

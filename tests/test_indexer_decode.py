@@ -634,47 +634,6 @@ def test_gpu_two_chunks_a_step_match(fmt, dequant, stages):
         assert np.array_equal(out, run(1))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp4", "nvfp4"])
-def test_gpu_pair_accumulators_match(fmt, monkeypatch):
-    """DSV4_IDX_PAIR=1 (two chunks a step, one accumulator each: the second chunk's dequant
-    under the first's wgmma): the same scores, bit for bit, as one accumulator, and the
-    reference's; CTA spans of 2, 6 and 16 chunks, a last step with one chunk to score,
-    unused blocks, the table's end mid-chunk."""
-    q, w, keys, bt, t, ref = _split_edge_case(fmt)
-    for cpc in (2, 6, 16):
-        f = functools.partial(K.score_keys, fmt=fmt, chunks_per_cta=cpc, chunks_per_step=2)
-        monkeypatch.setenv("DSV4_IDX_PAIR", "0")
-        one = np.asarray(jax.jit(f)(q, w, keys, bt, t))
-        monkeypatch.setenv("DSV4_IDX_PAIR", "1")
-        out = np.asarray(jax.jit(f)(q, w, keys, bt, t))
-        check_scores(out, ref)
-        assert np.array_equal(out, one)
-
-
-def test_pair_accumulators_lowering(monkeypatch):
-    """DSV4_IDX_PAIR=1 lowers for the GPU with fp4 and nvfp4 keys (two wgmma accumulators,
-    the first read with wait_n=2), and changes the program only where it applies."""
-    B, NB, MAXB = 8, 8192, 1024
-    S = jax.ShapeDtypeStruct
-    args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
-            S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
-            S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
-
-    def kernel_jaxpr(f, a, pair, **kw):
-        monkeypatch.setenv("DSV4_IDX_PAIR", pair)
-        g = functools.partial(f, chunks_per_cta=16, **kw)
-        assert "mosaic_gpu" in jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-        return str(jax.make_jaxpr(g)(*a))   # (the lowered text differs from run to run)
-    for f, a in ((K.indexer_scores, args), (K.indexer_scores_nvfp4, argsn)):
-        assert kernel_jaxpr(f, a, "1").count("wait_n=2") == 1
-        assert "wait_n=2" not in kernel_jaxpr(f, a, "0")
-        # one chunk a step: nothing to pair
-        assert (kernel_jaxpr(f, a, "1", chunks_per_step=1)
-                == kernel_jaxpr(f, a, "0", chunks_per_step=1))
-
-
 def test_two_chunks_a_step_lowering_and_errors():
     """chunks_per_step=2 lowers for the GPU in every key format; it refuses what it cannot
     do (Pallas' automatic barriers, keys through SMEM, a CTA span that is not a multiple)."""

@@ -151,16 +151,6 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_IDX_ABLATE", "").split("/")))
 
 
-def _pair_acc():
-    """$DSV4_IDX_PAIR=1 (read when the kernel is traced; off by default, being measured):
-    with two chunks a step, each chunk gets its own accumulator, so the second chunk's
-    dequant runs while the first chunk's two wgmma are in flight (one accumulator put a
-    WARPGROUP.DEPBAR between them), and the first chunk's epilogue while the second's run
-    (wgmma_accumulator_load with wait_n=2). The same sums in the same order: the same
-    scores. Costs 32 registers a thread (a second [64, 64] f32 accumulator)."""
-    return os.environ.get("DSV4_IDX_PAIR", "0") == "1"
-
-
 def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None):
     return dict(chunks_per_step=CHUNKS_PER_STEP if chunks_per_step is None else chunks_per_step,
                 stages=STAGES if stages is None else stages,
@@ -528,7 +518,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     n_sc = len(scales)
     ablated = _ablated() if kreg else set()
-    pair = _pair_acc() and kreg and G == 2 and fmt != "fp8" and not mma8 and not ablated
     span = cpc * CHUNK
     span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
 
@@ -761,20 +750,6 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
                         lax.broadcast_in_dim(qsv, acc.shape, [1])
                     s = t if s is None else s + t
                 epilogue(j, s)
-                return carry
-            if pair:
-                def mma2(acc_a, acc_b):
-                    keys_a, _ = unpack(slot, 0)
-                    plgpu.wgmma(acc_a, keys_a(0), q_s.at[0].T)
-                    plgpu.wgmma(acc_a, keys_a(1), q_s.at[1].T)
-                    keys_b, _ = unpack(slot, 1)   # dequantised under chunk a's wgmma
-                    plgpu.wgmma(acc_b, keys_b(0), q_s.at[0].T)
-                    plgpu.wgmma(acc_b, keys_b(1), q_s.at[1].T)
-                    # (each wgmma is its own commit group: wait_n=2 waits for a's two)
-                    epilogue(2 * j, plgpu.wgmma_accumulator_load(acc_a, wait_n=2))
-                    epilogue(2 * j + 1, acc_b[...])
-                acc_t = plgpu.ACC((CHUNK, N_HEADS), jnp.float32)
-                pl.run_scoped(mma2, acc_t, acc_t)
                 return carry
             for g in range(G):   # the step's chunks, one after another
                 chunk(slot, g, G * j + g)
