@@ -14,14 +14,13 @@ Usage:
   python3 benchmarks/attn_probe.py --cases flash:csa:64:32768 --variants direct,cpasync"""
 import argparse
 import functools
-import os
 import statistics
 
 import numpy as np
 import jax
 
 from benchmarks.attention_decode import MODELS, make_case, op_cost, profile_times
-from benchmarks.common import hbm_bandwidth, tensor_peak
+from benchmarks.common import hbm_bandwidth, tensor_peak, with_env
 from pallas_kernels.sparse_decode_attention import kernel as K
 from pallas_kernels.sparse_decode_attention import reference as R
 
@@ -35,27 +34,18 @@ def build(spec, args):
     qks, hid, hix = "qks" in opts, "hid" in opts, "hix" in opts
     idp = "idp" in opts or hid or hix
     splits = next((int(o[1:]) for o in opts if o[:1] == "s" and o[1:].isdigit()), None)
-    env = dict(x.split("=") for x in kv)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        kw = (dict(backend="triton", head_tile=64, num_warps=8) if gather == "triton"
-              else dict(gather=gather, warp_specialized=True, qk_split=qks, ids_prefix=idp))
-        kw["splits"] = splits
-        if hid or hix:   # the case's idx (hca_indices) is passed but not read
-            K_ = args[4].shape[1]
-            f = jax.jit(lambda q, win, cmp, bt, idx, t, sink: K.sparse_decode_attention(
-                q, win, cmp, bt, R.hca_indices(t, K_) if hix else None, t, sink,
-                hca_entries=None if hix else K_, **kw))
-        else:
-            f = jax.jit(functools.partial(K.sparse_decode_attention, **kw))
-        out = jax.block_until_ready(f(*args))     # traced and compiled with env set
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+    kw = (dict(backend="triton", head_tile=64, num_warps=8) if gather == "triton"
+          else dict(gather=gather, warp_specialized=True, qk_split=qks, ids_prefix=idp))
+    kw["splits"] = splits
+    if hid or hix:   # the case's idx (hca_indices) is passed but not read
+        K_ = args[4].shape[1]
+        f = jax.jit(lambda q, win, cmp, bt, idx, t, sink: K.sparse_decode_attention(
+            q, win, cmp, bt, R.hca_indices(t, K_) if hix else None, t, sink,
+            hca_entries=None if hix else K_, **kw))
+    else:
+        f = jax.jit(functools.partial(K.sparse_decode_attention, **kw))
+    # traced and compiled with the variant's knobs set
+    out = with_env(dict(x.split("=") for x in kv), lambda: jax.block_until_ready(f(*args)))
     return f, out
 
 

@@ -2,11 +2,27 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+
+
+def with_env(env: dict, call):
+    """call() with the environment variables in env set, then restored (the kernels read
+    their knobs when a call is traced: trace and compile inside)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return call()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def median_seconds(call, iters: int = 10) -> float:

@@ -27,7 +27,7 @@ import numpy as np
 import jax
 
 from benchmarks.attention_decode import profile_times
-from benchmarks.common import hbm_bandwidth, median_seconds
+from benchmarks.common import hbm_bandwidth, median_seconds, with_env
 from benchmarks.indexer_attention import KEY_BYTES, indexer_inputs
 from pallas_kernels.indexer_decode import kernel as IK
 
@@ -46,19 +46,6 @@ def parse_variant(v):
                 chunks_per_step=int(rest[3]) if len(rest) > 3 else None,
                 env=dict(k.split("=", 1) for k in knobs))
 
-
-def traced_with(env, call):
-    """call() with the variables in env set (the kernel reads its knobs when traced)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return call()
-    finally:
-        for k, val in old.items():
-            if val is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = val
 
 
 def scorer(var, interpret=False):
@@ -87,7 +74,7 @@ def main():
             for _, var in variants:
                 inp = indexer_inputs(jax.random.key(B), B, ctx, var["fmt"])
                 f = scorer(var)
-                traced_with(var["env"], lambda: jax.block_until_ready(f(*inp)))
+                with_env(var["env"], lambda: jax.block_until_ready(f(*inp)))
                 for _ in range(2):
                     jax.block_until_ready(f(*inp))
         return
@@ -107,7 +94,7 @@ def main():
             f = scorer(var, a.interpret)
             # (untrimmed: the width depends on the CTA span; the scores are the first
             # ctx // 4 columns, -inf past them)
-            out = np.asarray(traced_with(
+            out = np.asarray(with_env(
                 var["env"], lambda: jax.block_until_ready(f(*inputs[fmt]))))[:, :ctx // 4]
             if fmt not in first:
                 first[fmt] = out

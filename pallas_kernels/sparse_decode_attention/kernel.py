@@ -957,6 +957,26 @@ def _dk_overlap():
     return v
 
 
+def _key_blocks(keys, implicit, NS, cpasync=True):
+    """Block counts of the warp-specialised kernels -> (kp, bps): the compressed key slots
+    (implicit HCA ids: K rounded up to whole blocks) and the key blocks a split takes of
+    a request's (the window's NW included; direct / staged: the metadata's block count)."""
+    kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
+    n_blk = NW + kp // BLK if cpasync else keys[1].shape[1]
+    return kp, -(-n_blk // NS)
+
+
+def _split_load(used, g0, bps, kp, epb, used_from_t, cpasync=True):
+    """Key blocks a CTA loads: its split's share (blocks g0..g0 + bps) of the request's
+    used blocks. used: the valid id prefix (cpasync), t (used_from_t: the eligible
+    compressed entries, min(kp, (t + 1) * epb // BLOCK_TOKENS), bound the blocks) or the
+    block count (direct / staged)."""
+    if used_from_t:
+        used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS), kp)
+    nb = NW + (used + BLK - 1) // BLK if cpasync else used
+    return jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
+
+
 def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
     """double_k (gather="cpasync", GPU only): the warp-specialised kernel with two bf16 K
     tiles, so that block i+1's dequant runs while one of block i's wgmma is in flight (P V
@@ -980,9 +1000,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     K[j % 2]. Each lands a block ahead of its use."""
     B, HP, _ = q.shape
     keys = args[:-2]
-    kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
-    n_blk = NW + kp // BLK
-    bps = -(-n_blk // NS)
+    kp, bps = _key_blocks(keys, implicit, NS)
     # where block i+1's dequant goes: under block i's scores ("qk") or its P V ("pv": the
     # FP8 rows have longer to land, and P V reads less SMEM than the scores)
     under_pv = _dk_overlap() == "pv"
@@ -992,11 +1010,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
         wg = lax.axis_index("wg")
         g0 = s_id * bps
-        used = nb_g[b]
-        if used_from_t:
-            used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS), kp)
-        nb = NW + (used + BLK - 1) // BLK
-        n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
+        n_load = _split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
 
         def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree):
             @pl.when(wg == 2)
@@ -1145,11 +1159,9 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
     merge in-kernel (_cluster_merge); the output is then o [1, B, HP, 512], final."""
     B, HP, _ = q.shape
     keys = args[:-2]
-    kp = -(-implicit // BLK) * BLK if implicit else keys[0].shape[1]
-    n_blk = NW + kp // BLK if gather == "cpasync" else keys[1].shape[1]
-    bps = -(-n_blk // NS)
     direct = gather == "direct"
     cpasync = gather == "cpasync"
+    kp, bps = _key_blocks(keys, implicit, NS, cpasync)
     # copy barriers: row TMAs complete them (N_ROW_COPIES or 3 a block), or (cpasync) the
     # producer warpgroup's one arrival after its cp.async copies landed
     n_w = 1 if cpasync else N_ROW_COPIES
@@ -1161,11 +1173,7 @@ def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=Fals
         b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
         wg = lax.axis_index("wg")
         g0 = s_id * bps
-        used = nb_g[b]
-        if used_from_t:   # eligible compressed entries; the ids' valid prefix is no longer
-            used = jnp.minimum(lax.div(jnp.maximum(used + 1, 0) * epb, BLOCK_TOKENS), kp)
-        nb = NW + (used + BLK - 1) // BLK if cpasync else used
-        n_load = jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
+        n_load = _split_load(nb_g[b], g0, bps, kp, epb, used_from_t, cpasync)
 
         def scoped(q_s, k_s, n_s, r_s, m_s, p_s, v_s, qbar, wbar, cbar, free, kfull, kfree,
                    *extra_refs):   # qk_split: x_s, xbar, pfull; cluster_merge: clbar, rbar
