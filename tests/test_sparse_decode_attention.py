@@ -225,7 +225,8 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
 
 def test_double_k_lowering_and_refusals():
     """double_k lowers for Flash / Pro head counts, top-k and in-kernel HCA ids, 1 and 3
-    splits; it refuses qk_split and the in-kernel merge; interpreted calls ignore it."""
+    splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way
+    to qk_split and the in-kernel merge; interpreted calls ignore it."""
     B, NB, EPB, MAXB = 8, 4096, 32, 512
     S = jax.ShapeDtypeStruct
     f8 = jnp.float8_e4m3fn
@@ -250,6 +251,15 @@ def test_double_k_lowering_and_refusals():
                               double_k=True, **kw)
         with pytest.raises(ValueError, match="double_k"):
             jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",))
+
+    def program(dk, **kw):   # the traced program (its lowered text differs run to run)
+        f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True,
+                              double_k=dk, **kw)
+        return str(jax.make_jaxpr(f)(*a))
+    # the default is double_k, unless qk_split or the in-kernel merge is asked for
+    assert program(None) == program(True) != program(False)
+    for kw in (dict(qk_split=True), dict(splits=2, merge="cluster")):
+        assert program(None, **kw) == program(False, **kw)
     args = edge_inputs()   # the interpreter runs the direct gather: double_k has no effect
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
     out = run_kernel(args, splits=1, gather="cpasync", double_k=True)
