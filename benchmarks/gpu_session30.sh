@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Queued in session 29 (2026-11-27) for the next session's device calls, one PART each, on
+# an H100 (kind nvidia-h100-x1), output in $OUT; each PART's timeouts sum to <= 600 s.
+# 1: Nsight Compute of the attention kernel as it now runs by default (double_k, ids from
+#    t), Flash CSA B=64 and Pro CSA B=32 at 128K: pipes, issue, stall reasons, against the
+#    one-tile kernel (session 27: tensor pipe 28%) — where the restructure (q.k once a
+#    block, the producer dequantising; MOSAIC_GPU_NOTES.md) should start.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+case "${PART:-1}" in
+1)
+  S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats"
+  for c in "flash 64 1" "pro 32 1" "flash 64 0"; do
+    set -- $c
+    n=ncu_attn_$1_csa$2_dk$3
+    DSV4_ATTN_DOUBLE_K=$3 XLA_PYTHON_CLIENT_PREALLOCATE=false T 170 ncu --clock-control none \
+      --kernel-name regex:mosaic_gpu --launch-skip 3 --launch-count 1 $S -o $OUT/$n \
+      python3 benchmarks/attn_ncu_one.py $2 cpasync csa $1 131072 > $OUT/$n.log 2>&1
+    ncu -i $OUT/$n.ncu-rep --page details > $OUT/$n.txt 2>&1
+    echo "== $n"
+    grep -E "Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|highest-utilized|DRAM Throughput" $OUT/$n.txt | head -12
+    ncu -i $OUT/$n.ncu-rep --page raw --csv 2>/dev/null | python3 -c "
+import csv,sys
+r=list(csv.reader(sys.stdin)); h,v=r[0],r[2]
+for k,x in zip(h,v):
+  if ('stall' in k and 'pct' not in k or ('pipe' in k and 'avg.pct_of_peak_sustained_active' in k)) and x not in ('','0'): print(k, x)" > $OUT/${n}_raw.txt 2>&1
+    sort -t' ' -k2 -g -r $OUT/${n}_raw.txt | head -20
+  done ;;
+esac
