@@ -2,6 +2,7 @@
 compile-only kernel count."""
 import importlib.util
 import json
+import os
 
 import jax
 import numpy as np
@@ -112,3 +113,45 @@ def test_attn_timeline_summarize_sums_top_level_scopes(tmp_path):
         assert f"{name} {sum(want[name]) / 4:.2f} (1.0)" in cons
     assert "inner" not in cons
     assert f"issue {sum(want['issue']) / 2:.2f} (1.0)" in lines[2]
+
+
+def test_attention_op_cost_counts_the_attended_entries():
+    """op_cost's entry count: every window slot of a long context plus every top-k id at
+    4K (t >= 127 fills the window; 4096 // 4 visible entries > k), and, with ids holed at
+    random, the same count made in numpy from the ids and window positions."""
+    from benchmarks.attention_decode import make_case, op_cost
+    B, H, k = 3, 64, 64
+    args = make_case(jax.random.key(int(np.random.default_rng().integers(1 << 30))), B, H,
+                     4096, k, "csa")
+    n, nbytes, flops = op_cost(args)
+    assert n == B * (k + 128)
+    assert nbytes == n * 584 + 2 * B * H * 512 * 2 and flops == 2 * H * n * 1024
+    rng = np.random.default_rng()
+    idx = np.where(rng.random((B, k)) < 0.3, -1, np.asarray(args[4]))
+    pos, t = np.asarray(args[1][3]).copy(), np.asarray(args[5])
+    pos[0, rng.choice(128, 40, replace=False)] = -1       # empty ring slots
+    holed = (args[0], args[1][:3] + (pos,), args[2], args[3], idx, args[5], args[6])
+    win = sum(int(((p >= 0) & (p <= tb) & (p > tb - 128)).sum()) for p, tb in zip(pos, t))
+    assert op_cost(holed)[0] == int((idx >= 0).sum()) + win < B * (k + 128)
+
+
+def test_with_env_sets_and_restores(monkeypatch):
+    from benchmarks.common import with_env
+    monkeypatch.setenv("DSV4_T_SET", "old")
+    monkeypatch.delenv("DSV4_T_NEW", raising=False)
+    seen = with_env({"DSV4_T_SET": "a", "DSV4_T_NEW": "b"},
+                    lambda: (os.environ["DSV4_T_SET"], os.environ["DSV4_T_NEW"]))
+    assert seen == ("a", "b")
+    assert os.environ["DSV4_T_SET"] == "old" and "DSV4_T_NEW" not in os.environ
+    with pytest.raises(KeyError):   # restored when the call raises too
+        with_env({"DSV4_T_NEW": "b"}, lambda: {}["missing"])
+    assert "DSV4_T_NEW" not in os.environ
+
+
+def test_indexer_probe_variant_knobs():
+    from benchmarks.indexer_probe import parse_variant
+    v = parse_variant("nvfp4:place:16:3:0:1:w:0:2+DSV4_IDX_ABLATE=nodeq+X=a=b")
+    assert (v["fmt"], v["chunks_per_cta"], v["stages"], v["barriers"], v["chunks_per_step"]) == \
+        ("nvfp4", 16, 3, "warp", 2)
+    assert v["env"] == {"DSV4_IDX_ABLATE": "nodeq", "X": "a=b"}
+    assert parse_variant("fp4:place:0:2:0")["env"] == {}
