@@ -5,6 +5,12 @@
 #    t), Flash CSA B=64 and Pro CSA B=32 at 128K: pipes, issue, stall reasons, against the
 #    one-tile kernel (session 27: tensor pipe 28%) — where the restructure (q.k once a
 #    block, the producer dequantising; MOSAIC_GPU_NOTES.md) should start.
+# 2: key-block splits at small and middle batches. default_splits counts only the serial
+#    key blocks, so Flash CSA B <= 8 takes 10 splits (one block a CTA), and each CTA
+#    writes a 128 KB f32 partial that the XLA merge reads back: at B = 8, ~10.5 MB written
+#    and read against 4 MB of keys. The rule was checked at B = 64 / Pro B = 32 only
+#    (session 21). Times 10 / 5 / 3 / 2 splits (Flash CSA B = 8, 16; Pro CSA B = 8; Flash
+#    HCA B = 8) against the default, with the roofline.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -27,4 +33,12 @@ for k,x in zip(h,v):
   if ('stall' in k and 'pct' not in k or ('pipe' in k and 'avg.pct_of_peak_sustained_active' in k)) and x not in ('','0'): print(k, x)" > $OUT/${n}_raw.txt 2>&1
     sort -t' ' -k2 -g -r $OUT/${n}_raw.txt | head -20
   done ;;
+2)
+  T 290 python3 benchmarks/attn_probe.py --roofline --rounds 2 \
+    --cases flash:csa:8:131072,flash:csa:16:131072,pro:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp+s2,cpasync+idp+s3,cpasync+idp+s5,cpasync+idp+s10 \
+    | tee $OUT/attn_splits_csa.log | grep "^|"
+  T 200 python3 benchmarks/attn_probe.py --roofline --rounds 2 --cases flash:hca:8:131072 \
+    --variants cpasync+hid,cpasync+hid+s3,cpasync+hid+s5,cpasync+hid+s9 \
+    | tee $OUT/attn_splits_hca.log | grep "^|" ;;
 esac
