@@ -64,9 +64,10 @@ def main():
         bw, peak = hbm_bandwidth()["ceiling"], tensor_peak()
         print(f"{jax.devices()[0].device_kind}: HBM ceiling {bw / 1e9:.0f} GB/s, dense BF16 "
               f"tensor ceiling {peak / 1e12:.0f} TFLOP/s (measured)", flush=True)
-    roof_cols = " MB | GFLOP | bound | roofline us | % of roofline |" if bw else ""
+    roof_cols = (" MB | GFLOP | bound | roofline us | % of roofline | GB/s | % of HBM |"
+                 if bw else "")
     print("| case | variant | GPU us (median of rounds; min-max) | rel err |" + roof_cols)
-    print("|---|---|---|---|" + "---|" * (5 if bw else 0))
+    print("|---|---|---|---|" + "---|" * (7 if bw else 0))
     for case in a.cases.split(","):
         model, mode, B, ctx = case.split(":")
         B, ctx = int(B), int(ctx)
@@ -100,7 +101,8 @@ def main():
                 print(f"  {case} {v}: " + "; ".join(f"{k} {t * 1e6:.1f}" for k, t in r[v]["per"]))
         for v, t in ts.items():
             med = statistics.median(t)
-            share = f" {100 * t_roof * 1e6 / med:.1f}% |" if bw else ""
+            share = (f" {100 * t_roof * 1e6 / med:.1f}% | {nbytes / med / 1e3:.0f} | "
+                     f"{100 * nbytes / (med * 1e-6) / bw:.1f}% |" if bw else "")
             print(f"| {case} | {v} | {med:.1f} ({min(t):.1f}-{max(t):.1f}) | "
                   f"{errs[v]:.2e} |{roof}{share}", flush=True)
 
