@@ -1,5 +1,6 @@
 """One sparse-decode-attention call for ncu / nsys (Flash CSA by default; the kernel's
-defaults otherwise, e.g. double_k unless DSV4_ATTN_DOUBLE_K=0). Usage:
+defaults otherwise, e.g. double_k unless DSV4_ATTN_DOUBLE_K=0; key blocks bounded from t,
+ids_prefix, as the decode step calls it). Usage:
   ncu --kernel-name regex:mosaic_gpu --launch-skip 3 --launch-count 1 \
       python3 benchmarks/attn_ncu_one.py [B] [gather] [mode] [flash|pro] [ctx]"""
 import functools

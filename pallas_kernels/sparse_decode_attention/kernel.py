@@ -238,12 +238,12 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                              f"and no qk_split (got gather={gather!r}, splits={NS}, "
                              f"qk_split={qk_split})")
         cluster = can and merge != "xla"
-        if double_k and gather == "cpasync" and (qk_split or cluster) and not dk_asked:
-            double_k = False   # the default gives way to an explicit qk_split / merge
-        if double_k and gather == "cpasync":
-            if qk_split or cluster:
+        if double_k and gather == "cpasync" and (qk_split or cluster):
+            if dk_asked:
                 raise ValueError(f"double_k takes neither qk_split nor the in-kernel merge "
                                  f"(got qk_split={qk_split}, merge={merge!r})")
+            double_k = False   # the default gives way to an explicit qk_split / merge
+        if double_k and gather == "cpasync":
             o, lse = _attn_call_dk(*args, NS=NS, epb=cmp[0].shape[1],
                                    used_from_t=ids_prefix, implicit=implicit)
         elif warp_specialized:
