@@ -11,6 +11,12 @@
 #    and read against 4 MB of keys. The rule was checked at B = 64 / Pro B = 32 only
 #    (session 21). Times 10 / 5 / 3 / 2 splits (Flash CSA B = 8, 16; Pro CSA B = 8; Flash
 #    HCA B = 8) against the default, with the roofline.
+# 3 (added in session 30): qk_dims ($DSV4_ATTN_QK_DIMS=1: each consumer scores its own 256
+#    dims, the f32 partials exchanged through the idle K tile): GPU tests (vs the
+#    reference and the full-score double_k; double_k's pv bit-identity tests, to show the
+#    default path unchanged), then timed against double_k with the roofline.
+# 4: the indexer's w_in_loop (head weights re-read from SMEM: 16 registers fewer, 5 CTAs
+#    an SM instead of 4) with two chunks a step, never timed together.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -41,4 +47,17 @@ for k,x in zip(h,v):
   T 200 python3 benchmarks/attn_probe.py --roofline --rounds 2 --cases flash:hca:8:131072 \
     --variants cpasync+hid,cpasync+hid+s3,cpasync+hid+s5,cpasync+hid+s9 \
     | tee $OUT/attn_splits_hca.log | grep "^|" ;;
+3)
+  T 260 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "qk_dims or (double_k_matches and pv)" 2>&1 | tee $OUT/pytest_qk_dims.log | grep -v "^$" | tail -20
+  T 190 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072,pro:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_QK_DIMS=1 | tee $OUT/attn_qk_dims_csa.log | grep "^|"
+  T 130 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_QK_DIMS=1 | tee $OUT/attn_qk_dims_hca.log | grep "^|" ;;
+4)
+  T 400 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:131072,32:131072,8:131072 \
+    --variants fp4:place:0:2:0:1:w:0:2,fp4:place:0:2:0:1:w:1:2,nvfp4:place:0:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:1:2 \
+    | tee $OUT/indexer_wloop.log | grep "^|" ;;
 esac
