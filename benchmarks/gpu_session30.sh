@@ -11,12 +11,16 @@
 #    and read against 4 MB of keys. The rule was checked at B = 64 / Pro B = 32 only
 #    (session 21). Times 10 / 5 / 3 / 2 splits (Flash CSA B = 8, 16; Pro CSA B = 8; Flash
 #    HCA B = 8) against the default, with the roofline.
-# 3 (added in session 30): qk_dims ($DSV4_ATTN_QK_DIMS=1: each consumer scores its own 256
+# 3 (added and run in session 30 at commit 03607ed; the variant was removed after it measured
+#    slower, so on later commits the tests select nothing and the env knob is ignored): qk_dims ($DSV4_ATTN_QK_DIMS=1: each consumer scores its own 256
 #    dims, the f32 partials exchanged through the idle K tile): GPU tests (vs the
 #    reference and the full-score double_k; double_k's pv bit-identity tests, to show the
 #    default path unchanged), then timed against double_k with the roofline.
 # 4: the indexer's w_in_loop (head weights re-read from SMEM: 16 registers fewer, 5 CTAs
 #    an SM instead of 4) with two chunks a step, never timed together.
+# 5: where the double_k consumers wait: Nsight Compute's warp-state samples per SASS
+#    instruction (SourceCounters), Flash CSA B=64 at 128K; the 40 instructions with the
+#    most samples, with their stall reasons (the source page as CSV, gzipped).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -60,4 +64,13 @@ for k,x in zip(h,v):
   T 400 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:131072,32:131072,8:131072 \
     --variants fp4:place:0:2:0:1:w:0:2,fp4:place:0:2:0:1:w:1:2,nvfp4:place:0:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:1:2 \
     | tee $OUT/indexer_wloop.log | grep "^|" ;;
+5)
+  n=ncu_attn_flash_csa64_src
+  XLA_PYTHON_CLIENT_PREALLOCATE=false T 200 ncu --clock-control none --kernel-name regex:mosaic_gpu \
+    --launch-skip 3 --launch-count 1 --section SourceCounters --section WarpStateStats \
+    --import-source no -o $OUT/$n python3 benchmarks/attn_ncu_one.py 64 cpasync csa flash 131072 \
+    > $OUT/$n.log 2>&1
+  ncu -i $OUT/$n.ncu-rep --page source --csv --print-source sass > $OUT/${n}_sass.csv 2>&1
+  python3 benchmarks/ncu_top_stalls.py $OUT/${n}_sass.csv 40 | tee $OUT/${n}_top.txt
+  gzip $OUT/${n}_sass.csv; rm -f $OUT/$n.ncu-rep ;;
 esac

@@ -155,3 +155,31 @@ def test_indexer_probe_variant_knobs():
         ("nvfp4", 16, 3, "warp", 2)
     assert v["env"] == {"DSV4_IDX_ABLATE": "nodeq", "X": "a=b"}
     assert parse_variant("fp4:place:0:2:0")["env"] == {}
+
+
+def test_ncu_top_stalls_orders_by_samples(tmp_path):
+    """ncu_top_stalls reads an Nsight Compute source-page CSV (a preamble line, then the
+    header) and lists the instructions by their share of all warp-state samples, with
+    each one's non-zero stall-reason columns."""
+    import csv
+    from benchmarks.ncu_top_stalls import top_stalls
+    rng = np.random.default_rng()
+    n = 12
+    samples = rng.permutation(np.arange(1, n + 1) * 7)
+    barrier = rng.integers(0, 3, n)
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "# Samples",
+            "stall_barrier", "stall_long_sb"]
+    rows = [[f"0x{16 * i:x}", f"OP{i} R{i}", f"{s:,}", str(s), str(b), "0"]
+            for i, (s, b) in enumerate(zip(samples, barrier))]
+    p = tmp_path / "src.csv"
+    with open(p, "w", newline="") as f:
+        f.write("==PROF== a preamble line\n")
+        csv.writer(f).writerows([head] + rows)
+    lines = top_stalls(str(p), 4).splitlines()
+    assert lines[0].startswith(f"{n} instructions, {samples.sum()} samples")
+    order = np.argsort(-samples)[:4]
+    for line, i in zip(lines[1:], order):
+        assert f"OP{i} R{i}" in line
+        assert line.split("%")[0].strip() == f"{100 * samples[i] / samples.sum():.1f}"
+        assert ("stall_barrier=" in line) == (barrier[i] > 0)
+        assert "stall_long_sb" not in line

@@ -223,63 +223,6 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
             assert rel_err(out, ref) < 5e-3
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_gpu_double_k_qk_dims_matches_reference(kind, monkeypatch):
-    """qk_dims (each consumer scores its own 256 dims; the f32 partials exchanged through
-    the idle K tile and added): the reference's output within its tolerance, and the full
-    scores' double_k output up to the order of one f32 sum (a stale or misplaced partial
-    would be off by O(1)), on the double_k cases (pool edges, -1 holes, bounds from t,
-    Flash / Pro heads, in-kernel HCA ids, 1-3 splits)."""
-    for args, hca, prefix, all_splits in _double_k_cases(kind):
-        ids = R.hca_indices(args[5], hca) if hca else args[4]
-        ref = np.asarray(R.sparse_decode_attention_reference(
-            *args[:4], ids, *args[5:])).astype(np.float32)
-        for splits in all_splits:
-            def run(dims):
-                monkeypatch.setenv("DSV4_ATTN_QK_DIMS", dims)
-                return np.asarray(jax.jit(functools.partial(
-                    K.sparse_decode_attention, splits=splits, gather="cpasync",
-                    ids_prefix=prefix, hca_entries=hca, double_k=True))(*args)).astype(np.float32)
-            out, full = run("1"), run("0")
-            assert np.isfinite(out).all()
-            print(f"{kind} H={args[0].shape[1]} splits={splits}: rel vs full scores "
-                  f"{rel_err(out, full):.2e}, vs reference {rel_err(out, ref):.2e} "
-                  f"(full: {rel_err(full, ref):.2e})")
-            assert rel_err(out, full) < 1e-3
-            assert rel_err(out, ref) < 5e-3
-
-
-def test_qk_dims_lowers_and_needs_pv(monkeypatch):
-    """qk_dims lowers for Flash / Pro heads and in-kernel HCA ids; with the dequant under
-    the scores ($DSV4_ATTN_DK_AT=qk) it refuses by name; a bad value is refused."""
-    B, NB, EPB, MAXB = 4, 1024, 32, 128
-    S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-           S((B, 128), jnp.int32))
-    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
-    hcmp = tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
-
-    def lower(H, hca=False, **kw):
-        a = (S((B, H, 512), jnp.bfloat16), win, hcmp if hca else cmp, S((B, MAXB), jnp.int32),
-             None if hca else S((B, 512), jnp.int32), S((B,), jnp.int32), S((H,), jnp.float32))
-        f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
-                              ids_prefix=True, double_k=True,
-                              hca_entries=MAXB if hca else None)
-        return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-    monkeypatch.setenv("DSV4_ATTN_QK_DIMS", "1")
-    for H, hca in ((64, False), (128, False), (64, True)):
-        assert "mosaic_gpu" in lower(H, hca)
-    monkeypatch.setenv("DSV4_ATTN_DK_AT", "qk")
-    with pytest.raises(ValueError, match="QK_DIMS"):
-        lower(64)
-    monkeypatch.setenv("DSV4_ATTN_DK_AT", "pv")
-    monkeypatch.setenv("DSV4_ATTN_QK_DIMS", "yes")
-    with pytest.raises(ValueError, match="QK_DIMS"):
-        lower(64)
-
-
 def test_double_k_lowering_and_refusals():
     """double_k lowers for Flash / Pro head counts, top-k and in-kernel HCA ids, 1 and 3
     splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way

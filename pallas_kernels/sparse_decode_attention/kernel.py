@@ -957,22 +957,6 @@ def _dk_overlap():
     return v
 
 
-# qk_dims' f32 exchange tiles: 128-byte rows, swizzled like the bf16 tiles (conflict-free)
-TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-
-
-def _dk_qk_dims():
-    """$DSV4_ATTN_QK_DIMS: "1" makes double_k's consumers split the scores by dims (consumer
-    c: q[:, 256c:] . K[:, 256c:]^T, its own K half only) and add the two f32 partials,
-    exchanged through the idle K tile, instead of both computing the full scores (2/3 of
-    the tensor work, no cross-consumer wait for the K tile). Exact, not bit-identical to
-    the full scores (two 256-dim sums added). Off ("0") by default until measured."""
-    v = os.environ.get("DSV4_ATTN_QK_DIMS", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"DSV4_ATTN_QK_DIMS must be '0' or '1', got {v!r}")
-    return v == "1"
-
-
 def _key_blocks(keys, implicit, NS, cpasync=True):
     """Block counts of the warp-specialised kernels -> (kp, bps): the compressed key slots
     (implicit HCA ids: K rounded up to whole blocks) and the key blocks a split takes of
@@ -1013,26 +997,13 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
       arrive kfull (block i+1).
     The producer, for block j: wait free (block j-1 dequantised) -> FP8 rows + meta of
     block j; wait kfree[j % 2] (block j-2's P V done by both) -> rope rows of block j into
-    K[j % 2]. Each lands a block ahead of its use.
-
-    qk_dims ($DSV4_ATTN_QK_DIMS=1, "pv" only): consumer c scores only its own dims,
-    S_c = q[:, 256c:] K[s][:, 256c:]^T (the half it dequantises: no kfull wait), waits
-    kfree[1-s] (block i-1's P V done: tile 1-s is idle until block i+1's dequant), stores
-    S_c as f32 into x_s[1-s, c] (rows 16c.. of that tile, a RefUnion view), meets the other
-    on xw, loads its partial and arrives xr; S = S_0 + S_1 (the same in both: a + b == b +
-    a). The dequant of block i+1 (into tile 1-s) waits xr, and so does the producer's rope
-    copy of block i+1 (instead of kfree of block i-1)."""
+    K[j % 2]. Each lands a block ahead of its use."""
     B, HP, _ = q.shape
     keys = args[:-2]
     kp, bps = _key_blocks(keys, implicit, NS)
     # where block i+1's dequant goes: under block i's scores ("qk") or its P V ("pv": the
     # FP8 rows have longer to land, and P V reads less SMEM than the scores)
     under_pv = _dk_overlap() == "pv"
-    dims = _dk_qk_dims()
-    if dims and not under_pv:
-        raise ValueError("DSV4_ATTN_QK_DIMS=1 needs DSV4_ATTN_DK_AT=pv (the scores' exchange "
-                         "uses the K tile that a dequant under the scores would fill)")
-    k_spec = plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED)
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1041,9 +1012,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
         g0 = s_id * bps
         n_load = _split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
 
-        def scoped(q_s, kx_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree, xw,
-                   xr):
-            k_s, x_s = kx_s if dims else (kx_s, None)
+        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree):
             @pl.when(wg == 2)
             def _producer():
                 _set_registers(consumer=False)
@@ -1063,14 +1032,9 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                         plgpu.barrier_wait(free)            # block j-1 dequantised
                     nope(g0 + j, s, wbar, cbar)
 
-                    if dims:
-                        @pl.when(j >= 1)
-                        def _():
-                            plgpu.barrier_wait(xr)          # block j-1's exchange read
-                    else:
-                        @pl.when(j >= 2)
-                        def _():
-                            plgpu.barrier_wait(kfree.at[s])     # block j-2's P V done
+                    @pl.when(j >= 2)
+                    def _():
+                        plgpu.barrier_wait(kfree.at[s])     # block j-2's P V done
                     rope(g0 + j, s, rbar, rbar)
 
                 plgpu.barrier_wait(qbar)
@@ -1080,13 +1044,11 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 _set_registers(consumer=True)
                 c = wg
 
-                def dequant(i, first=False):
+                def dequant(i):
                     """Half c of block i's FP8 rows -> K tile i % 2; its scale exponents
                     from m_s[i % 2]; then the FP8 slot is released."""
                     s = lax.rem(i, 2)
                     _wait_block(g0 + i, s, wbar, cbar)
-                    if dims and not first:
-                        plgpu.barrier_wait(xr)    # both read block i-1's partials there
                     for h, chunks in ((0, range(4)), (1, range(4, NCH))):
                         @pl.when(c == h)
                         def _():
@@ -1099,13 +1061,8 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     acc, m, l = carry
                     s = lax.rem(i, 2)
                     with jax.named_scope("wait_k"):
-                        if dims:    # own half dequantised in program order; rope in c 1's
-                            @pl.when(c == 1)
-                            def _():
-                                plgpu.barrier_wait(rbar.at[s])
-                        else:
-                            plgpu.barrier_wait(kfull)
-                            plgpu.barrier_wait(rbar.at[s])
+                        plgpu.barrier_wait(kfull)
+                        plgpu.barrier_wait(rbar.at[s])
                     bias = _bias(m_s, s)
 
                     def deq_next():
@@ -1120,10 +1077,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                             deq_next()
                         return acc_ref[...]
                     with jax.named_scope("qk_softmax"):
-                        if dims:
-                            sc = scores_dims(i, s)
-                        else:
-                            sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
+                        sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
                         if not under_pv:
                             @pl.when(i + 1 < n_load)
                             def _():
@@ -1142,47 +1096,18 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                             return lambda a: pl.run_state(mma)(plgpu.ACC.init(a))
                         acc = lax.cond(c == 0, half(0), half(1), acc)
                         plgpu.barrier_arrive(kfree.at[s])
-                        if under_pv and not dims:
+                        if under_pv:
                             @pl.when(i + 1 < n_load)
                             def _():
                                 plgpu.barrier_arrive(kfull)
                     return acc, m_new, l
 
-                def scores_dims(i, s):
-                    """qk_dims: S = S_0 + S_1 [64 heads, 64 keys] f32, S_c over dims
-                    256c.. (this consumer's K half), exchanged through tile 1 - s."""
-                    o = 1 - s
-                    half = D // 2
-
-                    def qk_half(h):
-                        def f(acc_ref):
-                            plgpu.wgmma(acc_ref, q_s.at[:, pl.ds(h * half, half)],
-                                        k_s.at[s, :, pl.ds(h * half, half)].T)
-                            return acc_ref[...]
-                        return lambda: pl.run_scoped(f, plgpu.ACC((HT, BLK), jnp.float32))
-                    own = lax.cond(c == 0, qk_half(0), qk_half(1))
-
-                    @pl.when(i >= 1)
-                    def _():
-                        plgpu.barrier_wait(kfree.at[o])    # block i-1's P V left tile o
-                    for h in range(2):
-                        @pl.when(c == h)
-                        def _():
-                            x_s[o, h] = own
-                    plgpu.barrier_arrive(xw)
-                    plgpu.barrier_wait(xw)
-                    other = lax.cond(c == 0, lambda: plgpu.load(x_s.at[o, 1], layout=WG),
-                                     lambda: plgpu.load(x_s.at[o, 0], layout=WG))
-                    plgpu.barrier_arrive(xr)
-                    return own + other
-
                 plgpu.barrier_wait(qbar)
 
                 @pl.when(n_load > 0)
                 def _():
-                    dequant(0, first=True)
-                    if not dims:
-                        plgpu.barrier_arrive(kfull)
+                    dequant(0)
+                    plgpu.barrier_arrive(kfull)
                 acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
                 with jax.named_scope("finish"):
                     # both consumers are done reading q_s (their last scores) before either
@@ -1194,9 +1119,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
         pl.run_scoped(
             scoped,
             plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
-            plgpu.RefUnion(k_spec, plgpu.SMEM((2, 4, HT, BLK), jnp.float32, transforms=TILED_F32))
-            if dims
-            else k_spec,    # k_s: 2 tiles (qk_dims: x_s, the scores' exchange, aliases them)
+            plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),         # k_s: 2 tiles
             plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),  # n_s
             plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
             plgpu.SMEM((HT,), jnp.float32),                                  # v_s
@@ -1207,8 +1130,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             plgpu.Barrier(num_arrivals=2),                    # free: the FP8 slot
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree: K[s] read by P V
-            plgpu.Barrier(num_arrivals=2),                    # xw: both partials stored
-            plgpu.Barrier(num_arrivals=2),                    # xr: both partials read
             collective_axes="wg",
         )
 
