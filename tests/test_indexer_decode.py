@@ -448,11 +448,15 @@ def test_cuda_lowering_flash_shapes():
 
 
 def test_default_chunks_per_cta():
-    """The split rule: 16 chunks a CTA (every key format) only at B >= 32 in calls of >=
-    CPC16_MIN_CHUNKS chunks (B = 32 / 64 at 128K), else enough CTAs to fill the chip
-    twice, at most 8."""
+    """The split rule: at B >= 32 in calls of >= CPC16_MIN_CHUNKS chunks (B = 32 / 64 at
+    128K, B = 64 at 64K) 32 chunks a CTA for fp4 / nvfp4 keys and 16 for fp8 keys, else
+    enough CTAs to fill the chip twice, at most 8."""
     n128k = 131072 // 4 // K.CHUNK                      # 512 chunks a request at 128K
-    assert [K.default_chunks_per_cta(B, n128k) for B in (1, 8, 32, 64)] == [1, 8, 16, 16]
+    for fmt in ("fp4", "nvfp4"):
+        assert [K.default_chunks_per_cta(B, n128k, fmt=fmt) for B in (1, 8, 32, 64)] == [1, 8, 32, 32]
+        assert K.default_chunks_per_cta(64, n128k // 2, fmt=fmt) == 32   # B = 64, 64K
+        assert K.default_chunks_per_cta(1024, 16, fmt=fmt) == 16         # 16-chunk tables
+    assert [K.default_chunks_per_cta(B, n128k, fmt="fp8") for B in (1, 8, 32, 64)] == [1, 8, 16, 16]
     assert K.default_chunks_per_cta(4096, 8) == 8         # a table shorter than 16 chunks
     assert K.default_chunks_per_cta(1, 128) == 1          # B = 1, 32K
     assert K.default_chunks_per_cta(8, 4 * n128k) == 8    # B = 8, a 512K table
@@ -470,15 +474,15 @@ def test_default_chunks_per_step():
 
 
 def test_cuda_lowering_every_chunks_per_cta():
-    """Every CTA span the default split can pick (1..8 and 16 chunks; nvfp4 / fp8 keys at
-    16) lowers: 5 and 6 chunks (320 / 384 scores a CTA) failed in the -inf fill before its
-    buffer was rounded to 256."""
+    """Every CTA span the default split can pick (1..8, 16 and 32 chunks; nvfp4 keys at 16
+    and 32, fp8 at 16) lowers: 5 and 6 chunks (320 / 384 scores a CTA) failed in the -inf
+    fill before its buffer was rounded to 256."""
     B, NB, MAXB = 3, 256, 63
     S = jax.ShapeDtypeStruct
     args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    for cpc in (*range(1, 9), 16):
+    for cpc in (*range(1, 9), 16, 32):
         for barriers in ("auto", "manual", "warp"):
             f = functools.partial(K.indexer_scores, chunks_per_cta=cpc, barriers=barriers)
             lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -486,8 +490,9 @@ def test_cuda_lowering_every_chunks_per_cta():
     # the other key formats at 16 chunks a CTA (their default from B >= 32)
     argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
     args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
-    for f, a in ((K.indexer_scores_nvfp4, argsn), (K.indexer_scores_fp8, args8)):
-        f = functools.partial(f, chunks_per_cta=16)
+    for f, a, cpc in ((K.indexer_scores_nvfp4, argsn, 16), (K.indexer_scores_nvfp4, argsn, 32),
+                      (K.indexer_scores_fp8, args8, 16)):
+        f = functools.partial(f, chunks_per_cta=cpc)
         assert "mosaic_gpu" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -621,11 +626,11 @@ def test_gpu_other_key_formats_match_reference(fmt):
                                                 ("nvfp4", "place", 2), ("fp8", "bits", 2)])
 def test_gpu_two_chunks_a_step_match(fmt, dequant, stages):
     """chunks_per_step=2 (two chunks from one ring slot a loop iteration): the same scores,
-    bit for bit, as one chunk a step, and the reference's: CTA spans of 2, 6 and 16
+    bit for bit, as one chunk a step, and the reference's: CTA spans of 2, 6, 16 and 32
     chunks, a request whose last step has one chunk to score (its second chunk's entries
     are past the eligible count), unused (-1) blocks, the table's end mid-chunk."""
     q, w, keys, bt, t, ref = _split_edge_case(fmt)
-    for cpc in (2, 6, 16):
+    for cpc in (2, 6, 16, 32):
         run = lambda g: np.asarray(jax.jit(functools.partial(
             K.score_keys, fmt=fmt, dequant=dequant, stages=stages, chunks_per_cta=cpc,
             chunks_per_step=g))(q, w, keys, bt, t))

@@ -78,17 +78,23 @@ def _check(q, w, codes, scale, block_table, t):
 # Like the rest of the rule this counts the table's capacity, not the requests' lengths,
 # so it also asks B >= 32 (a B = 8 cache sized for 1M would pass the chunk count while its
 # requests may be as short as the slower 128K case).
+# Since session 30 the fp4 / nvfp4 keys take 32 there (>= 512 CTAs, about one wave at 4 an
+# SM; half the q / head-weight loads again). H100, 128K unless said, GPU time, 16 -> 32
+# chunks (session 30 run8 / run9, scores bit-identical): fp4 B = 64 86.8 / 87.3 -> 85.8 /
+# 86.1 us, B = 32 44.8 / 44.9 -> 43.9 / 43.9, B = 64 at 64K 45.7 -> 45.2; nvfp4 B = 64 96.8 /
+# 95.8 -> 96.2 / 96.3 (even), B = 32 49.4 / 49.1 -> 48.9 / 48.6, B = 64 at 64K 49.5 -> 48.8.
+# 64 chunks (256 CTAs at B = 32) was slower (50.5 us); fp8 keys were not timed at 32.
 CPC16_MIN_CHUNKS = 16384
 CPC16_MIN_BATCH = 32
 
 
-def default_chunks_per_cta(B, n_chunks, num_sms=132):
-    """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks
-    (16 from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in all; the same rule
-    for every key format, each measured)."""
+def default_chunks_per_cta(B, n_chunks, num_sms=132, fmt="fp4"):
+    """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks;
+    from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in all, 16 (fp8 keys) or 32
+    (fp4 / nvfp4 keys, tables of >= 32 chunks). Each measured."""
     if (B >= CPC16_MIN_BATCH and n_chunks >= 16
             and B * n_chunks >= CPC16_MIN_CHUNKS):
-        return 16
+        return 32 if fmt in ("fp4", "nvfp4") and n_chunks >= 32 else 16
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
 
 
@@ -160,7 +166,7 @@ def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None, chunks_
                 w_in_loop=W_IN_LOOP if w_in_loop is None else w_in_loop)
 
 
-def _grid(B, block_table, t_B, chunks_per_cta):
+def _grid(B, block_table, t_B, chunks_per_cta, fmt):
     """The block table and positions as the kernel reads them, and the CTA split (chunks
     of 64 entries). No XLA work: the kernel clamps columns past the table to its last
     one, redirects -1 (unused) blocks to block 0 (their entries are masked) and finds
@@ -169,7 +175,7 @@ def _grid(B, block_table, t_B, chunks_per_cta):
     MAXB = bt.shape[1]
     n_max = MAXB * EPB
     n_chunks = -(-n_max // CHUNK)
-    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks)
+    cpc = chunks_per_cta or default_chunks_per_cta(B, n_chunks, fmt=fmt)
     n_ctas = -(-n_chunks // cpc)
     return bt, t_B.astype(jnp.int32), n_max, cpc, n_ctas
 
@@ -186,7 +192,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
         raise ValueError(f"fp8 idx_keys must be float8_e4m3fn [NB, 32, 128], got {idx_keys.dtype} {idx_keys.shape}")
     if idx_scale.shape != idx_keys.shape[:2] + (1,):
         raise ValueError(f"fp8 idx_scale must be [NB, 32, 1], got {idx_scale.shape}")
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "fp8")
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32), idx_keys,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
@@ -362,7 +368,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
     for nm, a in (("idx_scale_lo", idx_scale_lo), ("idx_scale_hi", idx_scale_hi)):
         if a.dtype != jnp.float8_e4m3fn or a.shape != idx_codes.shape[:2] + (4,):
             raise ValueError(f"nvfp4 {nm} must be float8_e4m3fn [NB, {EPB}, 4], got {a.dtype} {a.shape}")
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "nvfp4")
     words = tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8), jnp.uint32)
                   for a in (idx_scale_lo, idx_scale_hi))                  # [NB, 32] each
     out = _indexer_call_blocks(q_BHD.astype(jnp.bfloat16), w_BH.astype(jnp.float32),
@@ -441,7 +447,7 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     if dequant not in DEQUANTS:
         raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
     B = q_BHD.shape[0]
-    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta)
+    bt, t, n_max, cpc, n_ctas = _grid(B, block_table, t_B, chunks_per_cta, "fp4")
     scale_u32 = lax.bitcast_convert_type(idx_scale, jnp.uint32)        # [NB, 32]
     q_scale = None
     if dequant == "fp8mma":
