@@ -21,6 +21,8 @@
 # 5: where the double_k consumers wait: Nsight Compute's warp-state samples per SASS
 #    instruction (SourceCounters), Flash CSA B=64 at 128K; the 40 instructions with the
 #    most samples, with their stall reasons (the source page as CSV, gzipped).
+# 6: the splits' merge as one Mosaic-GPU kernel (merge="kernel", merge.py) against XLA's two
+#    fusions: GPU test, then timed (with each kernel's GPU time) at small and large batches.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -73,4 +75,13 @@ for k,x in zip(h,v):
   ncu -i $OUT/$n.ncu-rep --page source --csv --print-source sass > $OUT/${n}_sass.csv 2>&1
   python3 benchmarks/ncu_top_stalls.py $OUT/${n}_sass.csv 40 | tee $OUT/${n}_top.txt
   gzip $OUT/${n}_sass.csv; rm -f $OUT/$n.ncu-rep ;;
+6)
+  T 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "merge_kernel" 2>&1 | tee $OUT/pytest_merge.log | grep -v "^$" | tail -8
+  T 200 python3 benchmarks/attn_probe.py --roofline --events --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072,pro:csa:8:131072,flash:csa:1:32768 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_MERGE=kernel | tee $OUT/attn_merge_csa.log | grep "^|\|^  "
+  T 150 python3 benchmarks/attn_probe.py --roofline --events --rounds 3 \
+    --cases flash:hca:64:131072,pro:hca:32:131072,flash:hca:8:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_MERGE=kernel | tee $OUT/attn_merge_hca.log | grep "^|\|^  " ;;
 esac

@@ -353,6 +353,98 @@ def test_merge_splits_matches_softmax_over_all_keys(NS):
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
 
 
+def _merge_case(rng, NS, B, HP, n=5):
+    """Splits' partials from raw scores: (o bf16, lse f32, sink f32, the float64 softmax over
+    every key of every split with the sink in the denominator [B, HP, 512]). Request 0's
+    split 1 saw no key (lse -inf, o 0)."""
+    D = 512
+    s = rng.normal(size=(NS, B, HP, n)) * 3
+    v = rng.normal(size=(NS, B, HP, n, D))
+    s[1, 0] = -np.inf
+    sink = rng.normal(size=HP)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lse = np.log(np.exp(s).sum(-1))
+        o = np.nan_to_num(np.einsum("sbhk,sbhkd->sbhd", np.exp(s - lse[..., None]), v))
+    s_all = np.moveaxis(s, 0, 2).reshape(B, HP, NS * n)
+    v_all = np.moveaxis(v, 0, 2).reshape(B, HP, NS * n, D)
+    m = np.maximum(s_all.max(-1), sink[None])
+    p = np.exp(s_all - m[..., None])
+    want = np.einsum("bhk,bhkd->bhd", p, v_all) / (p.sum(-1) + np.exp(sink[None] - m))[..., None]
+    return (jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse, jnp.float32),
+            jnp.asarray(sink, jnp.float32), want)
+
+
+@pytest.mark.parametrize("NS", [2, 5])
+def test_merge_kernel_interpreted_matches_softmax_and_xla_merge(NS):
+    """The Mosaic-GPU merge (interpreted): the float64 softmax over every split's keys with
+    the sink, and XLA's merge_splits bit for bit (the same formula in the same order), for
+    Flash / Pro head counts and a split with no keys."""
+    from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
+    rng = np.random.default_rng()
+    for HP in (64, 128):
+        o, lse, sink, want = _merge_case(rng, NS, 2, HP)
+        out = np.asarray(merge_splits_kernel(o, lse, sink, interpret=plgpu.InterpretGPUParams()),
+                         np.float32)
+        np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_array_equal(out, np.asarray(K.merge_splits(o, lse, sink), np.float32))
+
+
+def test_merge_kernel_lowers_and_refuses_bad_shapes():
+    """merge="kernel" puts the merge kernel in the op's program (cpasync, 2 and 5 splits; the
+    in-kernel cluster merge is not taken for it); bad shapes and merge names are refused."""
+    from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
+    B, NB, EPB, MAXB, H = 8, 4096, 32, 512, 64
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
+           S((B, 128), jnp.int32))
+    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
+    a = (S((B, H, 512), jnp.bfloat16), win, cmp, S((B, MAXB), jnp.int32), S((B, 512), jnp.int32),
+         S((B,), jnp.int32), S((H,), jnp.float32))
+    for splits in (2, 5):
+        def program(merge):
+            f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
+                                  ids_prefix=True, merge=merge)
+            return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        xla, kern = program("xla"), program("kernel")
+        assert kern.count("mosaic_gpu") > xla.count("mosaic_gpu")
+        assert "exponential" in xla and "exponential" not in kern
+    o = jnp.zeros((2, 1, 64, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="lse"):
+        merge_splits_kernel(o, jnp.zeros((2, 1, 32)), jnp.zeros(64))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        merge_splits_kernel(o[:, :, :48], jnp.zeros((2, 1, 48)), jnp.zeros(48))
+    with pytest.raises(ValueError, match="merge must be one of"):
+        jax.jit(functools.partial(K.sparse_decode_attention, merge="fused")).trace(*a)
+
+
+@pytest.mark.gpu
+def test_gpu_merge_kernel_matches_xla_merge():
+    """On the GPU: the merge kernel against the float64 softmax and XLA's merge (equal up to
+    the exp implementations: at most one bf16 step apart), and the whole op with
+    merge="kernel" against merge="xla" (1-5 splits, Flash and Pro heads)."""
+    from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
+    rng = np.random.default_rng()
+    for NS, HP in ((2, 64), (5, 128), (10, 64)):
+        o, lse, sink, want = _merge_case(rng, NS, 3, HP)
+        out = np.asarray(jax.jit(merge_splits_kernel)(o, lse, sink), np.float32)
+        xla = np.asarray(jax.jit(K.merge_splits)(o, lse, sink), np.float32)
+        np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(out, xla, rtol=2 ** -7, atol=1e-6)
+        print(f"NS={NS} HP={HP}: {np.mean(out != xla):.2e} of the outputs differ from XLA's")
+    for args in (edge_inputs(), make_inputs(9, B=2, H=128, NB=64, MAXB=32, n_idx=512,
+                                            t=(4095, 2000), n_valid=(512, 300))):
+        ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
+        for splits in (2, 3, 5):
+            run = lambda m: np.asarray(jax.jit(functools.partial(
+                K.sparse_decode_attention, splits=splits, gather="cpasync",
+                merge=m))(*args)).astype(np.float32)
+            out = run("kernel")
+            assert np.isfinite(out).all()
+            np.testing.assert_allclose(out, run("xla"), rtol=2 ** -7, atol=1e-6)
+            assert rel_err(out, ref) < 5e-3
+
+
 def test_ids_used_counts_to_the_last_valid_id():
     idx = jnp.asarray([[5, -1, 7, -1, -1], [-1, -1, -1, -1, -1], [1, 2, 3, 4, 9]], jnp.int32)
     padded, used = K._ids_used(idx)

@@ -56,6 +56,7 @@ BLOCK_TOKENS = 128   # tokens a compressed pool block covers (EPB entries of 128
 HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged", "cpasync")
+MERGES = ("xla", "kernel", "auto", "cluster")
 
 
 def _prep(win, cmp, block_table, idx_BK, t_B):
@@ -174,7 +175,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     them in-kernel from t (no id array, one fusion fewer a call); the other paths build
     them with hca_indices.
     merge (key splits' merge; None: $DSV4_ATTN_MERGE, else "xla"): "xla" merges in XLA
-    (merge_splits); "auto" merges 2 splits in-kernel (the cpasync kernel on a GPU, no
+    (merge_splits, two fusions); "kernel" in one Mosaic-GPU kernel of the same formula
+    (merge.merge_splits_kernel; interpreted calls take it only when asked by argument);
+    "auto" merges 2 splits in-kernel (the cpasync kernel on a GPU, no
     qk_split) and more in XLA; "cluster" requires the in-kernel merge (_cluster_merge).
     The in-kernel merge runs on the H100 with the XLA merge's error (session 24 run1), but
     the op is slower: the kernel grows by more than the two merge fusions it saves (Flash
@@ -189,9 +192,10 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     dk_asked = double_k is not None
     if double_k is None:
         double_k = os.environ.get("DSV4_ATTN_DOUBLE_K", "1") != "0"
+    merge_asked = merge is not None
     merge = merge or os.environ.get("DSV4_ATTN_MERGE", "xla")
-    if merge not in ("auto", "xla", "cluster"):
-        raise ValueError(f"merge must be 'auto', 'xla' or 'cluster', got {merge!r}")
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     implicit = 0
     if idx_BK is None:
         if not hca_entries or hca_entries < 1:
@@ -237,7 +241,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
             raise ValueError(f"merge='cluster' needs the cpasync kernel on a GPU, 2 key splits "
                              f"and no qk_split (got gather={gather!r}, splits={NS}, "
                              f"qk_split={qk_split})")
-        cluster = can and merge != "xla"
+        cluster = can and merge in ("auto", "cluster")
         if double_k and gather == "cpasync" and (qk_split or cluster):
             if dk_asked:
                 raise ValueError(f"double_k takes neither qk_split nor the in-kernel merge "
@@ -258,6 +262,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     sink = args[-1]
     if NS == 1:
         out = o[0]
+    elif merge == "kernel" and backend == "mosaic" and (merge_asked or not interpret):
+        from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
+        out = merge_splits_kernel(o, lse, sink, interpret=interpret)
     else:
         out = merge_splits(o, lse, sink)
     return out[:, :H]
