@@ -23,6 +23,8 @@
 #    most samples, with their stall reasons (the source page as CSV, gzipped).
 # 6: the splits' merge as one Mosaic-GPU kernel (merge="kernel", merge.py) against XLA's two
 #    fusions: GPU test, then timed (with each kernel's GPU time) at small and large batches.
+# 7: the merge kernel as the default from B = 8: the decode check (kernels vs pure JAX, B=32,
+#    128K, 4 Flash layers) and the B=64 stream step with the XLA merge and with the kernel.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }

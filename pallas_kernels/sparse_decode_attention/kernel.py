@@ -57,6 +57,13 @@ HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged", "cpasync")
 MERGES = ("xla", "kernel", "auto", "cluster")
+# The default merge of key splits from this batch on: the merge kernel (one launch, the
+# weights in registers) instead of XLA's two fusions. H100, 128K, op GPU us, xla -> kernel
+# (session 30 run11): Flash CSA B=64 33.6 -> 32.0, Pro CSA B=32 47.9 -> 46.4, Flash HCA
+# B=64 46.0 -> 44.6, Pro HCA B=32 43.5 -> 42.0, Flash CSA B=8 13.2 -> 13.0, Pro CSA B=8 19.8
+# -> 19.7, Flash HCA B=8 17.0 -> 16.5; but Flash CSA B=1 at 32K 9.9 -> 11.7 (XLA makes one
+# 1.8 us fusion of the whole merge there; the kernel's floor is ~3.5 us).
+MERGE_KERNEL_MIN_BATCH = 8
 
 
 def _prep(win, cmp, block_table, idx_BK, t_B):
@@ -174,15 +181,16 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     (entries 0 .. min(K, (t+1) // ratio) - 1, ratio = 128 / EPB). gather="cpasync" derives
     them in-kernel from t (no id array, one fusion fewer a call); the other paths build
     them with hca_indices.
-    merge (key splits' merge; None: $DSV4_ATTN_MERGE, else "xla"): "xla" merges in XLA
-    (merge_splits, two fusions); "kernel" in one Mosaic-GPU kernel of the same formula
-    (merge.merge_splits_kernel; interpreted calls take it only when asked by argument);
+    merge (key splits' merge; None: $DSV4_ATTN_MERGE, else "kernel" from
+    MERGE_KERNEL_MIN_BATCH requests and "xla" below): "xla" merges in XLA (merge_splits, two
+    fusions); "kernel" in one Mosaic-GPU kernel of the same formula (merge.
+    merge_splits_kernel; interpreted calls take it only when asked by argument);
     "auto" merges 2 splits in-kernel (the cpasync kernel on a GPU, no
     qk_split) and more in XLA; "cluster" requires the in-kernel merge (_cluster_merge).
     The in-kernel merge runs on the H100 with the XLA merge's error (session 24 run1), but
     the op is slower: the kernel grows by more than the two merge fusions it saves (Flash
-    CSA B=64 33.2 -> 33.9 us, HCA B=64 50.3 -> 52.4, Pro CSA B=32 47.4 -> 48.0), so "xla"
-    is the default.
+    CSA B=64 33.2 -> 33.9 us, HCA B=64 50.3 -> 52.4, Pro CSA B=32 47.4 -> 48.0), so it is
+    never the default.
     double_k (gather="cpasync" on a GPU, no qk_split, merge "xla"; None: $DSV4_ATTN_DOUBLE_K,
     on unless "0", and then off where qk_split or the in-kernel merge is asked for): two K
     tiles, block i+1's dequant overlapping block i's P V wgmma (or its score wgmma:
@@ -193,7 +201,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     if double_k is None:
         double_k = os.environ.get("DSV4_ATTN_DOUBLE_K", "1") != "0"
     merge_asked = merge is not None
-    merge = merge or os.environ.get("DSV4_ATTN_MERGE", "xla")
+    merge = merge or os.environ.get("DSV4_ATTN_MERGE") or (
+        "kernel" if q_BHD.shape[0] >= MERGE_KERNEL_MIN_BATCH else "xla")
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     implicit = 0
