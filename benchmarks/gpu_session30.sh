@@ -86,4 +86,13 @@ for k,x in zip(h,v):
   T 150 python3 benchmarks/attn_probe.py --roofline --events --rounds 3 \
     --cases flash:hca:64:131072,pro:hca:32:131072,flash:hca:8:131072 \
     --variants cpasync+hid,cpasync+hid:DSV4_ATTN_MERGE=kernel | tee $OUT/attn_merge_hca.log | grep "^|\|^  " ;;
+7)
+  T 220 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 \
+    --random-cache --matmul pallas --batch 32 --context 131072 --steps 3 --index-format fp4 \
+    | tee $OUT/check_b32_merge.log | grep -E "median|Error"
+  BENCH="-m benchmarks.decode_bench decode --preset flash --layers 4 --kernels on --matmul pallas --what stream"
+  for mg in xla kernel xla kernel; do
+    DSV4_ATTN_MERGE=$mg T 120 python3 $BENCH --batch 64 --context 131072 --steps 10 \
+      | tee -a $OUT/b64_merge_$mg.log | grep -E "stream step" | head -1
+  done ;;
 esac
