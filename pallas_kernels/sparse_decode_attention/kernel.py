@@ -35,7 +35,7 @@ warpgroup, so output columns are split in two halves:
  - warp_specialized=False: two single-warpgroup CTAs per tile (one per half), each copying
    and dequantising every row itself (the second read is served by L2).
 Split s: flash-decoding over key blocks when there are too few CTAs to fill the chip;
-partial outputs are merged in XLA.
+partial outputs are merged by merge.py's kernel (from 8 requests) or in XLA (merge_splits).
 """
 import functools
 import math
@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
 
 WINDOW = 128
 D = 512
@@ -191,8 +193,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     the op is slower: the kernel grows by more than the two merge fusions it saves (Flash
     CSA B=64 33.2 -> 33.9 us, HCA B=64 50.3 -> 52.4, Pro CSA B=32 47.4 -> 48.0), so it is
     never the default.
-    double_k (gather="cpasync" on a GPU, no qk_split, merge "xla"; None: $DSV4_ATTN_DOUBLE_K,
-    on unless "0", and then off where qk_split or the in-kernel merge is asked for): two K
+    double_k (gather="cpasync" on a GPU, no qk_split, merge "xla" or "kernel"; None:
+    $DSV4_ATTN_DOUBLE_K, on unless "0", and then off where qk_split or the in-kernel merge
+    is asked for): two K
     tiles, block i+1's dequant overlapping block i's P V wgmma (or its score wgmma:
     $DSV4_ATTN_DK_AT=qk; _attn_call_dk); the same values, bit for bit (GPU-tested, session
     29), 4-10% faster at 128K. Interpreted calls (gather "direct") ignore it."""
@@ -272,7 +275,6 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     if NS == 1:
         out = o[0]
     elif merge == "kernel" and backend == "mosaic" and (merge_asked or not interpret):
-        from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
         out = merge_splits_kernel(o, lse, sink, interpret=interpret)
     else:
         out = merge_splits(o, lse, sink)
