@@ -431,6 +431,16 @@ def test_merge_kernel_lowers_and_refuses_bad_shapes(monkeypatch):
         merge_splits_kernel(o[:, :, :48], jnp.zeros((2, 1, 48)), jnp.zeros(48))
     with pytest.raises(ValueError, match="merge must be one of"):
         jax.jit(functools.partial(K.sparse_decode_attention, merge="fused")).trace(*a)
+    # past MAX_SPLITS (SMEM), the kernel says so and the default merges in XLA
+    from pallas_kernels.sparse_decode_attention.merge import MAX_SPLITS
+    n = MAX_SPLITS + 1
+    with pytest.raises(ValueError, match=f"{n} splits exceed"):
+        merge_splits_kernel(jnp.zeros((n, 1, 64, 512), jnp.bfloat16), jnp.zeros((n, 1, 64)),
+                            jnp.zeros(64))
+    f = functools.partial(K.sparse_decode_attention, splits=n, gather="cpasync", ids_prefix=True)
+    assert "exponential" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="splits exceed"):
+        jax.jit(functools.partial(f, merge="kernel")).trace(*a)
 
 
 @pytest.mark.gpu

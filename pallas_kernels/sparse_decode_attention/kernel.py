@@ -47,7 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
+from pallas_kernels.sparse_decode_attention.merge import (COL, HT, MAX_SPLITS, ROW, TILED, WG,
+                                                          merge_splits_kernel)
 
 WINDOW = 128
 D = 512
@@ -55,7 +56,6 @@ NOPE = 448
 ROPE = 64
 BLK = 64        # keys per step (the reference's online-softmax block)
 BLOCK_TOKENS = 128   # tokens a compressed pool block covers (EPB entries of 128 / EPB each)
-HT = 64         # heads per CTA (wgmma M)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged", "cpasync")
 MERGES = ("xla", "kernel", "auto", "cluster")
@@ -186,7 +186,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     merge (key splits' merge; None: $DSV4_ATTN_MERGE, else "kernel" from
     MERGE_KERNEL_MIN_BATCH requests and "xla" below): "xla" merges in XLA (merge_splits, two
     fusions); "kernel" in one Mosaic-GPU kernel of the same formula (merge.
-    merge_splits_kernel; interpreted calls take it only when asked by argument);
+    merge_splits_kernel; interpreted calls take it only when asked by argument, and the
+    default gives way to XLA's merge past merge.MAX_SPLITS = 27 splits);
     "auto" merges 2 splits in-kernel (the cpasync kernel on a GPU, no
     qk_split) and more in XLA; "cluster" requires the in-kernel merge (_cluster_merge).
     The in-kernel merge runs on the H100 with the XLA merge's error (session 24 run1), but
@@ -274,7 +275,9 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     sink = args[-1]
     if NS == 1:
         out = o[0]
-    elif merge == "kernel" and backend == "mosaic" and (merge_asked or not interpret):
+    elif (merge == "kernel" and backend == "mosaic" and (merge_asked or not interpret)
+          and (merge_asked or NS <= MAX_SPLITS)):
+        # (asked for by argument with too many splits, the merge kernel says so)
         out = merge_splits_kernel(o, lse, sink, interpret=interpret)
     else:
         out = merge_splits(o, lse, sink)
@@ -362,9 +365,6 @@ def prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *, splits=
     return (q, wn, wr, cn, cr, crow, meta, n_blocks, sink), NS
 
 
-WG = plgpu.Layout.WGMMA
-ROW, COL = WG.reduce(1), WG.reduce(0)
-TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 NCH = NOPE // 64          # 64-byte chunks of a stored nope row
 N_ROW_COPIES = 2 * BLK + 1  # copies per block gathered row by row (nope, rope per key + meta)
 

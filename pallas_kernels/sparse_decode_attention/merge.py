@@ -19,11 +19,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-HT = 64          # heads a CTA (the WGMMA layout's rows)
-CW = 64          # output columns a CTA: one 128-byte swizzled tile of bf16
+# Shared with kernel.py (which imports this module, so they live here): heads a CTA (the
+# WGMMA layout's rows), the layouts, a bf16 tile's 64-column, 128-byte swizzled transform.
+HT = 64
+CW = 64          # output columns a merge CTA: one 128-byte swizzled tile of bf16
 TILED = (plgpu.TilingTransform((8, CW)), plgpu.SwizzleTransform(128))
 WG = plgpu.Layout.WGMMA
-ROW = WG.reduce(1)
+ROW, COL = WG.reduce(1), WG.reduce(0)
+SMEM_BYTES = 227 * 1024   # what a Hopper CTA may take
+# Every split's [64, 64] bf16 tile and its 64 lse are staged at once (+ the sink's 64):
+# 27 splits fill the SMEM. default_splits stays far below (<= ~10 measured).
+MAX_SPLITS = (SMEM_BYTES - HT * 4) // (HT * CW * 2 + HT * 4)
 
 
 def merge_splits_kernel(o, lse, sink, *, interpret=None):
@@ -36,6 +42,9 @@ def merge_splits_kernel(o, lse, sink, *, interpret=None):
                          f"{sink.shape} (want {(HP,)})")
     if HP % HT or D % CW:
         raise ValueError(f"merge: heads {HP} must be a multiple of {HT} and width {D} of {CW}")
+    if NS > MAX_SPLITS:
+        raise ValueError(f"merge: {NS} splits exceed the kernel's {MAX_SPLITS} (every split's "
+                         f"tile is staged in SMEM at once); merge them in XLA (merge='xla')")
     if o.dtype != jnp.bfloat16:
         raise ValueError(f"merge: partials must be bf16, got {o.dtype}")
     lse = lse.astype(jnp.float32)
