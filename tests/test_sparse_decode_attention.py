@@ -200,15 +200,17 @@ def _double_k_cases(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-@pytest.mark.parametrize("at", ["qk", "pv"])
+@pytest.mark.parametrize("at", ["qk", "pv", "pv:prefetch"])
 def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
     """double_k (two K tiles, the next block's dequant under the scores' or P V's wgmma,
     P V from registers, rope rows copied straight into the K tile) gives the cpasync
     kernel's output bit for bit: the same operands and roundings. csa: pool edges and -1
     holes, a whole block of -1, bounds from t below / above K, Flash and Pro head counts;
     hca: in-kernel ids (0, 7 and 150 entries); 1 to 3 splits (odd and even block counts a
-    CTA)."""
+    CTA). ":prefetch": the producer derives the next block's rows ahead (and only once)."""
+    at, _, pf = at.partition(":")
     monkeypatch.setenv("DSV4_ATTN_DK_AT", at)
+    monkeypatch.setenv("DSV4_ATTN_PREFETCH", "1" if pf else "0")
     for args, hca, prefix, all_splits in _double_k_cases(kind):
         ids = R.hca_indices(args[5], hca) if hca else args[4]
         ref = np.asarray(R.sparse_decode_attention_reference(
@@ -223,10 +225,12 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
             assert rel_err(out, ref) < 5e-3
 
 
-def test_double_k_lowering_and_refusals():
+def test_double_k_lowering_and_refusals(monkeypatch):
     """double_k lowers for Flash / Pro head counts, top-k and in-kernel HCA ids, 1 and 3
-    splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way
-    to qk_split and the in-kernel merge; interpreted calls ignore it."""
+    splits (and with the rows' prefetch switched the other way than the default); it
+    refuses qk_split and the in-kernel merge; it is the default, which gives way to
+    qk_split and the in-kernel merge; interpreted calls ignore it; a bad prefetch knob is
+    refused."""
     B, NB, EPB, MAXB = 8, 4096, 32, 512
     S = jax.ShapeDtypeStruct
     f8 = jnp.float8_e4m3fn
@@ -246,6 +250,11 @@ def test_double_k_lowering_and_refusals():
         f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
                               ids_prefix=True, hca_entries=MAXB, double_k=True)
         assert "mosaic_gpu" in jax.jit(f).trace(*ha).lower(lowering_platforms=("cuda",)).as_text()
+    with monkeypatch.context() as m:   # the prefetch the other way (HCA ids: the last `f`)
+        m.setenv("DSV4_ATTN_PREFETCH", "0" if K._dk_prefetch() else "1")
+        assert "mosaic_gpu" in jax.jit(f).trace(*ha).lower(lowering_platforms=("cuda",)).as_text()
+        g = functools.partial(f, hca_entries=None)
+        assert "mosaic_gpu" in jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
     for kw in (dict(qk_split=True), dict(splits=2, merge="cluster")):
         f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True,
                               double_k=True, **kw)
@@ -264,6 +273,10 @@ def test_double_k_lowering_and_refusals():
     ref = np.asarray(R.sparse_decode_attention_reference(*args)).astype(np.float32)
     out = run_kernel(args, splits=1, gather="cpasync", double_k=True)
     assert rel_err(out, ref) < 5e-3
+    monkeypatch.setenv("DSV4_ATTN_PREFETCH", "yes")
+    f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True)
+    with pytest.raises(ValueError, match="DSV4_ATTN_PREFETCH"):
+        jax.jit(f).trace(*a)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 31 (2026-11-27) device calls, one PART each, on an H100 (kind nvidia-h100-x1),
+# output in $OUT; each PART's timeouts sum to <= 600 s.
+# 1: the double_k producer's row prefetch ($DSV4_ATTN_PREFETCH=1: block j+1's ids and
+#    block-table loads made in iteration j, before the wait for block j-1's dequant, and once
+#    instead of twice): the bit-identity GPU tests (pv, with and without it), then timed
+#    against the default at 128K (Flash / Pro, CSA / HCA, B = 64 / 32 / 8), with the
+#    copies ablated (an upper bound on what the rows' latency costs; wrong outputs).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+case "${PART:-1}" in
+1)
+  T 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "double_k_matches and pv" 2>&1 | tee $OUT/pytest_prefetch.log | grep -v "^$" | tail -6
+  T 200 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_PREFETCH=1,cpasync+idp:DSV4_ATTN_ABLATE=copy \
+    | tee $OUT/attn_prefetch_csa.log | grep "^|\|^  "
+  T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_PREFETCH=1 | tee $OUT/attn_prefetch_hca.log | grep "^|\|^  " ;;
+esac
