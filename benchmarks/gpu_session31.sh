@@ -6,6 +6,11 @@
 #    instead of twice): the bit-identity GPU tests (pv, with and without it), then timed
 #    against the default at 128K (Flash / Pro, CSA / HCA, B = 64 / 32 / 8), with the
 #    copies ablated (an upper bound on what the rows' latency costs; wrong outputs).
+# 2: the prefetch moved after block j's nope copies (run1 had it before the wait for block
+#    j-1's dequant: Flash slower, Pro CSA faster), timed again; then the defaults against the
+#    XLA path at 4K and 32K contexts (issue 5 asks for 4K to 128K; the table had 128K).
+# 3: the indexer's three key formats at 4K / 32K against the XLA path (correctness + time),
+#    and the prefetch GPU tests that run1's timeout cut.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -20,4 +25,22 @@ case "${PART:-1}" in
   T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
     --cases flash:hca:64:131072,pro:hca:32:131072 \
     --variants cpasync+hid,cpasync+hid:DSV4_ATTN_PREFETCH=1 | tee $OUT/attn_prefetch_hca.log | grep "^|\|^  " ;;
+2)
+  T 140 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_PREFETCH=1 | tee $OUT/attn_prefetch2_csa.log | grep "^|\|^  "
+  T 80 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:hca:64:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_PREFETCH=1 | tee $OUT/attn_prefetch2_hca.log | grep "^|\|^  "
+  T 230 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:4096,flash:csa:64:32768,flash:csa:8:4096,pro:csa:32:32768 \
+    --variants cpasync+idp,xla | tee $OUT/attn_ctx_csa.log | grep "^|\|^  "
+  T 140 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:hca:64:4096,flash:hca:64:32768 \
+    --variants cpasync+hid,xla | tee $OUT/attn_ctx_hca.log | grep "^|\|^  " ;;
+3)
+  T 330 python3 benchmarks/indexer_attention.py --only indexer --out $OUT \
+    --cases idx:64:4096:512,idx:64:32768:512,idx:8:32768:512,idx:8:4096:512 \
+    --formats fp4,nvfp4,fp8 | tee $OUT/indexer_ctx.log | grep "^|"
+  T 250 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "double_k_matches and prefetch" 2>&1 | tee $OUT/pytest_prefetch2.log | grep -v "^$" | tail -6 ;;
 esac

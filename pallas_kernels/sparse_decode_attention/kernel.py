@@ -1006,9 +1006,11 @@ def _dk_overlap():
 def _dk_prefetch():
     """$DSV4_ATTN_PREFETCH ("1" on, "0" off; default PREFETCH): the double_k producer
     derives block j + 1's pool rows (id and block-table loads) into SMEM in iteration j,
-    before it waits for block j - 1's dequant, instead of deriving block j's when it copies
-    them (twice: for the nope rows and again for the rope rows). The copies then wait only
-    on their own flight."""
+    right after block j's nope rows landed, instead of deriving block j's when it copies
+    them (twice: for the nope rows and again for the rope rows). The nope copies then wait
+    only on their own flight. H100, 128K (session 31 run1, with the rows derived before
+    the wait for block j - 1's dequant instead): Flash CSA B=64 31.6 -> 33.4 us, Flash HCA
+    B=64 44.0 -> 47.8, Pro CSA B=32 45.2 -> 43.9, Pro HCA B=32 41.6 -> 41.4."""
     v = os.environ.get("DSV4_ATTN_PREFETCH", PREFETCH)
     if v not in ("0", "1"):
         raise ValueError(f"DSV4_ATTN_PREFETCH must be '0' or '1', got {v!r}")
@@ -1097,15 +1099,15 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 def _(j):
                     s = lax.rem(j, 2)
                     r = dict(rslot=s) if prefetch else {}
-                    if prefetch:   # (its loads overlap the wait for `free`)
-                        @pl.when(j + 1 < n_load)
-                        def _():
-                            rows(g0 + j + 1, 1 - s)
 
                     @pl.when(j >= 1)
                     def _():
                         plgpu.barrier_wait(free)            # block j-1 dequantised
                     nope(g0 + j, s, wbar, cbar, **r)
+                    if prefetch:   # block j+1's rows, while block j's are consumed
+                        @pl.when(j + 1 < n_load)
+                        def _():
+                            rows(g0 + j + 1, 1 - s)
 
                     @pl.when(j >= 2)
                     def _():
