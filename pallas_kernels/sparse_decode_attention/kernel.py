@@ -1008,9 +1008,13 @@ def _dk_prefetch():
     derives block j + 1's pool rows (id and block-table loads) into SMEM in iteration j,
     right after block j's nope rows landed, instead of deriving block j's when it copies
     them (twice: for the nope rows and again for the rope rows). The nope copies then wait
-    only on their own flight. H100, 128K (session 31 run1, with the rows derived before
-    the wait for block j - 1's dequant instead): Flash CSA B=64 31.6 -> 33.4 us, Flash HCA
-    B=64 44.0 -> 47.8, Pro CSA B=32 45.2 -> 43.9, Pro HCA B=32 41.6 -> 41.4."""
+    only on their own flight. Bit-identical (GPU tests, session 31 run3). Off by default:
+    Flash is slower. H100, 128K, off -> on, us (session 31 run2; run1, with the rows
+    derived before the wait for block j - 1's dequant, measured the same): Flash CSA B=64
+    32.0 -> 33.7, Flash HCA B=64 44.2 -> 47.5, Pro CSA B=32 46.0 -> 44.8 (run1: Pro HCA
+    B=32 41.6 -> 41.4, Flash CSA B=8 12.9 -> 13.1). With no row copies at all (timing
+    only: DSV4_ATTN_ABLATE=copy) Flash CSA B=64 takes 25.8 us: the copies' latency is not
+    what bounds the kernel."""
     v = os.environ.get("DSV4_ATTN_PREFETCH", PREFETCH)
     if v not in ("0", "1"):
         raise ValueError(f"DSV4_ATTN_PREFETCH must be '0' or '1', got {v!r}")
