@@ -13,6 +13,8 @@
 #    and the prefetch GPU tests that run1's timeout cut.
 # 4: the indexer's chunks a CTA at 32K (the rule gives 8 there: B * chunks < 16384): 8 / 16
 #    / 32, fp4 and nvfp4, B = 64 / 32.
+# 5: 16 chunks a CTA where the rule gives 8 and B * chunks = 8192 (B = 32 at 64K: fp4,
+#    nvfp4) and for fp8 keys at B = 64, 32K; fp8 at 32 chunks a CTA (never timed) at 128K.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -49,4 +51,11 @@ case "${PART:-1}" in
   T 300 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:32768,32:32768 \
     --variants fp4:place:0:2:0:1:w:0:2,fp4:place:16:2:0:1:w:0:2,fp4:place:32:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:0:2,nvfp4:place:16:2:0:1:w:0:2 \
     | tee $OUT/indexer_cpc32k.log | grep "^|" ;;
+5)
+  T 150 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 32:65536 \
+    --variants fp4:place:0:2:0:1:w:0:2,fp4:place:16:2:0:1:w:0:2,nvfp4:place:0:2:0:1:w:0:2,nvfp4:place:16:2:0:1:w:0:2 \
+    | tee $OUT/indexer_cpc64k.log | grep "^|"
+  T 150 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:32768,64:131072 \
+    --variants fp8:bits:0:2:0:1:w:0,fp8:bits:16:2:0:1:w:0,fp8:bits:32:2:0:1:w:0 \
+    | tee $OUT/indexer_cpc_fp8.log | grep "^|" ;;
 esac
