@@ -448,15 +448,20 @@ def test_cuda_lowering_flash_shapes():
 
 
 def test_default_chunks_per_cta():
-    """The split rule: at B >= 32 in calls of >= CPC16_MIN_CHUNKS chunks (B = 32 / 64 at
-    128K, B = 64 at 64K) 32 chunks a CTA for fp4 / nvfp4 keys and 16 for fp8 keys, else
-    enough CTAs to fill the chip twice, at most 8."""
+    """The split rule: at B >= 32, 16 chunks a CTA in calls of >= CPC16_MIN_CHUNKS chunks
+    (B = 64 at 32K, B = 32 at 64K) and 32 from CPC32_MIN_CHUNKS (fp4 / nvfp4: B = 32 / 64
+    at 128K, B = 64 at 64K; fp8: B = 64 at 128K), else enough CTAs to fill the chip twice,
+    at most 8."""
     n128k = 131072 // 4 // K.CHUNK                      # 512 chunks a request at 128K
     for fmt in ("fp4", "nvfp4"):
         assert [K.default_chunks_per_cta(B, n128k, fmt=fmt) for B in (1, 8, 32, 64)] == [1, 8, 32, 32]
         assert K.default_chunks_per_cta(64, n128k // 2, fmt=fmt) == 32   # B = 64, 64K
         assert K.default_chunks_per_cta(1024, 16, fmt=fmt) == 16         # 16-chunk tables
-    assert [K.default_chunks_per_cta(B, n128k, fmt="fp8") for B in (1, 8, 32, 64)] == [1, 8, 16, 16]
+    for fmt in ("fp4", "nvfp4", "fp8"):
+        assert K.default_chunks_per_cta(64, n128k // 4, fmt=fmt) == 16   # B = 64, 32K
+        assert K.default_chunks_per_cta(32, n128k // 2, fmt=fmt) == 16   # B = 32, 64K
+        assert K.default_chunks_per_cta(32, n128k // 4, fmt=fmt) == 8    # B = 32, 32K
+    assert [K.default_chunks_per_cta(B, n128k, fmt="fp8") for B in (1, 8, 32, 64)] == [1, 8, 16, 32]
     assert K.default_chunks_per_cta(4096, 8) == 8         # a table shorter than 16 chunks
     assert K.default_chunks_per_cta(1, 128) == 1          # B = 1, 32K
     assert K.default_chunks_per_cta(8, 4 * n128k) == 8    # B = 8, a 512K table

@@ -83,18 +83,25 @@ def _check(q, w, codes, scale, block_table, t):
 # chunks (session 30 run8 / run9, scores bit-identical): fp4 B = 64 86.8 / 87.3 -> 85.8 /
 # 86.1 us, B = 32 44.8 / 44.9 -> 43.9 / 43.9, B = 64 at 64K 45.7 -> 45.2; nvfp4 B = 64 96.8 /
 # 95.8 -> 96.2 / 96.3 (even), B = 32 49.4 / 49.1 -> 48.9 / 48.6, B = 64 at 64K 49.5 -> 48.8.
-# 64 chunks (256 CTAs at B = 32) was slower (50.5 us); fp8 keys were not timed at 32.
-CPC16_MIN_CHUNKS = 16384
+# 64 chunks (256 CTAs at B = 32) was slower (50.5 us).
+# Since session 31: 16 chunks from 8192 chunks in all (was 16384), and fp8 keys take 32 from
+# 32768. H100, GPU time, 8 -> 16 chunks (session 31 run4 / run5, scores bit-identical):
+# B = 64 at 32K fp4 25.5 -> 24.2 us, nvfp4 27.8 -> 26.3, fp8 32.6 -> 28.6 (72% -> 82% of
+# the ceiling); B = 32 at 64K fp4 25.3 -> 23.9, nvfp4 27.7 -> 26.0. B = 32 at 32K (4096
+# chunks) stays at 8: fp4 13.7 against 14.5 with 16, nvfp4 14.8 against 15.8. fp8, B = 64
+# at 128K, 16 -> 32: 110.3 -> 107.6 us (85.4% -> 87.6%); at 32K 32 was slower (33.3).
+CPC16_MIN_CHUNKS = 8192
 CPC16_MIN_BATCH = 32
+CPC32_MIN_CHUNKS = {"fp4": 16384, "nvfp4": 16384, "fp8": 32768}
 
 
 def default_chunks_per_cta(B, n_chunks, num_sms=132, fmt="fp4"):
     """Chunks of 64 entries per CTA: enough CTAs to fill the chip twice, at most 8 chunks;
-    from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in all, 16 (fp8 keys) or 32
-    (fp4 / nvfp4 keys, tables of >= 32 chunks). Each measured."""
+    from CPC16_MIN_BATCH requests and CPC16_MIN_CHUNKS chunks in all, 16, and 32 from
+    CPC32_MIN_CHUNKS[fmt] (tables of >= 32 chunks). Each measured."""
     if (B >= CPC16_MIN_BATCH and n_chunks >= 16
             and B * n_chunks >= CPC16_MIN_CHUNKS):
-        return 32 if fmt in ("fp4", "nvfp4") and n_chunks >= 32 else 16
+        return 32 if n_chunks >= 32 and B * n_chunks >= CPC32_MIN_CHUNKS[fmt] else 16
     return max(1, min(8, (B * n_chunks) // (2 * num_sms)))
 
 
