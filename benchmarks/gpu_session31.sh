@@ -15,6 +15,8 @@
 #    / 32, fp4 and nvfp4, B = 64 / 32.
 # 5: 16 chunks a CTA where the rule gives 8 and B * chunks = 8192 (B = 32 at 64K: fp4,
 #    nvfp4) and for fp8 keys at B = 64, 32K; fp8 at 32 chunks a CTA (never timed) at 128K.
+# 6: the double_k consumers dequantise block 0 before waiting for q ($DSV4_ATTN_DEQ0_FIRST=1)
+#    against the default, 128K.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -58,4 +60,10 @@ case "${PART:-1}" in
   T 150 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:32768,64:131072 \
     --variants fp8:bits:0:2:0:1:w:0,fp8:bits:16:2:0:1:w:0,fp8:bits:32:2:0:1:w:0 \
     | tee $OUT/indexer_cpc_fp8.log | grep "^|" ;;
+6)
+  T 150 python3 benchmarks/attn_probe.py --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_DEQ0_FIRST=1 | tee $OUT/attn_deq0_csa.log | grep "^|"
+  T 60 python3 benchmarks/attn_probe.py --rounds 3 --cases flash:hca:64:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_DEQ0_FIRST=1 | tee $OUT/attn_deq0_hca.log | grep "^|" ;;
 esac
