@@ -1024,19 +1024,6 @@ def _dk_prefetch():
 PREFETCH = "0"
 
 
-def _dk_deq0_first():
-    """$DSV4_ATTN_DEQ0_FIRST ("1" / "0"; default DEQ0_FIRST): the double_k consumers
-    dequantise block 0 before they wait for q (and the sink), instead of after: at a CTA's
-    start q's 64 KB and block 0's rows share the HBM, and the dequant needs only the rows."""
-    v = os.environ.get("DSV4_ATTN_DEQ0_FIRST", DEQ0_FIRST)
-    if v not in ("0", "1"):
-        raise ValueError(f"DSV4_ATTN_DEQ0_FIRST must be '0' or '1', got {v!r}")
-    return v == "1"
-
-
-DEQ0_FIRST = "0"
-
-
 def _key_blocks(keys, implicit, NS, cpasync=True):
     """Block counts of the warp-specialised kernels -> (kp, bps): the compressed key slots
     (implicit HCA ids: K rounded up to whole blocks) and the key blocks a split takes of
@@ -1085,7 +1072,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     # FP8 rows have longer to land, and P V reads less SMEM than the scores)
     under_pv = _dk_overlap() == "pv"
     prefetch = _dk_prefetch()
-    deq0_first = _dk_deq0_first()
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1197,15 +1183,14 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                                 plgpu.barrier_arrive(kfull)
                     return acc, m_new, l
 
-                if not deq0_first:
-                    plgpu.barrier_wait(qbar)
+                # (block 0 dequantised before this wait, while q lands, measured the same:
+                # session 31 run6)
+                plgpu.barrier_wait(qbar)
 
                 @pl.when(n_load > 0)
                 def _():
                     dequant(0)
                     plgpu.barrier_arrive(kfull)
-                if deq0_first:   # q (64 KB) may still be landing while block 0 dequantises
-                    plgpu.barrier_wait(qbar)
                 acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
                 with jax.named_scope("finish"):
                     # both consumers are done reading q_s (their last scores) before either
