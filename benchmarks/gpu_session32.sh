@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Queued in session 31 (2026-11-27) for the next session's device calls, one PART each, on
+# an H100 (kind nvidia-h100-x1), output in $OUT; each PART's timeouts sum to <= 600 s.
+# 1: double_k with the producer dequantising ($DSV4_ATTN_PRODUCER_DEQ=1, _attn_call_pd;
+#    built and compiled for sm_90a in session 31 with no device time left: 168 registers,
+#    no spills (HCA) / 4 bytes (CSA, as the default), never run): its bit-identity GPU
+#    tests against the one-tile cpasync kernel (CSA, HCA), then timed against the default at
+#    128K. The consumers then only score, update the softmax and run P V; the copies' and
+#    the dequant's latency sit on the producer. If a test hangs, the barriers are the
+#    suspect (MOSAIC_GPU_NOTES.md: setmaxnreg / phases).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+case "${PART:-1}" in
+1)
+  T 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "double_k_matches and producer_deq" 2>&1 | tee $OUT/pytest_pdeq.log | grep -v "^$" | tail -6
+  T 200 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_PRODUCER_DEQ=1 | tee $OUT/attn_pdeq_csa.log | grep "^|\|^  "
+  T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_PRODUCER_DEQ=1 | tee $OUT/attn_pdeq_hca.log | grep "^|\|^  " ;;
+esac
