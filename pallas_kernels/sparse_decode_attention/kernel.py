@@ -1045,6 +1045,26 @@ def _split_load(used, g0, bps, kp, epb, used_from_t, cpasync=True):
     return jnp.clip(jnp.minimum(nb, g0 + bps) - g0, 0, bps)
 
 
+def _dk_buffers():
+    """SMEM of the two-K-tile kernels (221 KB of 227): q_s [64 heads, 512] bf16, k_s two
+    bf16 K tiles, n_s one FP8 staging slot (7 chunk-major, 64-byte swizzled [64, 64]
+    chunks), m_s [2, 8, 64] meta (scale exponents + validity byte), v_s [64] f32 (sink,
+    then the lse)."""
+    return (plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),
+            plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),
+            plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),
+            plgpu.SMEM((2, 8, BLK), jnp.uint8),
+            plgpu.SMEM((HT,), jnp.float32))
+
+
+def _launch_ws(kernel, NS, B, HP):
+    """The warp-specialised kernels' launch: three warpgroups a CTA (two consumers, the
+    producer), one CTA per (request, split, 64-head tile)."""
+    return plgpu.kernel(kernel, out_type=_out_types(NS, B, HP), num_threads=3,
+                        thread_name="wg", compiler_params=_params(),
+                        grid=(B, NS, HP // HT), grid_names=("b", "s", "h"))
+
+
 def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
     """double_k (gather="cpasync", GPU only): the warp-specialised kernel with two bf16 K
     tiles, so that block i+1's dequant runs while one of block i's wgmma is in flight (P V
@@ -1202,11 +1222,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
-            plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),         # k_s: 2 tiles
-            plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),  # n_s
-            plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
-            plgpu.SMEM((HT,), jnp.float32),                                  # v_s
+            *_dk_buffers(),
             plgpu.Barrier(num_arrivals=2),                    # qbar
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # wbar: FP8 rows + meta landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # cbar
@@ -1218,13 +1234,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        kernel,
-        out_type=_out_types(NS, B, HP),
-        num_threads=3, thread_name="wg",
-        compiler_params=_params(),
-        grid=(B, NS, HP // HT), grid_names=("b", "s", "h"),
-    )(q, wn, wr, cn, cr, *args)
+    return _launch_ws(kernel, NS, B, HP)(q, wn, wr, cn, cr, *args)
 
 
 # The producer-dequant kernel's register budgets (setmaxnreg within the launch's 168 a thread
@@ -1338,11 +1348,7 @@ def _attn_call_pd(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((HT, D), jnp.bfloat16, transforms=TILED),             # q_s
-            plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),         # k_s: 2 tiles
-            plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),  # n_s
-            plgpu.SMEM((2, 8, BLK), jnp.uint8),                              # m_s
-            plgpu.SMEM((HT,), jnp.float32),                                  # v_s
+            *_dk_buffers(),
             plgpu.Barrier(num_arrivals=2),                    # qbar
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # wbar: FP8 rows + meta landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # cbar
@@ -1353,13 +1359,7 @@ def _attn_call_pd(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        kernel,
-        out_type=_out_types(NS, B, HP),
-        num_threads=3, thread_name="wg",
-        compiler_params=_params(),
-        grid=(B, NS, HP // HT), grid_names=("b", "s", "h"),
-    )(q, wn, wr, cn, cr, *args)
+    return _launch_ws(kernel, NS, B, HP)(q, wn, wr, cn, cr, *args)
 
 
 def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
