@@ -1264,8 +1264,9 @@ def _attn_call_pd(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     register target falls to 128 at 512 threads; MOSAIC_GPU_NOTES.md). Same operands and
     roundings as _attn_call_dk: the same values bit for bit.
 
-    Block j (K tile s = j % 2): producer: wait kfree[s] (block j-2's P V done by both
-    consumers, so K[s] and m_s[s] are free) -> FP8 rows + meta (wbar / cbar[s]) and rope
+    Block j (K tile s = j % 2): producer: wait kfull[1-s] (all its threads are done
+    reading block j-1's FP8 rows: the slot is free) and kfree[s] (block j-2's P V done by
+    both consumers, so K[s] and m_s[s] are free) -> FP8 rows + meta (wbar / cbar[s]) and rope
     rows into K[s] (rbar[s]) -> wait wbar / cbar[s] (every thread's copies landed) ->
     dequantise into K[s] -> arrive kfull[s]. Consumer: wait kfull[s], rbar[s] -> bias
     from m_s[s] -> S = q K[s]^T, softmax, P V of its half -> arrive kfree[s]."""
@@ -1295,6 +1296,12 @@ def _attn_call_pd(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 @pl.loop(0, n_load)
                 def _(j):
                     s = lax.rem(j, 2)
+
+                    @pl.when(j >= 1)
+                    def _():
+                        # every producer thread is done reading block j-1's FP8 rows (the
+                        # one slot the copies below overwrite): its kfull arrivals
+                        plgpu.barrier_wait(kfull.at[1 - s])
 
                     @pl.when(j >= 2)
                     def _():
