@@ -6,6 +6,8 @@
 #    instead of twice): the bit-identity GPU tests (pv, with and without it), then timed
 #    against the default at 128K (Flash / Pro, CSA / HCA, B = 64 / 32 / 8), with the
 #    copies ablated (an upper bound on what the rows' latency costs; wrong outputs).
+#    (The prefetch was removed after run2, code at commit f16ac9f: on later commits the
+#    knob is ignored and the "prefetch" tests select nothing.)
 # 2: the prefetch moved after block j's nope copies (run1 had it before the wait for block
 #    j-1's dequant: Flash slower, Pro CSA faster), timed again; then the defaults against the
 #    XLA path at 4K and 32K contexts (issue 5 asks for 4K to 128K; the table had 128K).

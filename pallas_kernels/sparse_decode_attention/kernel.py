@@ -276,8 +276,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     sink = args[-1]
     if NS == 1:
         out = o[0]
-    elif (merge == "kernel" and backend == "mosaic" and (merge_asked or not interpret)
-          and (merge_asked or NS <= MAX_SPLITS)):
+    elif merge == "kernel" and backend == "mosaic" and (
+            merge_asked or (not interpret and NS <= MAX_SPLITS)):
         # (asked for by argument with too many splits, the merge kernel says so)
         out = merge_splits_kernel(o, lse, sink, interpret=interpret)
     else:
@@ -444,7 +444,7 @@ def _ablated():
 
 
 def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0,
-               parts="nr", rope_in_k=False, rows=None, rslot=None):
+               parts="nr", rope_in_k=False):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
     this thread's copies (the caller's barrier_arrive releases them to the consumers).
@@ -461,24 +461,15 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
     double_k kernel): s_refs = (n_s [1, 7, 64, 64], k_s [2, 64, 512] bf16 (tiled (8, 64),
     128-byte swizzled), m_s [2, 8, 64]); the nope rows go to n_s's one slot, the meta to
     m_s[slot], the rope rows straight into columns 448.. of K tile `slot`, followed by a
-    proxy fence (the consumers' wgmma read them through the async proxy).
-    rows (SMEM i32 [2, 128], a word a thread: its key's pool row, bit 31 its validity) with
-    rslot: parts "p" only derives the block's rows (id, block table) into rows[rslot] and
-    copies nothing; "n" / "r" read them from there instead of deriving them, so a block's
-    id and block-table loads can run ahead of its copies (and are made once, not once for
-    the nope rows and again for the rope rows). Each thread reads only its own word."""
+    proxy fence (the consumers' wgmma read them through the async proxy)."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
     r_ref = plgpu.RefType(TILED) if rope_in_k else ref
     EPB_, MAXB = epb, refs[3].shape[1]
-    if (rows is None) != (rslot is None) or (parts == "p" and rows is None):
-        raise ValueError("rows and rslot go together; parts 'p' needs them")
-    extra = () if rows is None else (rows, rslot)
 
-    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4
-                       + ((ref, splat) if extra else ()))
+    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4)
     def gather(ctx, nope_g, rope_g, idx_g, bt_g, wsc_g, csc_g, pos_g, t_g, n_s, r_s, m_s,
-               rb, io, bb, sl, *rows_args):
+               rb, io, bb, sl):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm
@@ -501,26 +492,19 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
             return arith.cmpi(arith.CmpIPredicate.sge, x, y)
 
         key, h = arith.shrui(t, c32(1)), arith.andi(t, c32(1))
-        if rows_args:   # this thread's word of rows[rslot]
-            r_addr = arith.addi(saddr(rows_args[0]), arith.muli(
-                arith.addi(arith.muli(rows_args[1].registers.item(), c32(128)), t), c32(4)))
-        g_sc = gaddr(wsc_g) if window else gaddr(csc_g)
-        if rows_args and parts != "p":
-            word = mu.inline_ptx("ld.shared.b32 $0, [$1];", r_addr, result_types=i32)
-            row = arith.andi(word, c32(0x7FFFFFFF))
-            ok = arith.cmpi(arith.CmpIPredicate.ne, arith.shrui(word, c32(31)), c32(0))
-        elif window:
+        if window:
             row = arith.addi(rb, key)
             pos, tb = ld32(gaddr(pos_g), row), ld32(gaddr(t_g), bb)
             ok = arith.andi(arith.andi(sge(pos, c32(0)), sge(tb, pos)),
                             sge(pos, arith.subi(tb, c32(WINDOW - 1))))
+            g_sc = gaddr(wsc_g)
         elif implicit:   # HCA: the list position is the id; valid below min(K, n(t))
             i, tb = arith.addi(io, key), ld32(gaddr(t_g), bb)
             n = arith.divsi(arith.muli(arith.maxsi(arith.addi(tb, c32(1)), c32(0)), c32(EPB_)),
                             c32(BLOCK_TOKENS))
             ok = arith.cmpi(arith.CmpIPredicate.slt, i, arith.minsi(n, c32(implicit)))
             safe = i
-        if not window and not (rows_args and parts != "p"):
+        if not window:
             if not implicit:
                 i = ld32(gaddr(idx_g), arith.addi(io, key))
                 ok = sge(i, c32(0))
@@ -531,11 +515,7 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
             blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)), col))
             row = arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
                              arith.remui(safe, c32(EPB_)))
-        if parts == "p":
-            mu.inline_ptx("st.shared.b32 [$0], $1;", r_addr,
-                          arith.ori(row, arith.shli(arith.extui(i32, ok), c32(31))),
-                          has_side_effects=True)
-            return
+            g_sc = gaddr(csc_g)
         row = arith.extui(i64, row)
 
         def copy(dst, src, pred=None):   # dst: i32 shared address, src: i64 global
@@ -604,41 +584,33 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         if rope_in_k and "r" in parts:
             mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
 
-    gather(*refs, *s_refs, row_base, idx_off, b, slot, *extra)
+    gather(*refs, *s_refs, row_base, idx_off, b, slot)
 
 
-def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False, rows=None):
+def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
     on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
     cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t). implicit: as
-    _cp_gather's (then idx is not read); parts, rope_in_k, rows: _cp_gather's (double_k;
-    with rows, issue(g, slot, wbar, cbar, rslot) reads block g's rows from rows[rslot], and
-    parts "p" gives prefetch(g, rslot), which derives them there)."""
+    _cp_gather's (then idx is not read); parts, rope_in_k: _cp_gather's (double_k)."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
-    gather = ((lambda *a, **k: None) if "copy" in _ablated() and parts != "p" else
-              functools.partial(_cp_gather, parts=parts, rope_in_k=rope_in_k, rows=rows))
+    gather = ((lambda *a, **k: None) if "copy" in _ablated() else
+              functools.partial(_cp_gather, parts=parts, rope_in_k=rope_in_k))
 
-    def issue(g, slot, wbar=None, cbar=None, rslot=None):
-        r = {} if rows is None else dict(rslot=i32(rslot))
-
+    def issue(g, slot, wbar, cbar):
         @pl.when(g < NW)
         def _():
             gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                   i32(0), i32(b), i32(slot), epb, implicit, **r)
-            if wbar is not None:
-                plgpu.barrier_arrive(wbar.at[slot])
+                   i32(0), i32(b), i32(slot), epb, implicit)
+            plgpu.barrier_arrive(wbar.at[slot])
 
         @pl.when(g >= NW)
         def _():
             off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
             gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
-                   i32(slot), epb, implicit, **r)
-            if cbar is not None:
-                plgpu.barrier_arrive(cbar.at[slot])
-    if parts == "p":
-        return lambda g, rslot: issue(g, 0, rslot=rslot)
+                   i32(slot), epb, implicit)
+            plgpu.barrier_arrive(cbar.at[slot])
     return issue
 
 
@@ -1004,27 +976,6 @@ def _dk_overlap():
     return v
 
 
-def _dk_prefetch():
-    """$DSV4_ATTN_PREFETCH ("1" on, "0" off; default PREFETCH): the double_k producer
-    derives block j + 1's pool rows (id and block-table loads) into SMEM in iteration j,
-    right after block j's nope rows landed, instead of deriving block j's when it copies
-    them (twice: for the nope rows and again for the rope rows). The nope copies then wait
-    only on their own flight. Bit-identical (GPU tests, session 31 run3). Off by default:
-    Flash is slower. H100, 128K, off -> on, us (session 31 run2; run1, with the rows
-    derived before the wait for block j - 1's dequant, measured the same): Flash CSA B=64
-    32.0 -> 33.7, Flash HCA B=64 44.2 -> 47.5, Pro CSA B=32 46.0 -> 44.8 (run1: Pro HCA
-    B=32 41.6 -> 41.4, Flash CSA B=8 12.9 -> 13.1). With no row copies at all (timing
-    only: DSV4_ATTN_ABLATE=copy) Flash CSA B=64 takes 25.8 us: the copies' latency is not
-    what bounds the kernel."""
-    v = os.environ.get("DSV4_ATTN_PREFETCH", PREFETCH)
-    if v not in ("0", "1"):
-        raise ValueError(f"DSV4_ATTN_PREFETCH must be '0' or '1', got {v!r}")
-    return v == "1"
-
-
-PREFETCH = "0"
-
-
 def _key_blocks(keys, implicit, NS, cpasync=True):
     """Block counts of the warp-specialised kernels -> (kp, bps): the compressed key slots
     (implicit HCA ids: K rounded up to whole blocks) and the key blocks a split takes of
@@ -1092,7 +1043,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     # where block i+1's dequant goes: under block i's scores ("qk") or its P V ("pv": the
     # FP8 rows have longer to land, and P V reads less SMEM than the scores)
     under_pv = _dk_overlap() == "pv"
-    prefetch = _dk_prefetch()
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1101,43 +1051,30 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
         g0 = s_id * bps
         n_load = _split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
 
-        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree,
-                   rows_s=None):
+        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree):
             @pl.when(wg == 2)
             def _producer():
                 _set_registers(consumer=False)
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
                 s_refs = (n_s, k_s, m_s)
-                cp = functools.partial(_cp_issuer, b, g_refs, s_refs, epb, implicit,
-                                       rope_in_k=True, rows=rows_s)
-                nope, rope = cp(parts="n"), cp(parts="r")
+                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
+                rope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="r", rope_in_k=True)
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
-                if prefetch:   # block 0's rows; block j + 1's are derived in iteration j
-                    rows = cp(parts="p")
-
-                    @pl.when(n_load > 0)
-                    def _():
-                        rows(g0, 0)
 
                 @pl.loop(0, n_load)
                 def _(j):
                     s = lax.rem(j, 2)
-                    r = dict(rslot=s) if prefetch else {}
 
                     @pl.when(j >= 1)
                     def _():
                         plgpu.barrier_wait(free)            # block j-1 dequantised
-                    nope(g0 + j, s, wbar, cbar, **r)
-                    if prefetch:   # block j+1's rows, while block j's are consumed
-                        @pl.when(j + 1 < n_load)
-                        def _():
-                            rows(g0 + j + 1, 1 - s)
+                    nope(g0 + j, s, wbar, cbar)
 
                     @pl.when(j >= 2)
                     def _():
                         plgpu.barrier_wait(kfree.at[s])     # block j-2's P V done
-                    rope(g0 + j, s, rbar, rbar, **r)
+                    rope(g0 + j, s, rbar, rbar)
 
                 plgpu.barrier_wait(qbar)
 
@@ -1230,7 +1167,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             plgpu.Barrier(num_arrivals=2),                    # free: the FP8 slot
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree: K[s] read by P V
-            *([plgpu.SMEM((2, 128), jnp.int32)] if prefetch else []),   # rows_s
             collective_axes="wg",
         )
 
