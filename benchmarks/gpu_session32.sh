@@ -21,4 +21,9 @@ case "${PART:-1}" in
   T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
     --cases flash:hca:64:131072,pro:hca:32:131072 \
     --variants cpasync+hid,cpasync+hid:DSV4_ATTN_PRODUCER_DEQ=1 | tee $OUT/attn_pdeq_hca.log | grep "^|\|^  " ;;
+2)  # 2 x H200 (nvidia-h200-x2, needs_h200): the whole Flash model's stream step, B = 1 then 8
+    # (last measured 2026-11-23: 12.70 ms/step at B = 1, before every kernel since session 11)
+  T 570 python3 -m benchmarks.decode_bench decode --preset flash --context 4096 --steps 30 \
+    --devices 2 --expert 2 --matmul pallas --kernels on --what stream --batch 1 8 \
+    | tee $OUT/flash43_x2_stream.log | grep -E "floor|\||device|synthetic" ;;
 esac
