@@ -200,17 +200,15 @@ def _double_k_cases(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-@pytest.mark.parametrize("at", ["qk", "pv", "pv:producer_deq"])
+@pytest.mark.parametrize("at", ["qk", "pv"])
 def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
     """double_k (two K tiles, the next block's dequant under the scores' or P V's wgmma,
     P V from registers, rope rows copied straight into the K tile) gives the cpasync
     kernel's output bit for bit: the same operands and roundings. csa: pool edges and -1
     holes, a whole block of -1, bounds from t below / above K, Flash and Pro head counts;
     hca: in-kernel ids (0, 7 and 150 entries); 1 to 3 splits (odd and even block counts a
-    CTA). ":producer_deq": the producer dequantises every block (_attn_call_pd)."""
-    at, _, knob = at.partition(":")
+    CTA)."""
     monkeypatch.setenv("DSV4_ATTN_DK_AT", at)
-    monkeypatch.setenv("DSV4_ATTN_PRODUCER_DEQ", "1" if knob == "producer_deq" else "0")
     for args, hca, prefix, all_splits in _double_k_cases(kind):
         ids = R.hca_indices(args[5], hca) if hca else args[4]
         ref = np.asarray(R.sparse_decode_attention_reference(
@@ -227,10 +225,9 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
 
 def test_double_k_lowering_and_refusals(monkeypatch):
     """double_k lowers for Flash / Pro head counts, top-k and in-kernel HCA ids, 1 and 3
-    splits (and with the producer dequant switched the other way than the default); it
-    refuses qk_split and the in-kernel merge; it is the default, which gives way to
-    qk_split and the in-kernel merge; interpreted calls ignore it; a bad producer-dequant
-    knob is refused."""
+    splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way
+    to qk_split and the in-kernel merge; interpreted calls ignore it; a bad
+    $DSV4_ATTN_DK_AT is refused."""
     B, NB, EPB, MAXB = 8, 4096, 32, 512
     S = jax.ShapeDtypeStruct
     f8 = jnp.float8_e4m3fn
@@ -250,11 +247,6 @@ def test_double_k_lowering_and_refusals(monkeypatch):
         f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
                               ids_prefix=True, hca_entries=MAXB, double_k=True)
         assert "mosaic_gpu" in jax.jit(f).trace(*ha).lower(lowering_platforms=("cuda",)).as_text()
-    with monkeypatch.context() as m:   # the producer dequant the other way (HCA ids: `f`)
-        m.setenv("DSV4_ATTN_PRODUCER_DEQ", "0" if K._producer_deq() else "1")
-        assert "mosaic_gpu" in jax.jit(f).trace(*ha).lower(lowering_platforms=("cuda",)).as_text()
-        g = functools.partial(f, hca_entries=None)
-        assert "mosaic_gpu" in jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
     for kw in (dict(qk_split=True), dict(splits=2, merge="cluster")):
         f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True,
                               double_k=True, **kw)
@@ -274,8 +266,8 @@ def test_double_k_lowering_and_refusals(monkeypatch):
     out = run_kernel(args, splits=1, gather="cpasync", double_k=True)
     assert rel_err(out, ref) < 5e-3
     f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True)
-    monkeypatch.setenv("DSV4_ATTN_PRODUCER_DEQ", "yes")
-    with pytest.raises(ValueError, match="DSV4_ATTN_PRODUCER_DEQ"):
+    monkeypatch.setenv("DSV4_ATTN_DK_AT", "yes")
+    with pytest.raises(ValueError, match="DSV4_ATTN_DK_AT"):
         jax.jit(f).trace(*a)
 
 

@@ -261,9 +261,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                                  f"(got qk_split={qk_split}, merge={merge!r})")
             double_k = False   # the default gives way to an explicit qk_split / merge
         if double_k and gather == "cpasync":
-            call = _attn_call_pd if _producer_deq() else _attn_call_dk
-            o, lse = call(*args, NS=NS, epb=cmp[0].shape[1], used_from_t=ids_prefix,
-                          implicit=implicit)
+            o, lse = _attn_call_dk(*args, NS=NS, epb=cmp[0].shape[1],
+                                   used_from_t=ids_prefix, implicit=implicit)
         elif warp_specialized:
             o, lse = _attn_call_ws(*args, NS=NS, gather=gather, interpret=interpret,
                                    qk_split=qk_split, epb=cmp[0].shape[1],
@@ -997,7 +996,7 @@ def _split_load(used, g0, bps, kp, epb, used_from_t, cpasync=True):
 
 
 def _dk_buffers():
-    """SMEM of the two-K-tile kernels (221 KB of 227): q_s [64 heads, 512] bf16, k_s two
+    """SMEM of the two-K-tile kernel (221 KB of 227): q_s [64 heads, 512] bf16, k_s two
     bf16 K tiles, n_s one FP8 staging slot (7 chunk-major, 64-byte swizzled [64, 64]
     chunks), m_s [2, 8, 64] meta (scale exponents + validity byte), v_s [64] f32 (sink,
     then the lse)."""
@@ -1009,7 +1008,7 @@ def _dk_buffers():
 
 
 def _launch_ws(kernel, NS, B, HP):
-    """The warp-specialised kernels' launch: three warpgroups a CTA (two consumers, the
+    """The double_k kernel's launch: three warpgroups a CTA (two consumers, the
     producer), one CTA per (request, split, 64-head tile)."""
     return plgpu.kernel(kernel, out_type=_out_types(NS, B, HP), num_threads=3,
                         thread_name="wg", compiler_params=_params(),
@@ -1167,138 +1166,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             plgpu.Barrier(num_arrivals=2),                    # free: the FP8 slot
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree: K[s] read by P V
-            collective_axes="wg",
-        )
-
-    return _launch_ws(kernel, NS, B, HP)(q, wn, wr, cn, cr, *args)
-
-
-# The producer-dequant kernel's register budgets (setmaxnreg within the launch's 168 a thread
-# for 384 threads: p + 2 c <= 504): the producer holds a [64, 64] chunk in f32 while it
-# dequantises, the consumers no longer dequantise.
-PD_REGS = (80, 208)
-
-
-def _producer_deq():
-    """$DSV4_ATTN_PRODUCER_DEQ ("1" / "0"; default PRODUCER_DEQ): double_k with the
-    producer warpgroup dequantising every key block after copying it (_attn_call_pd)."""
-    v = os.environ.get("DSV4_ATTN_PRODUCER_DEQ", PRODUCER_DEQ)
-    if v not in ("0", "1"):
-        raise ValueError(f"DSV4_ATTN_PRODUCER_DEQ must be '0' or '1', got {v!r}")
-    return v == "1"
-
-
-PRODUCER_DEQ = "0"
-
-
-def _attn_call_pd(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
-    """double_k with the producer dequantising (GPU only; $DSV4_ATTN_PRODUCER_DEQ=1). The
-    producer copies block j's FP8 rows, meta and rope rows, waits for them to land and
-    dequantises all 7 chunks into K tile j % 2 itself; the two consumers (output column
-    halves, as _attn_call_dk) only wait for a K tile, score it, update the softmax and run
-    P V, each at its own pace. A fourth, dequantising warpgroup does not compile (ptxas'
-    register target falls to 128 at 512 threads; MOSAIC_GPU_NOTES.md). Same operands and
-    roundings as _attn_call_dk: the same values bit for bit.
-
-    Block j (K tile s = j % 2): producer: wait kfull[1-s] (all its threads are done
-    reading block j-1's FP8 rows: the slot is free) and kfree[s] (block j-2's P V done by
-    both consumers, so K[s] and m_s[s] are free) -> FP8 rows + meta (wbar / cbar[s]) and rope
-    rows into K[s] (rbar[s]) -> wait wbar / cbar[s] (every thread's copies landed) ->
-    dequantise into K[s] -> arrive kfull[s]. Consumer: wait kfull[s], rbar[s] -> bias
-    from m_s[s] -> S = q K[s]^T, softmax, P V of its half -> arrive kfree[s]."""
-    B, HP, _ = q.shape
-    keys = args[:-2]
-    kp, bps = _key_blocks(keys, implicit, NS)
-    p_regs, c_regs = PD_REGS
-
-    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
-        *key_g, nb_g, sink_g, o_g, lse_g = refs
-        b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
-        wg = lax.axis_index("wg")
-        g0 = s_id * bps
-        n_load = _split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
-
-        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, kfull, kfree, done):
-            @pl.when(wg == 2)
-            def _producer():
-                plgpu.set_max_registers(p_regs, action="decrease")
-                g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
-                s_refs = (n_s, k_s, m_s)
-                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
-                rope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="r", rope_in_k=True)
-                plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
-                plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
-
-                @pl.loop(0, n_load)
-                def _(j):
-                    s = lax.rem(j, 2)
-
-                    @pl.when(j >= 1)
-                    def _():
-                        # every producer thread is done reading block j-1's FP8 rows (the
-                        # one slot the copies below overwrite): its kfull arrivals
-                        plgpu.barrier_wait(kfull.at[1 - s])
-
-                    @pl.when(j >= 2)
-                    def _():
-                        plgpu.barrier_wait(kfree.at[s])     # block j-2's P V done
-                    nope(g0 + j, s, wbar, cbar)
-                    rope(g0 + j, s, rbar, rbar)
-                    _wait_block(g0 + j, s, wbar, cbar)      # every thread's rows landed
-                    _dequant(n_s, None, m_s, k_s.at[s], s, range(NCH), False, True,
-                             n_slot=0)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(kfull.at[s])
-
-                plgpu.barrier_wait(qbar)
-
-            @pl.when(wg < 2)
-            def _consumer():
-                plgpu.set_max_registers(c_regs, action="increase")
-                c = wg
-
-                def body(i, carry):
-                    acc, m, l = carry
-                    s = lax.rem(i, 2)
-                    plgpu.barrier_wait(kfull.at[s])
-                    plgpu.barrier_wait(rbar.at[s])
-                    bias = _bias(m_s, s)
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_s, k_s.at[s].T)
-                        return acc_ref[...]
-                    sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
-                    sc = sc * (1.0 / math.sqrt(D)) + lax.broadcast_in_dim(bias, sc.shape, [1])
-                    m_new = jnp.maximum(m, sc.max(axis=1))
-                    p, l, acc = _online_update(sc, m_new, m, l, acc)
-                    p = p.astype(jnp.bfloat16)
-
-                    def half(h):
-                        def mma(acc_ref):
-                            plgpu.wgmma(acc_ref, p, k_s.at[s, :, pl.ds(h * (D // 2), D // 2)])
-                        return lambda a: pl.run_state(mma)(plgpu.ACC.init(a))
-                    acc = lax.cond(c == 0, half(0), half(1), acc)
-                    plgpu.barrier_arrive(kfree.at[s])
-                    return acc, m_new, l
-
-                plgpu.barrier_wait(qbar)
-                acc, m, l = lax.fori_loop(0, n_load, body, _init_carry())
-                # both consumers are done reading q_s (their last scores) before either
-                # stages its output through it
-                plgpu.barrier_arrive(done)
-                plgpu.barrier_wait(done)
-                _finish(acc, m, l, q_s, v_s, o_g, lse_g, s_id, b, ht, c, NS == 1)
-
-        pl.run_scoped(
-            scoped,
-            *_dk_buffers(),
-            plgpu.Barrier(num_arrivals=2),                    # qbar
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # wbar: FP8 rows + meta landed
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # cbar
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # rbar: rope rows in K[s]
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # kfull[s]: K[s] dequantised
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree[s]: K[s] read by P V
-            plgpu.Barrier(num_arrivals=2),                    # done: q_s read by both
             collective_axes="wg",
         )
 
