@@ -26,4 +26,11 @@ case "${PART:-1}" in
   T 570 python3 -m benchmarks.decode_bench decode --preset flash --context 4096 --steps 30 \
     --devices 2 --expert 2 --matmul pallas --kernels on --what stream --batch 1 8 \
     | tee $OUT/flash43_x2_stream.log | grep -E "floor|\||device|synthetic" ;;
+3)  # 2 x H200: PART=2 measured 20.83 ms at B = 1 (12.70 on 2026-11-23) and 17.14 at B = 8:
+    # the plain step's kernels, host enqueue and profiled GPU time, as session 11's
+    # anatomy43_x2_donated.log (3391 kernels, host 14.86 ms, pipelined 14.93, GPU 12.0 ms)
+  T 560 python3 -m benchmarks.step_anatomy --preset flash --layers 43 --devices 2 --expert 2 --matmul pallas \
+    --kernels on --context 4096 --donate-logits --place-args --merge-x-proj --profile --top 25 \
+    > $OUT/anatomy43_x2_donated.log
+  grep -v "^[IW]1" $OUT/anatomy43_x2_donated.log | grep -E "kernels in the step|^step|profile:|host events|psum|memory" | cut -c1-1500 ;;
 esac
