@@ -33,4 +33,12 @@ case "${PART:-1}" in
     --kernels on --context 4096 --donate-logits --place-args --merge-x-proj --profile --top 25 \
     > $OUT/anatomy43_x2_donated.log
   grep -v "^[IW]1" $OUT/anatomy43_x2_donated.log | grep -E "kernels in the step|^step|profile:|host events|psum|memory" | cut -c1-1500 ;;
+4)  # 2 x H200: PART=3 found 2610 kernels (3391 on 2026-11-23) but host enqueue 17.75 ms (14.86)
+    # and pipelined 19.03 ms (14.93): the tree of 2026-11-23 (303e15b, exported to .oldtree,
+    # carried) against this one on the same machine, 10 Flash layers, plain step
+  A="--preset flash --layers 10 --devices 2 --expert 2 --matmul pallas --kernels on --context 4096 --donate-logits --place-args --merge-x-proj --top 3"
+  for tree in .oldtree .; do
+    (cd $tree && PYTHONPATH=. T 150 python3 -m benchmarks.step_anatomy $A) > $OUT/anatomy10_x2_$(basename $(realpath $tree)).log
+    grep -v "^[IW]1" $OUT/anatomy10_x2_*$(basename $(realpath $tree)).log | grep -E "kernels in the step|^step"
+  done ;;
 esac
