@@ -8,6 +8,8 @@
 #    128K. The consumers then only score, update the softmax and run P V; the copies' and
 #    the dequant's latency sit on the producer. If a test hangs, the barriers are the
 #    suspect (MOSAIC_GPU_NOTES.md: setmaxnreg / phases).
+# Run in session 32: PART=1 measured the producer dequant slower everywhere (it was then
+# removed, code at f944b16: PART=1 no longer selects anything); PART=2..4 on 2 x H200.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
