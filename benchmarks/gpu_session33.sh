@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Queued in session 32 (2026-11-28) for the next session's device calls, one PART each,
+# output in $OUT; each PART's timeouts sum to <= 600 s. Both parts need 2 x H200
+# (kind nvidia-h200-x2, needs_h200: the whole Flash model is 156 GB).
+# Session 32 found the whole-Flash 2 x H200 step host-bound at 19.03 ms pipelined (B = 1),
+# its host enqueue 17.75 ms: 7.5x the 10-layer step's 2.37 ms for 4.3x the layers, while
+# the 10-layer step is 21% faster than with the 2026-11-23 tree (BENCHMARKS.md, session 32).
+# 1: where the host enqueue stops growing linearly: the plain step at 20 and 30 layers
+#    (10 and 43 are in benchmarks/results/session32_h200x2), same flags as session 32.
+# 2: the tree of 2026-11-23 (303e15b; 12.70 ms stream / 14.93 ms plain then) at 43 layers
+#    on the same lease as this tree's 19.03 ms. Export it first, here:
+#      echo /.oldtree/ >> .git/info/exclude; mkdir .oldtree
+#      git archive 303e15b | tar -x -C .oldtree --exclude=benchmarks/results --exclude=notebooks
+#    and carry .oldtree.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
+T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+A="--preset flash --devices 2 --expert 2 --matmul pallas --kernels on --context 4096 --donate-logits --place-args --merge-x-proj --top 3"
+case "${PART:-1}" in
+1)
+  for n in 20 30; do
+    T 270 python3 -m benchmarks.step_anatomy $A --layers $n > $OUT/anatomy${n}_x2.log
+    grep -v "^[IW]1" $OUT/anatomy${n}_x2.log | grep -E "kernels in the step|^step"
+  done ;;
+2)
+  for tree in .oldtree .; do
+    (cd $tree && PYTHONPATH=. T 290 python3 -m benchmarks.step_anatomy $A --layers 43) \
+      > $OUT/anatomy43_x2_$(basename $(realpath $tree)).log
+    grep -v "^[IW]1" $OUT/anatomy43_x2_$(basename $(realpath $tree)).log | grep -E "kernels in the step|^step"
+  done ;;
+esac
