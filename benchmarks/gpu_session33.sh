@@ -13,6 +13,10 @@
 #      git archive 303e15b | tar -x -C .oldtree --exclude=benchmarks/results --exclude=notebooks
 #    and carry .oldtree. Session 32 compiled the 43-layer step in ~250 s: if 295 s a tree is
 #    too little, run the trees as two calls back to back (the machine stays warm 30 s).
+# 3: a hypothesis for the superlinear host time: at 43 layers (85 GB in use on each GPU)
+#    something moves between steps and XLA re-records the step's CUDA graphs every step,
+#    as in session 10 (benchmarks/gpu_graph_update_x2.sh). The plain step, donated, with
+#    the command-buffer log: "Update command buffer" lines after the first steps say yes.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -29,4 +33,12 @@ case "${PART:-1}" in
       > $OUT/anatomy43_x2_$(basename $(realpath $tree)).log
     grep -v "^[IW]1" $OUT/anatomy43_x2_$(basename $(realpath $tree)).log | grep -E "kernels in the step|^step"
   done ;;
+3)
+  TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 T 560 python3 -m benchmarks.step_anatomy \
+    $A --layers 43 > $OUT/anatomy43_x2_vlog.log
+  grep -v "command_buffer_thunk" $OUT/anatomy43_x2_vlog.log | grep -E "kernels in the step|^step"
+  grep -o "Update command buffer.*" $OUT/anatomy43_x2_vlog.log | sed 's/; is_first.*//' \
+    | sort | uniq -c | sort -rn | head -8
+  grep -c "Update command buffer" $OUT/anatomy43_x2_vlog.log
+  gzip -f $OUT/anatomy43_x2_vlog.log ;;
 esac
