@@ -223,13 +223,13 @@ def test_kernel_weights_in_loop(fmt):
     np.testing.assert_array_equal(out, run_keys(q, w, keys, bt, t, fmt, chunks_per_cta=3))
 
 
-def _run_ptx(program, x, tables=()):
+def _run_ptx(program, x, tables=(), n_out=2):
     """Run _lut_program's PTX (and / shr / shl / or / prmt, default and sign-replicate modes) on an
-    independent emulator, for every u32 input in the uint32 array x ($3, $4...: the table
-    words given as registers) -> ($0, $1)."""
+    independent emulator, for every u32 input in the uint32 array x (operand $n_out; the
+    table words given as registers follow it) -> ($0 .. $(n_out - 1))."""
     import re
-    regs = {"$2": x.astype(np.uint64)}
-    regs.update({f"${3 + k}": np.uint64(v) for k, v in enumerate(tables)})
+    regs = {f"${n_out}": x.astype(np.uint64)}
+    regs.update({f"${n_out + 1 + k}": np.uint64(v) for k, v in enumerate(tables)})
     val = lambda o: regs[o] if o in regs else np.uint64(int(o, 0))
     for line in program.splitlines():
         m = re.match(r"(\w+)\.\w+ (\S+), (\S+), (\S+)(?:, (\S+))?;", line.strip())
@@ -258,7 +258,7 @@ def _run_ptx(program, x, tables=()):
             regs[d] = out
         else:
             raise AssertionError(f"op {op} not emulated: {line}")
-    return regs["$0"], regs["$1"]
+    return tuple(regs[f"${k}"] for k in range(n_out))
 
 
 @pytest.mark.parametrize("to", ["e4m3", "bf16"])
@@ -301,6 +301,100 @@ def test_place_program_every_code_pair():
             val = got.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
             np.testing.assert_array_equal(val, e2m1[code])
             np.testing.assert_array_equal(np.signbit(val), code >= 8)
+
+
+def test_place_words_program_every_code_pair():
+    """The "words" key order's PTX (_PLACE_WORDS_PROGRAM, on the emulator) on words whose
+    bytes 0, 1 take all 65536 pairs and bytes 2, 3 random values, and the other way round:
+    $0 / $1 = the low nibbles of bytes (0, 1) / (2, 3), $2 / $3 = their high nibbles, each
+    e2m1 value * 2^-126 exactly, the lower byte's in the low lane."""
+    import ml_dtypes
+    rng = np.random.default_rng()
+    pairs = np.arange(1 << 16, dtype=np.uint32)
+    other = rng.integers(0, 1 << 16, 1 << 16).astype(np.uint32)
+    e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    for x in (pairs | other << 16, other | pairs << 16):
+        outs = _run_ptx(K._PLACE_WORDS_PROGRAM, x, n_out=4)
+        for k, out in enumerate(outs):
+            shift, byte0 = 4 * (k // 2), 2 * (k % 2)
+            for lane in range(2):
+                code = (x >> (8 * (byte0 + lane) + shift)) & 15
+                got = ((out >> np.uint64(16 * lane)) & np.uint64(0xFFFF)).astype(np.uint16)
+                val = got.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
+                np.testing.assert_array_equal(val, e2m1[code])
+                np.testing.assert_array_equal(np.signbit(val), code >= 8)
+
+
+def test_words_key_order_emulated():
+    """The "words" key order end to end on an emulator of the kernel's registers: the two
+    Mosaic layouts it relies on (checked as spelled in Mosaic), the thread -> column maps
+    they imply, _e2m1_place_words' register assembly (word c of a row -> k16 step c, byte
+    pair a -> WGMMA column tile 2 c + a) and the emulated PTX. Scores of q permuted by
+    words_q against the keys so assembled equal the reference's (float64, random keys
+    and q); with q unpermuted they do not."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    import ml_dtypes
+    assert str(fa.WGMMA_LAYOUT.tiling) == str(fa.Tiling(((64, 8), (16, 8), (8, 8), (2,))))
+    assert str(fa.WGMMA_LAYOUT_8BIT.tiling) == str(fa.Tiling(((64, 16), (16, 16), (8, 16), (4,))))
+    assert fa.WGMMA_LAYOUT.lane_dims == fa.WGMMA_LAYOUT_8BIT.lane_dims == (-3, -2)
+    assert sorted(K.WORDS_PERM) == list(range(64))
+    assert (K.WORDS_PERM // 16 == np.arange(64) // 16).all()   # scale blocks unchanged
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 256, (64, 64)).astype(np.uint8)      # one chunk: [row, byte]
+    # WGMMA_LAYOUT_8BIT: in each 8 x 16 tile lane t of a row holds columns 4 t .. 4 t + 3,
+    # so thread t's word c of a row is bytes 16 c + 4 t + (0..3)
+    words = np.stack([np.stack([codes[:, 16 * c + 4 * t: 16 * c + 4 * t + 4].copy().view("<u4")[:, 0]
+                                for c in range(4)], 1) for t in range(4)], 1)   # [row, t, c]
+    outs = _run_ptx(K._PLACE_WORDS_PROGRAM, words.reshape(-1), n_out=4)
+    bf = [(((o >> np.uint64(16 * lane)) & np.uint64(0xFFFF)).astype(np.uint16)
+           .view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126).reshape(64, 4, 4)
+          for o in outs for lane in range(2)]                    # [k * 2 + lane][row, t, c]
+    # WGMMA_LAYOUT: column tile ct (8 columns), lane t holds columns 8 ct + 2 t + (0, 1)
+    keys = np.zeros((2, 64, 64))                                 # [half, row, k index]
+    for k in range(4):
+        half, a = divmod(k, 2)
+        for lane in range(2):
+            for t in range(4):
+                for c in range(4):
+                    keys[half, :, 8 * (2 * c + a) + 2 * t + lane] = bf[2 * k + lane][:, t, c]
+    q = np.asarray(kvformat.fp4_block_sim(jax.random.normal(
+        jax.random.key(int(rng.integers(1 << 20))), (64, 128))), np.float64)   # [head, dim]
+    e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    k_nat = np.concatenate([e2m1[codes & 15], e2m1[codes >> 4]], axis=1)      # [row, 128]
+    want = k_nat @ q.T
+    qp = np.asarray(K.words_q(jnp.asarray(q)))
+    got = keys[0] @ qp[:, :64].T + keys[1] @ qp[:, 64:].T
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    wrong = keys[0] @ q[:, :64].T + keys[1] @ q[:, 64:].T
+    assert not np.allclose(wrong, want)
+
+
+def test_words_key_order_lowering_and_errors():
+    """key_order="words" lowers for the GPU for fp4 and nvfp4 keys (and fp8 keys, which
+    keep their one order); a bad key order is refused by name, also from the environment."""
+    B, NB, MAXB = 8, 8192, 1024
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
+            S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
+            S((B, MAXB), jnp.int32), S((B,), jnp.int32))
+    argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
+    args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
+    for f, a in ((K.indexer_scores, args), (K.indexer_scores_nvfp4, argsn),
+                 (K.indexer_scores_fp8, args8)):
+        g = functools.partial(f, key_order="words")
+        lowered = jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+    with pytest.raises(ValueError, match="key_order"):
+        jax.jit(functools.partial(K.indexer_scores, key_order="dims")).trace(*args)
+
+
+def test_words_key_order_env(monkeypatch):
+    monkeypatch.setenv("DSV4_IDX_KEY_ORDER", "bytes")
+    with pytest.raises(ValueError, match="DSV4_IDX_KEY_ORDER"):
+        K._pipeline(None, None)
+    monkeypatch.setenv("DSV4_IDX_KEY_ORDER", "words")
+    assert K._pipeline(None, None)["key_order"] == "words"
+    assert K._pipeline(None, None, key_order="natural")["key_order"] == "natural"
 
 
 def test_e4m3_bits_decode_every_byte():
@@ -642,6 +736,44 @@ def test_gpu_two_chunks_a_step_match(fmt, dequant, stages):
         out = run(2)
         check_scores(out, ref)
         assert np.array_equal(out, run(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp4", "nvfp4"])
+def test_gpu_words_key_order_matches(fmt):
+    """key_order="words" (whole words of code bytes a thread, q permuted to match; session
+    32, not yet run on a GPU when written): scores within rounding of the natural order's
+    (the same products summed in another order) and of the reference's, the same top-k;
+    CTA spans of 5 and 32 chunks, one and two chunks a step, unused blocks, a partial
+    chunk. Raw random code bytes (every code) under scale exponents across the range."""
+    q, w, keys, bt, t, ref = _split_edge_case(fmt)
+    for cpc, g in ((5, 1), (32, 2), (None, None)):
+        run = lambda order: np.asarray(jax.jit(functools.partial(
+            K.score_keys, fmt=fmt, chunks_per_cta=cpc, chunks_per_step=g,
+            key_order=order))(q, w, keys, bt, t))
+        out, nat = run("words"), run("natural")
+        check_scores(out, ref)
+        check_scores(out, nat)
+        fin = np.isfinite(nat)
+        assert np.abs(out[fin] - nat[fin]).max() <= 1e-5 * np.abs(nat[fin]).max()
+    rng = np.random.default_rng()
+    qa, wa, _, bta, _ = make_inputs(int(rng.integers(1 << 20)), B=4, NB=256, MAXB=64)
+    keys = ({"idx_codes": jnp.asarray(rng.integers(0, 256, (256, 32, 64)), jnp.uint8),
+             "idx_scale": jnp.asarray(rng.integers(100, 160, (256, 32, 4)), jnp.uint8)}
+            if fmt == "fp4" else _nvfp4_keys(rng, 256))
+    ta = jnp.asarray(rng.integers(4 * 32 * 32, 4 * 32 * 64, 4), jnp.int32)
+    for order in ("words", "natural"):
+        topk = np.asarray(jax.jit(functools.partial(K.topk_keys, fmt=fmt, key_order=order),
+                                  static_argnums=5)(qa, wa, keys, bta, ta, 512))
+        if order == "words":
+            first = topk
+    ref_scores = np.asarray(R.indexer_scores_reference(qa, wa, keys, bta, ta, fmt=fmt))
+    kth = np.sort(ref_scores, axis=1)[:, -512][:, None]
+    # the same set up to ties at the k-th score (the sums are rounded in another order)
+    for b in range(4):
+        a, n = set(first[b][first[b] >= 0]), set(topk[b][topk[b] >= 0])
+        diff = a ^ n
+        assert all(abs(ref_scores[b, i] - kth[b, 0]) <= 1e-5 * abs(kth[b, 0]) for i in diff)
 
 
 def test_two_chunks_a_step_lowering_and_errors():

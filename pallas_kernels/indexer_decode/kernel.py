@@ -138,6 +138,12 @@ W_IN_LOOP = False
 # slower (110.5 -> 116.6 / 56.9 -> 63.1: its ring slots are twice as large, 128 B keys),
 # at 8 faster (15.4 -> 14.6).
 CHUNKS_PER_STEP = None
+# The keys' k order in the wgmma (see WORDS_PERM): "natural" (k index j = code byte j) or
+# "words" ("place" with kreg only, fp4 / nvfp4: each thread loads whole words of code
+# bytes and q is permuted to match). Built in session 32 (compile-only sm_90a), opt-in
+# through $DSV4_IDX_KEY_ORDER until it has run on a GPU.
+KEY_ORDER = "natural"
+KEY_ORDERS = ("natural", "words")
 
 
 def default_chunks_per_step(fmt, cpc, manual=True):
@@ -164,8 +170,14 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_IDX_ABLATE", "").split("/")))
 
 
-def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None):
+def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None,
+              key_order=None):
+    key_order = key_order or os.environ.get("DSV4_IDX_KEY_ORDER", KEY_ORDER)
+    if key_order not in KEY_ORDERS:
+        raise ValueError(f"key_order ($DSV4_IDX_KEY_ORDER) must be one of {KEY_ORDERS}, got "
+                         f"{key_order!r}")
     return dict(chunks_per_step=CHUNKS_PER_STEP if chunks_per_step is None else chunks_per_step,
+                key_order=key_order,
                 stages=STAGES if stages is None else stages,
                 overlap=OVERLAP if overlap is None else overlap,
                 kreg=KREG if kreg is None else kreg,
@@ -190,7 +202,7 @@ def _grid(B, block_table, t_B, chunks_per_cta, fmt):
 def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                        chunks_per_cta=None, interpret=None, trim=True, stages=None,
                        overlap=None, kreg=None, barriers=None, w_in_loop=None,
-                       chunks_per_step=None):
+                       chunks_per_step=None, key_order=None):
     """Index scores as indexer_scores, from an `fp8` key pool: idx_keys e4m3 [NB, 32, 128],
     idx_scale f32 [NB, 32, 1] (key = e4m3 * scale). GPU-tested on an H200 (2026-11-26)."""
     B = q_BHD.shape[0]
@@ -204,7 +216,7 @@ def indexer_scores_fp8(q_BHD, w_BH, idx_keys, idx_scale, block_table, t_B, *,
                                (idx_scale[..., 0].astype(jnp.float32),), bt, t, fmt="fp8",
                                cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                **_pipeline(stages, overlap, kreg, barriers, w_in_loop,
-                                           chunks_per_step))
+                                           chunks_per_step, key_order))
     return out[:, :n_max] if trim else out
 
 
@@ -292,6 +304,74 @@ def _e2m1_place(byte_WG):
     return _nibble_pairs(byte_WG, _PLACE_PROGRAM, "bf16")
 
 
+# Key order "words" (session 32, compile-only so far): the wgmma's k order is permuted
+# within each 16-dim group, so that the code bytes a thread needs are whole 32-bit words of
+# a row. In the WGMMA bf16 layout thread t holds k indices 16 c + 8 a + 2 t + e (c = the
+# k16 step, a, e in {0, 1}); in WGMMA_LAYOUT_8BIT it holds the code bytes 16 c + 4 t + j.
+# So k index w reads the byte (and dims) WORDS_PERM[w] = 16 c + 4 t + 2 a + e, and q's dims
+# are permuted the same way in XLA (words_q): the same products, summed in another order.
+# The scale blocks (32 dims: fp4, 16: nvfp4) are unions of 16-dim groups, so each k index
+# keeps its block. Per chunk and thread: 8 LDS.32 of whole words instead of 16 LDS.U16 of
+# byte pairs, and one shift of the low nibbles per word instead of per pair.
+_w = np.arange(64)
+WORDS_PERM = 16 * (_w // 16) + 4 * ((_w // 2) % 4) + 2 * ((_w // 8) % 2) + _w % 2
+del _w
+
+
+def words_q(q_BHD):
+    """q [..., 128] -> q with each 64-dim half in the "words" k order (q[..., WORDS_PERM])."""
+    perm = np.concatenate([WORDS_PERM, 64 + WORDS_PERM])
+    return q_BHD[..., perm]
+
+
+# One word of four code bytes b0..b3 (bytes j of WGMMA_LAYOUT_8BIT) -> four bf16 pairs: the
+# low nibbles of (b0, b1) and (b2, b3), the high nibbles of the same ("place"'s program,
+# with the bytes 2 and 3 taken by the selector 0xB3A2 and one shift of the low nibbles for
+# the whole word).
+_PLACE_WORDS_PROGRAM = "\n".join([
+    "{", ".reg .b32 t, a;",
+    "shl.b32 t, $4, 4;",
+    "prmt.b32 a, t, 0, 0x9180;", "shl.b32 a, a, 2;", "and.b32 $0, a, 0x81C081C0;",
+    "prmt.b32 a, t, 0, 0xB3A2;", "shl.b32 a, a, 2;", "and.b32 $1, a, 0x81C081C0;",
+    "prmt.b32 a, $4, 0, 0x9180;", "shl.b32 a, a, 2;", "and.b32 $2, a, 0x81C081C0;",
+    "prmt.b32 a, $4, 0, 0xB3A2;", "shl.b32 a, a, 2;", "and.b32 $3, a, 0x81C081C0;",
+    "}"])
+
+
+def _e2m1_place_words(codes_L8):
+    """u8 [64, 64] code bytes (WGMMA_LAYOUT_8BIT) -> (lo, hi): bf16 [64, 64] (WGMMA layout)
+    of the low / high nibbles' e2m1 values * 2^-126, k index w holding byte WORDS_PERM[w]
+    (key order "words"). Mosaic GPU only (inline PTX)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    out = plgpu.ShapeDtypeStruct((CHUNK, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,), return_type=(out, out))
+    def convert(ctx, x):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        regs = x.registers                   # [1, 4 k16 steps c, 1, 1, 2 row halves, 1...]
+        assert regs.shape[1] == 4 and regs.shape[4] == 2 and regs.size == 8, regs.shape
+        shape = mgpu.WGMMA_LAYOUT.registers_shape((CHUNK, 64))   # [1, 8 = 2 c + a, 1, 1, 2, ..]
+        lo_regs, hi_regs = np.empty(shape, dtype=object), np.empty(shape, dtype=object)
+        for idx, reg in np.ndenumerate(regs):
+            c = idx[1]
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [mu.bitcast(reg, i32)],
+                                  _PLACE_WORDS_PROGRAM, "=r,=r,=r,=r,r")
+            for k in range(4):
+                half, a = divmod(k, 2)
+                v = mu.bitcast(llvm.extractvalue(i32, res, [k]),
+                               ir.VectorType.get((2,), ir.BF16Type.get()))
+                (hi_regs if half else lo_regs)[(idx[0], 2 * c + a) + idx[2:]] = v
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT,
+                                          _is_signed=None) for r in (lo_regs, hi_regs))
+
+    return convert(codes_L8)
+
+
 def _e2m1_lut(byte_WG, to="e4m3", tables=None):
     """u8 [64, n] code bytes (WGMMA layout) -> (lo, hi): [64, n] arrays of the low / high
     nibbles' e2m1 values, exact, as e4m3 (to="e4m3") or bf16 (to="bf16"). Byte-parallel
@@ -358,7 +438,7 @@ def _e4m3_bits_to_f32(x_u32, scale=1.0):
 def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, block_table, t_B,
                          *, chunks_per_cta=None, interpret=None, trim=True, stages=None,
                          overlap=None, kreg=None, dequant=None, barriers=None,
-                         w_in_loop=None, chunks_per_step=None):
+                         w_in_loop=None, chunks_per_step=None, key_order=None):
     """Index scores as indexer_scores, from an `nvfp4` key pool: idx_codes uint8 [NB, 32, 64]
     (split-half e2m1), idx_scale_lo / idx_scale_hi e4m3 [NB, 32, 4] (per 16 dims of dims
     0..63 / 64..127). Keys dequantised exactly to bf16 (e2m1 * e4m3 has at most 6
@@ -383,7 +463,7 @@ def indexer_scores_nvfp4(q_BHD, w_BH, idx_codes, idx_scale_lo, idx_scale_hi, blo
                                fmt="nvfp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant,
                                **_pipeline(stages, overlap, kreg, barriers, w_in_loop,
-                                           chunks_per_step))
+                                           chunks_per_step, key_order))
     return out[:, :n_max] if trim else out
 
 
@@ -426,7 +506,7 @@ def score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt="fp4", dequant=None, **k
 def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                    chunks_per_cta=None, interpret=None, trim=True, dequant=None,
                    stages=None, overlap=None, kreg=None, barriers=None, w_in_loop=None,
-                   chunks_per_step=None):
+                   chunks_per_step=None, key_order=None):
     """Index scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4) from an `fp4` key pool.
 
     q_BHD [B, 64, 128] (Hadamard'd, FP4-simulated; rounded to bf16, exact for such values),
@@ -447,7 +527,8 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
     (the e4m3 bytes go to an e4m3 wgmma per 32-dim group against q as e4m3 (q_fp8_groups;
     q must be FP4-simulated), scales applied to the group sums). All three GPU-tested on
     an H200 (2026-11-26). stages / overlap / kreg: the software pipeline
-    (_indexer_call_blocks; None: STAGES, OVERLAP, KREG).
+    (_indexer_call_blocks; None: STAGES, OVERLAP, KREG). key_order: "natural" or "words"
+    (KEY_ORDERS; None: $DSV4_IDX_KEY_ORDER, else KEY_ORDER).
     """
     _check(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B)
     dequant = DEQUANT if dequant is None else dequant
@@ -465,13 +546,14 @@ def indexer_scores(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, *,
                                t, fmt="fp4", cpc=cpc, n_ctas=n_ctas, interpret=interpret,
                                dequant=dequant, q_scale=q_scale,
                                **_pipeline(stages, overlap, kreg, barriers, w_in_loop,
-                                           chunks_per_step))
+                                           chunks_per_step, key_order))
     return out[:, :n_max] if trim else out
 
 
 def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, interpret,
                          dequant="bits", q_scale=None, stages=2, overlap=False, kreg=False,
-                         barriers="auto", w_in_loop=False, chunks_per_step=None):
+                         barriers="auto", w_in_loop=False, chunks_per_step=None,
+                         key_order="natural"):
     """The scoring kernel, reading the stored key blocks: qh bf16 [B, 64 h, 128] (loaded as
     the two tiles of dims 0..63 and 64..127; "fp8mma": q_fp8_groups' [B, 4, 64 h, 32]),
     bt int32 [R >= B, MAXB] (the raw block table, -1 unused), t int32 [B]. fmt "fp4": codes
@@ -514,6 +596,10 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     # The GPU interpreter (jax 0.11.2) takes no register A operand in wgmma: interpreted
     # calls keep the keys in SMEM (the same keys() values; kreg itself is GPU-tested).
     kreg = kreg and not mma8 and interpret is None
+    # "words" needs "place" with register keys (GPU only); elsewhere the natural order
+    words = key_order == "words" and kreg and dequant == "place" and fmt in ("fp4", "nvfp4")
+    if words:
+        qh = words_q(qh)   # the wgmma's k index w reads key byte WORDS_PERM[w]
     if barriers not in ("auto", "manual", "warp"):
         raise ValueError(f"barriers must be 'auto', 'manual' or 'warp', got {barriers!r}")
     manual = barriers in ("manual", "warp") and kreg   # SMEM keys need the store barriers
@@ -646,12 +732,19 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             if fmt != "fp8":
                 # (the bit ops below on u16 instead of u32 measured the same: 169.0 vs
                 # 168.8 us at B=64, 128K, H200; Mosaic has no shifts on 8-bit types)
-                byte8 = plgpu.load(c_s.at[slot, rows], layout=WG)               # [64 e, 64]
-                byte = byte8.astype(jnp.uint32)
+                if words:   # whole words: byte 16 c + 4 t + j of the row in thread t
+                    codes8 = plgpu.load(c_s.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT,
+                                        optimized=False)
+                    byte8 = None
+                else:
+                    byte8 = plgpu.load(c_s.at[slot, rows], layout=WG)           # [64 e, 64]
+                byte = None if words else byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
                 if dequant in ("lut", "lutbf"):   # both halves' e2m1 values, from the tables
                     e8_halves = (_e2m1_lut(byte8, "e4m3") if dequant == "lut" else
                                  _e2m1_lut(byte8, "bf16", tables=tb_s))
+                elif dequant == "place" and words:
+                    e8_halves = _e2m1_place_words(codes8)
                 elif dequant == "place":   # both halves' values * 2^-126, no tables
                     e8_halves = (_nibble_pairs(byte8, "{\nmov.b32 $0, $2;\nmov.b32 $1, $2;\n}",
                                                "bf16") if "nodeq" in ablated
@@ -868,7 +961,7 @@ def indexer_topk(q_BHD, w_BH, idx_codes, idx_scale, block_table, t_B, topk, **kw
 
 def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_per_cta=None,
               interpret=None, select="xla", dequant=None, stages=None, overlap=None,
-              kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None):
+              kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None, key_order=None):
     """Kernel scores (score_keys: keys the pool's dict of fields in format fmt) + top-k:
     entry ids [B, topk] int32, -1 padded. select "xla": lax.top_k (a sort of each row in
     XLA-GPU), ids by descending score; "kernel": the pallas_kernels.topk_select radix-select
@@ -879,7 +972,7 @@ def topk_keys(q_BHD, w_BH, keys, block_table, t_B, topk, *, fmt="fp4", chunks_pe
     s = score_keys(q_BHD, w_BH, keys, block_table, t_B, fmt=fmt, dequant=dequant,
                    chunks_per_cta=chunks_per_cta, interpret=interpret, trim=select == "xla",
                    stages=stages, overlap=overlap, kreg=kreg, barriers=barriers,
-                   w_in_loop=w_in_loop, chunks_per_step=chunks_per_step)
+                   w_in_loop=w_in_loop, chunks_per_step=chunks_per_step, key_order=key_order)
     if select == "kernel":
         from pallas_kernels.topk_select import topk_select
         return topk_select(s, topk, n=block_table.shape[1] * EPB,
