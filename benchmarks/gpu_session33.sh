@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Queued in session 32 (2026-11-28) for the next session's device calls, one PART each,
-# output in $OUT; each PART's timeouts sum to <= 600 s. Both parts need 2 x H200
+# output in $OUT; each PART's timeouts sum to <= 600 s. PARTs 1-3 need 2 x H200
 # (kind nvidia-h200-x2, needs_h200: the whole Flash model is 156 GB).
 # Session 32 found the whole-Flash 2 x H200 step host-bound at 19.03 ms pipelined (B = 1),
 # its host enqueue 17.75 ms: 7.5x the 10-layer step's 2.37 ms for 4.3x the layers, while
@@ -42,3 +42,18 @@ case "${PART:-1}" in
   grep -c "Update command buffer" $OUT/anatomy43_x2_vlog.log
   gzip -f $OUT/anatomy43_x2_vlog.log ;;
 esac
+# PART=4 (H100, kind nvidia-h100-x1, ~8 min): the indexer's "words" key order (session 32,
+# compile-only: 25 SASS instructions a chunk fewer, fp4 and nvfp4; DSV4_IDX_KEY_ORDER=words):
+# its GPU tests (within rounding of the natural order and the reference, the same top-k up
+# to ties), then timed against the default at B = 64 / 32 / 8, 128K and B = 64, 32K. The
+# "scoring kernel us" column is the kernel alone (the call's total adds "words"' q
+# permutation, which the decode step fuses into q's own fusion).
+if [ "${PART:-1}" = 4 ]; then
+  T 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    -k "words_key_order" 2>&1 | tee $OUT/pytest_words.log | grep -v "^$" | tail -6
+  V=place:0:2:0:1:w
+  T 330 python3 benchmarks/indexer_probe.py sweep --rounds 3 \
+    --cases 64:131072,32:131072,8:131072,64:32768 \
+    --variants fp4:$V,fp4:$V+DSV4_IDX_KEY_ORDER=words,nvfp4:$V,nvfp4:$V+DSV4_IDX_KEY_ORDER=words \
+    | tee $OUT/indexer_words.log | grep "^|\|device"
+fi
