@@ -369,18 +369,25 @@ def test_words_key_order_emulated():
     assert not np.allclose(wrong, want)
 
 
-def test_words_key_order_lowering_and_errors():
-    """key_order="words" lowers for the GPU for fp4 and nvfp4 keys (and fp8 keys, which
-    keep their one order); a bad key order is refused by name, also from the environment."""
-    B, NB, MAXB = 8, 8192, 1024
+def _flash_format_args(B=8, NB=8192, MAXB=1024):
+    """Abstract arguments of the three key formats' entry points at 128K:
+    [(fp4 entry, args), (nvfp4 entry, args), (fp8 entry, args)]."""
     S = jax.ShapeDtypeStruct
     args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
             S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
             S((B, MAXB), jnp.int32), S((B,), jnp.int32))
     argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
     args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
-    for f, a in ((K.indexer_scores, args), (K.indexer_scores_nvfp4, argsn),
-                 (K.indexer_scores_fp8, args8)):
+    return [(K.indexer_scores, args), (K.indexer_scores_nvfp4, argsn),
+            (K.indexer_scores_fp8, args8)]
+
+
+def test_words_key_order_lowering_and_errors():
+    """key_order="words" lowers for the GPU for fp4 and nvfp4 keys (and fp8 keys, which
+    keep their one order); a bad key order is refused by name, also from the environment."""
+    formats = _flash_format_args()
+    args = formats[0][1]
+    for f, a in formats:
         g = functools.partial(f, key_order="words")
         lowered = jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
@@ -779,15 +786,9 @@ def test_gpu_words_key_order_matches(fmt):
 def test_two_chunks_a_step_lowering_and_errors():
     """chunks_per_step=2 lowers for the GPU in every key format; it refuses what it cannot
     do (Pallas' automatic barriers, keys through SMEM, a CTA span that is not a multiple)."""
-    B, NB, MAXB = 8, 8192, 1024
-    S = jax.ShapeDtypeStruct
-    args = (S((B, 64, 128), jnp.bfloat16), S((B, 64), jnp.float32),
-            S((NB, 32, 64), jnp.uint8), S((NB, 32, 4), jnp.uint8),
-            S((B, MAXB), jnp.int32), S((B,), jnp.int32))
-    argsn = args[:3] + (S((NB, 32, 4), jnp.float8_e4m3fn),) * 2 + args[4:]
-    args8 = args[:2] + (S((NB, 32, 128), jnp.float8_e4m3fn), S((NB, 32, 1), jnp.float32)) + args[4:]
-    for f, a in ((K.indexer_scores, args), (K.indexer_scores_nvfp4, argsn),
-                 (K.indexer_scores_fp8, args8)):
+    formats = _flash_format_args()
+    args = formats[0][1]
+    for f, a in formats:
         for cpc in (2, 16):
             g = functools.partial(f, chunks_per_step=2, chunks_per_cta=cpc)
             assert "mosaic_gpu" in jax.jit(g).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
