@@ -34,8 +34,8 @@ case "${PART:-1}" in
     grep -v "^[IW]1" $OUT/anatomy43_x2_$(basename $(realpath $tree)).log | grep -E "kernels in the step|^step"
   done ;;
 3)
-  TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 T 560 python3 -m benchmarks.step_anatomy \
-    $A --layers 43 > $OUT/anatomy43_x2_vlog.log
+  T 560 env TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 \
+    python3 -m benchmarks.step_anatomy $A --layers 43 > $OUT/anatomy43_x2_vlog.log
   grep -v "command_buffer_thunk" $OUT/anatomy43_x2_vlog.log | grep -E "kernels in the step|^step"
   grep -o "Update command buffer.*" $OUT/anatomy43_x2_vlog.log | sed 's/; is_first.*//' \
     | sort | uniq -c | sort -rn | head -8
