@@ -769,16 +769,14 @@ def test_gpu_words_key_order_matches(fmt):
              "idx_scale": jnp.asarray(rng.integers(100, 160, (256, 32, 4)), jnp.uint8)}
             if fmt == "fp4" else _nvfp4_keys(rng, 256))
     ta = jnp.asarray(rng.integers(4 * 32 * 32, 4 * 32 * 64, 4), jnp.int32)
-    for order in ("words", "natural"):
-        topk = np.asarray(jax.jit(functools.partial(K.topk_keys, fmt=fmt, key_order=order),
-                                  static_argnums=5)(qa, wa, keys, bta, ta, 512))
-        if order == "words":
-            first = topk
+    words, nat = (np.asarray(jax.jit(functools.partial(K.topk_keys, fmt=fmt, key_order=order),
+                                     static_argnums=5)(qa, wa, keys, bta, ta, 512))
+                  for order in ("words", "natural"))
     ref_scores = np.asarray(R.indexer_scores_reference(qa, wa, keys, bta, ta, fmt=fmt))
     kth = np.sort(ref_scores, axis=1)[:, -512][:, None]
     # the same set up to ties at the k-th score (the sums are rounded in another order)
     for b in range(4):
-        a, n = set(first[b][first[b] >= 0]), set(topk[b][topk[b] >= 0])
+        a, n = set(words[b][words[b] >= 0]), set(nat[b][nat[b] >= 0])
         diff = a ^ n
         assert all(abs(ref_scores[b, i] - kth[b, 0]) <= 1e-5 * abs(kth[b, 0]) for i in diff)
 

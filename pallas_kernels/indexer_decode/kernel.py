@@ -733,19 +733,17 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
             if fmt != "fp8":
                 # (the bit ops below on u16 instead of u32 measured the same: 169.0 vs
                 # 168.8 us at B=64, 128K, H200; Mosaic has no shifts on 8-bit types)
-                if words:   # whole words: byte 16 c + 4 t + j of the row in thread t
-                    codes8 = plgpu.load(c_s.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT,
-                                        optimized=False)
-                    byte8 = None
-                else:
+                if not words:   # ("words" loads its own layout below)
                     byte8 = plgpu.load(c_s.at[slot, rows], layout=WG)           # [64 e, 64]
-                byte = None if words else byte8.astype(jnp.uint32)
+                    byte = byte8.astype(jnp.uint32)
                 col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, 64), 1, layout=WG)
                 if dequant in ("lut", "lutbf"):   # both halves' e2m1 values, from the tables
                     e8_halves = (_e2m1_lut(byte8, "e4m3") if dequant == "lut" else
                                  _e2m1_lut(byte8, "bf16", tables=tb_s))
-                elif dequant == "place" and words:
-                    e8_halves = _e2m1_place_words(codes8)
+                elif dequant == "place" and words:   # whole words: bytes 16 c + 4 t + j
+                    # of a row in thread t (no "nodeq" ablation for this order)
+                    e8_halves = _e2m1_place_words(plgpu.load(
+                        c_s.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT, optimized=False))
                 elif dequant == "place":   # both halves' values * 2^-126, no tables
                     e8_halves = (_nibble_pairs(byte8, "{\nmov.b32 $0, $2;\nmov.b32 $1, $2;\n}",
                                                "bf16") if "nodeq" in ablated
