@@ -613,8 +613,10 @@ def test_gpu_lut_dequant_every_code():
     keys = {"idx_codes": jnp.asarray(rng.integers(0, 256, (256, 32, 64)), jnp.uint8),
             "idx_scale": jnp.asarray(rng.integers(100, 160, (256, 32, 4)), jnp.uint8)}
     t = jnp.asarray(rng.integers(0, 4 * 32 * 64, 4), jnp.int32)
+    # (the natural k order: "words" sums the same products in another order)
     run = lambda dq, kreg: np.asarray(jax.jit(functools.partial(
-        K.indexer_scores, dequant=dq, kreg=kreg))(q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
+        K.indexer_scores, dequant=dq, kreg=kreg, key_order="natural"))(
+            q, w, keys["idx_codes"], keys["idx_scale"], bt, t))
     a = run("bits", False)
     check_scores(a, np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
     for kreg in (False, True):
