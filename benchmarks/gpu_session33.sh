@@ -57,3 +57,21 @@ if [ "${PART:-1}" = 4 ]; then
     --variants fp4:$V,fp4:$V+DSV4_IDX_KEY_ORDER=words,nvfp4:$V,nvfp4:$V+DSV4_IDX_KEY_ORDER=words \
     | tee $OUT/indexer_words.log | grep "^|\|device"
 fi
+# PART=5 (H100, kind nvidia-h100-x1, ~8 min; session 33): the indexer's heads reduction as
+# one FFMA chain (DSV4_IDX_EPILOGUE=chain, the default since; 4 float instructions a chunk
+# fewer than Mosaic's reduce, "tree") with the words key order: GPU tests, timing against
+# tree at B = 64 / 32 / 8, 128K and B = 64, 32K; then the decode check (4 Flash layers,
+# random cache, kernels vs pure JAX, B = 32, 128K, fp4 index keys) with both defaults.
+if [ "${PART:-1}" = 5 ]; then
+  T 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_indexer_decode.py \
+    -k "epilogue or words_key_order or lut_dequant_every_code or nvfp4_every_code" 2>&1 \
+    | tee $OUT/pytest_epilogue.log | grep -v "^$" | tail -6
+  V=place:0:2:0:1:w
+  T 170 python3 benchmarks/indexer_probe.py sweep --rounds 3 \
+    --cases 64:131072,32:131072,8:131072,64:32768 \
+    --variants fp4:$V,fp4:$V+DSV4_IDX_EPILOGUE=tree,nvfp4:$V,nvfp4:$V+DSV4_IDX_EPILOGUE=tree \
+    | tee $OUT/indexer_epilogue.log | grep "^|\|device"
+  T 230 python3 benchmarks/decode_kernels_check.py --preset flash --layers 4 \
+    --random-cache --matmul pallas --batch 32 --context 131072 --steps 3 --index-format fp4 \
+    | tee $OUT/check_b32_words.log | grep -E "median|Error|argmax"
+fi

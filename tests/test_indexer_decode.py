@@ -404,6 +404,26 @@ def test_words_key_order_env(monkeypatch):
     assert K._pipeline(None, None, key_order="natural")["key_order"] == "natural"
 
 
+def test_epilogue_forms_agree(monkeypatch):
+    """The heads' reduction as one FFMA chain over the column tiles ("chain", the default)
+    and as Mosaic's reduce of the whole tile ("tree"), interpreted: the same scores to f32
+    rounding (the sums' order differs), both the reference's; a bad form is named."""
+    rng = np.random.default_rng()
+    q, w, keys, bt, _ = make_inputs(int(rng.integers(1 << 20)), B=2, NB=8, MAXB=4)
+    t = jnp.asarray([511, 300], jnp.int32)
+    out = {}
+    for form in ("chain", "tree"):
+        monkeypatch.setenv("DSV4_IDX_EPILOGUE", form)
+        out[form] = run_kernel(q, w, keys, bt, t)
+        check_scores(out[form], np.asarray(R.indexer_scores_reference(q, w, keys, bt, t)))
+    fin = np.isfinite(out["tree"])
+    assert np.array_equal(fin, np.isfinite(out["chain"]))
+    assert np.abs(out["chain"][fin] - out["tree"][fin]).max() <= 1e-5 * np.abs(out["tree"][fin]).max()
+    monkeypatch.setenv("DSV4_IDX_EPILOGUE", "pairwise")
+    with pytest.raises(ValueError, match="DSV4_IDX_EPILOGUE"):
+        run_kernel(q, w, keys, bt, t)
+
+
 def test_e4m3_bits_decode_every_byte():
     """The nvfp4 path's scale decode (the stored byte as e4m3, converted) on all 254
     non-NaN e4m3 bytes with other bits set above the byte, against ml_dtypes."""
@@ -781,6 +801,25 @@ def test_gpu_words_key_order_matches(fmt):
         a, n = set(words[b][words[b] >= 0]), set(nat[b][nat[b] >= 0])
         diff = a ^ n
         assert all(abs(ref_scores[b, i] - kth[b, 0]) <= 1e-5 * abs(kth[b, 0]) for i in diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp4", "nvfp4", "fp8"])
+def test_gpu_epilogue_forms_agree(fmt, monkeypatch):
+    """"chain" (session 33) against "tree" (Mosaic's reduce) on the GPU: within f32
+    rounding of each other and the reference's; CTA spans of 5 chunks and the default."""
+    q, w, keys, bt, t, ref = _split_edge_case(fmt)
+    for cpc in (5, None):
+        out = {}
+        for form in ("chain", "tree"):
+            monkeypatch.setenv("DSV4_IDX_EPILOGUE", form)
+            out[form] = np.asarray(jax.jit(functools.partial(
+                K.score_keys, fmt=fmt, chunks_per_cta=cpc))(q, w, keys, bt, t))
+            check_scores(out[form], ref)
+        fin = np.isfinite(out["tree"])
+        assert np.array_equal(fin, np.isfinite(out["chain"]))
+        assert (np.abs(out["chain"][fin] - out["tree"][fin]).max()
+                <= 1e-5 * np.abs(out["tree"][fin]).max())
 
 
 def test_two_chunks_a_step_lowering_and_errors():

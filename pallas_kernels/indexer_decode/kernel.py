@@ -173,6 +173,21 @@ def _ablated():
     return set(filter(None, os.environ.get("DSV4_IDX_ABLATE", "").split("/")))
 
 
+EPILOGUE = "chain"
+EPILOGUES = ("chain", "tree")
+
+
+def _epilogue_form():
+    """How a chunk's scores are reduced over the heads: "chain" (EPILOGUE; one FFMA chain
+    over the 8 column tiles, then a tile's 8 heads) or "tree" (Mosaic's reduce of the whole
+    [64, 64]); $DSV4_IDX_EPILOGUE at trace time, for A/B runs. The sums' order differs:
+    the same values to f32 rounding."""
+    form = os.environ.get("DSV4_IDX_EPILOGUE", EPILOGUE)
+    if form not in EPILOGUES:
+        raise ValueError(f"$DSV4_IDX_EPILOGUE must be one of {EPILOGUES}, got {form!r}")
+    return form
+
+
 def _pipeline(stages, overlap, kreg=None, barriers=None, w_in_loop=None, chunks_per_step=None,
               key_order=None):
     key_order = key_order or os.environ.get("DSV4_IDX_KEY_ORDER", KEY_ORDER)
@@ -621,6 +636,7 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
     tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     n_sc = len(scales)
     ablated = _ablated() if kreg else set()
+    epilogue_form = _epilogue_form()
     span = cpc * CHUNK
     span_s = -(-span // 256) * 256   # the -inf fill's layout takes 256-float multiples
 
@@ -697,7 +713,19 @@ def _indexer_call_blocks(qh, w, codes, scales, bt, t, *, fmt, cpc, n_ctas, inter
 
         def epilogue(j, s):
             wv = plgpu.load(w_s, layout=COL) if w_in_loop else wv0
-            score = (jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wv, s.shape, [1])).sum(axis=1)
+            wb = lax.broadcast_in_dim(wv, s.shape, [1])
+            if epilogue_form == "chain":
+                # relu(s) w summed over the 8 column tiles of 8 heads as one FFMA chain a
+                # register, then over a tile's 8 heads: ~38 float ops a thread a chunk
+                # against ~52 for Mosaic's 8-accumulator reduce of the whole [64, 64]
+                acc = None
+                for c in range(N_HEADS // 8):
+                    cols = slice(8 * c, 8 * c + 8)
+                    t = jnp.maximum(s[:, cols], 0.0) * wb[:, cols]
+                    acc = t if acc is None else acc + t
+                score = acc.sum(axis=1)
+            else:
+                score = (jnp.maximum(s, 0.0) * wb).sum(axis=1)
             if w_in_loop and dequant == "place":
                 score = score * jnp.float32(2.0 ** _PLACE_LOG2)
             ids = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROW) + (first + j) * CHUNK
