@@ -75,3 +75,12 @@ if [ "${PART:-1}" = 5 ]; then
     --random-cache --matmul pallas --batch 32 --context 131072 --steps 3 --index-format fp4 \
     | tee $OUT/check_b32_words.log | grep -E "median|Error|argmax"
 fi
+# PART=6 (H100, ~3 min; session 33): the fp4 / nvfp4 scoring kernels with this session's
+# defaults (words order, chain epilogue) against session 32's (natural, tree) on one more
+# lease, 5 rounds, B = 64 and 32 at 128K: how firm the 60% at B = 64 is.
+if [ "${PART:-1}" = 6 ]; then
+  V=place:0:2:0:1:w
+  OLD=+DSV4_IDX_KEY_ORDER=natural+DSV4_IDX_EPILOGUE=tree
+  T 400 python3 benchmarks/indexer_probe.py sweep --rounds 5 --cases 64:131072,32:131072 \
+    --variants fp4:$V,fp4:$V$OLD,nvfp4:$V,nvfp4:$V$OLD | tee $OUT/indexer_defaults.log | grep "^|\|device"
+fi
