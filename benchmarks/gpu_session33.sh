@@ -84,3 +84,16 @@ if [ "${PART:-1}" = 6 ]; then
   T 400 python3 benchmarks/indexer_probe.py sweep --rounds 5 --cases 64:131072,32:131072 \
     --variants fp4:$V,fp4:$V$OLD,nvfp4:$V,nvfp4:$V$OLD | tee $OUT/indexer_defaults.log | grep "^|\|device"
 fi
+# PART=7 (H100, ~4 min; session 33): XLA puts kernel runs shorter than
+# xla_gpu_graph_min_graph_size (default 5) between two Mosaic GPU calls outside its CUDA
+# graphs: 75 of 166 XLA kernels of the 4-layer x2 step (compile-only thunk dump). With the
+# size at 1 all 166 go into 43 graphs. Does the host enqueue less? 10 Flash layers, one
+# H100, B = 1, the plain step with nothing moving between steps, default vs 1.
+if [ "${PART:-1}" = 7 ]; then
+  A="--preset flash --layers 10 --matmul pallas --kernels on --context 4096 --donate-logits --place-args --merge-x-proj --top 3"
+  for g in 5 1 5; do
+    XLA_FLAGS=--xla_gpu_graph_min_graph_size=$g T 130 python3 -m benchmarks.step_anatomy $A \
+      >> $OUT/anatomy10_graph$g.log
+    echo "min graph size $g: $(grep -v '^[IW]1' $OUT/anatomy10_graph$g.log | grep -E '^step')"
+  done
+fi
