@@ -34,11 +34,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-HT, D, BLK = 64, 512, 64      # heads (the wgmma M), head width, keys a block
+# the attention kernel's shapes, layouts and online-softmax step, so both forms here run
+# its arithmetic: heads a CTA (the wgmma M), head width, keys a block
+from pallas_kernels.sparse_decode_attention.kernel import BLK, D, _online_update
+from pallas_kernels.sparse_decode_attention.merge import HT, ROW, TILED, WG
+
 HALF = D // 2                 # output columns a consumer owns
-TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-WG = plgpu.Layout.WGMMA
-ROW = WG.reduce(1)
 FORMS = ("dup", "seesaw", "seesaw_nest")
 
 
@@ -52,15 +53,14 @@ def reference(q_BHD, k_BND):
 
 
 def _online(s, m, l, acc):
-    """The online-softmax step of a block (as the kernel's _online_update): scores s [64,
-    64] with the statistics (m, l) after the previous block -> (P f32, m, l, alpha, acc
-    rescaled)."""
+    """The kernel's online-softmax step (_online_update) for scores s [64, 64] with the
+    statistics (m, l) after the previous block -> (P f32, m, l, alpha, acc rescaled). alpha
+    (published by the seesaw's owner for the other consumer's rescale) is the same
+    expression _online_update applies, so both consumers rescale by the same bits."""
     m_new = jnp.maximum(m, s.max(axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
-    return p, m_new, l, alpha, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p, l, acc = _online_update(s, m_new, m, l, acc)
+    alpha = jnp.exp(m - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+    return p, m_new, l, alpha, acc
 
 
 def dense_attention(q_BHD, k_BND, *, form="seesaw", reuse=False, interpret=None):

@@ -770,8 +770,8 @@ def test_gpu_two_chunks_a_step_match(fmt, dequant, stages):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp4", "nvfp4"])
 def test_gpu_words_key_order_matches(fmt):
-    """key_order="words" (whole words of code bytes a thread, q permuted to match; session
-    32, not yet run on a GPU when written): scores within rounding of the natural order's
+    """key_order="words" (whole words of code bytes a thread, q permuted to match; built in
+    session 32, first passed on the H100 in session 33): scores within rounding of the natural order's
     (the same products summed in another order) and of the reference's, the same top-k;
     CTA spans of 5 and 32 chunks, one and two chunks a step, unused blocks, a partial
     chunk. Raw random code bytes (every code) under scale exponents across the range."""

@@ -325,7 +325,8 @@ def _e2m1_place(byte_WG):
     return _nibble_pairs(byte_WG, _PLACE_PROGRAM, "bf16")
 
 
-# Key order "words" (session 32, compile-only so far): the wgmma's k order is permuted
+# Key order "words" (built in session 32, GPU-tested and the default since session 33;
+# KEY_ORDER): the wgmma's k order is permuted
 # within each 16-dim group, so that the code bytes a thread needs are whole 32-bit words of
 # a row. In the WGMMA bf16 layout thread t holds k indices 16 c + 8 a + 2 t + e (c = the
 # k16 step, a, e in {0, 1}); in WGMMA_LAYOUT_8BIT it holds the code bytes 16 c + 4 t + j.
