@@ -11,6 +11,10 @@
 #   seesaw 136 B, seesaw_nest 84 B (ptxas 13.0). If seesaw wins clearly with the copies
 #   off, the real kernel's version is worth its SMEM problem (MOSAIC_GPU_NOTES.md).
 #   Hangs are possible on a first run of a new barrier protocol: timeout -s KILL.
+#   Ran in session 34: benchmarks/results/session34_h100/seesaw_probe.log.
+# 2 (H100): the seesaw attention kernel (_attn_call_ss, DSV4_ATTN_SEESAW=1; built in session
+#   34, compile-only: 812 B of spills at ptxas' 168 registers, q's rope columns held in
+#   registers): bit-identity with double_k (GPU tests), then GPU time against double_k.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
@@ -20,4 +24,12 @@ case "${PART:-1}" in
     | tee $OUT/pytest_seesaw.log | grep -v "^$" | tail -6
   T 330 python3 benchmarks/seesaw_probe.py --rounds 3 --cases 128:320,64:640,132:640 \
     | tee $OUT/seesaw_probe.log | grep "^|\|device\|identical" ;;
+2)
+  T 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "seesaw_matches" 2>&1 | tee $OUT/pytest_seesaw_attn.log | grep -v "^$" | tail -8
+  T 250 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_SEESAW=1 | tee $OUT/attn_seesaw_csa.log | grep "^|\|^  "
+  T 130 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:hca:64:131072 \
+    --variants cpasync+hid,cpasync+hid:DSV4_ATTN_SEESAW=1 | tee $OUT/attn_seesaw_hca.log | grep "^|\|^  " ;;
 esac

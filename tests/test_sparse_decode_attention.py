@@ -223,6 +223,66 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
             assert rel_err(out, ref) < 5e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_seesaw_matches_double_k(kind, monkeypatch):
+    """The seesaw kernel ($DSV4_ATTN_SEESAW=1: q.k once a block, P and the row statistics
+    published through SMEM, q's rope columns from registers) gives double_k's output bit
+    for bit on double_k's cases (pool edges, -1 holes, a block of -1, t bounds, Flash and
+    Pro head counts, in-kernel HCA ids, 1-3 splits: 0 to 11 key blocks a CTA, odd and
+    even)."""
+    for args, hca, prefix, all_splits in _double_k_cases(kind):
+        ids = R.hca_indices(args[5], hca) if hca else args[4]
+        ref = np.asarray(R.sparse_decode_attention_reference(
+            *args[:4], ids, *args[5:])).astype(np.float32)
+        for splits in all_splits:
+            def run(seesaw):
+                monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
+                return np.asarray(jax.jit(functools.partial(
+                    K.sparse_decode_attention, splits=splits, gather="cpasync",
+                    ids_prefix=prefix, hca_entries=hca, double_k=True))(*args)).astype(np.float32)
+            out, dk = run("1"), run("0")
+            assert np.isfinite(out).all()
+            np.testing.assert_array_equal(out, dk)
+            assert rel_err(out, ref) < 5e-3
+
+
+def test_seesaw_lowering_and_refusal(monkeypatch):
+    """The seesaw kernel lowers for Flash / Pro head counts (top-k ids, 1 and 3 splits) and
+    in-kernel HCA ids, and is a different program from double_k; a bad $DSV4_ATTN_SEESAW
+    is refused."""
+    B, NB, EPB, MAXB = 8, 4096, 32, 512
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
+           S((B, 128), jnp.int32))
+    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
+    hcmp = tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
+
+    def lowered(seesaw, a, **kw):
+        monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
+        f = functools.partial(K.sparse_decode_attention, gather="cpasync", ids_prefix=True,
+                              double_k=True, **kw)
+        return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    for H in (64, 128):
+        a = (S((B, H, 512), jnp.bfloat16), win, cmp, S((B, MAXB), jnp.int32),
+             S((B, 512), jnp.int32), S((B,), jnp.int32), S((H,), jnp.float32))
+        for splits in (1, 3):
+            assert "mosaic_gpu" in lowered("1", a, splits=splits)
+        ha = a[:2] + (hcmp,) + a[3:4] + (None,) + a[5:]
+        assert "mosaic_gpu" in lowered("1", ha, splits=2, hca_entries=MAXB)
+
+    def program(seesaw):   # the traced program (its lowered text differs run to run)
+        monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
+        return str(jax.make_jaxpr(functools.partial(
+            K.sparse_decode_attention, gather="cpasync", ids_prefix=True, double_k=True))(*a))
+    assert program("0") == program("0") != program("1") == program("1")
+    monkeypatch.setenv("DSV4_ATTN_SEESAW", "yes")
+    with pytest.raises(ValueError, match="DSV4_ATTN_SEESAW"):
+        jax.jit(functools.partial(K.sparse_decode_attention, gather="cpasync",
+                                  ids_prefix=True, double_k=True)).trace(*a)
+
+
 def test_double_k_lowering_and_refusals(monkeypatch):
     """double_k lowers for Flash / Pro head counts, top-k and in-kernel HCA ids, 1 and 3
     splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way

@@ -260,7 +260,10 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                 raise ValueError(f"double_k takes neither qk_split nor the in-kernel merge "
                                  f"(got qk_split={qk_split}, merge={merge!r})")
             double_k = False   # the default gives way to an explicit qk_split / merge
-        if double_k and gather == "cpasync":
+        if double_k and gather == "cpasync" and _seesaw():
+            o, lse = _attn_call_ss(*args, NS=NS, epb=cmp[0].shape[1],
+                                   used_from_t=ids_prefix, implicit=implicit)
+        elif double_k and gather == "cpasync":
             o, lse = _attn_call_dk(*args, NS=NS, epb=cmp[0].shape[1],
                                    used_from_t=ids_prefix, implicit=implicit)
         elif warp_specialized:
@@ -443,7 +446,7 @@ def _ablated():
 
 
 def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0,
-               parts="nr", rope_in_k=False):
+               parts="nr", rope_in_k=False, nope_chunks=(0, NCH), meta=True, commit=False):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
     this thread's copies (the caller's barrier_arrive releases them to the consumers).
@@ -460,7 +463,10 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
     double_k kernel): s_refs = (n_s [1, 7, 64, 64], k_s [2, 64, 512] bf16 (tiled (8, 64),
     128-byte swizzled), m_s [2, 8, 64]); the nope rows go to n_s's one slot, the meta to
     m_s[slot], the rope rows straight into columns 448.. of K tile `slot`, followed by a
-    proxy fence (the consumers' wgmma read them through the async proxy)."""
+    proxy fence (the consumers' wgmma read them through the async proxy).
+    nope_chunks (lo, hi): only chunks lo..hi-1 of the nope rows; meta: write the meta with
+    them; commit (the seesaw kernel): close this thread's copies as one cp.async group
+    instead of waiting for them (the caller retires it: _cp_retire)."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
     r_ref = plgpu.RefType(TILED) if rope_in_k else ref
@@ -535,7 +541,7 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
             base = arith.addi(s_n, arith.addi(n_off, arith.muli(key, c32(64))))
             unit = [arith.addi(base, arith.muli(arith.xori(arith.addi(h, c32(2 * k)), x),
                                                 c32(16))) for k in range(2)]
-            for i in range(CP_NOPE // 2):
+            for i in range(2 * nope_chunks[0], 2 * nope_chunks[1]):
                 copy(arith.addi(unit[i % 2], c32((i // 2) * BLK * 64)),
                      arith.addi(src, c64(32 * i)))
         if "r" in parts:
@@ -560,7 +566,10 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
                                                  arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
                 for i in range(CP_ROPE // 2):
                     copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
-        if "n" not in parts:
+        if commit and ("n" not in parts or not meta):
+            mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
+            return
+        if "n" not in parts or not meta:
             mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
             if rope_in_k:
                 mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
@@ -579,6 +588,9 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         for k in range(4):
             mu.inline_ptx("st.shared.u8 [$0], $1;", arith.addi(m, c32(k * BLK)),
                           arith.shrui(w, c32(8 * k)), has_side_effects=True)
+        if commit:
+            mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
+            return
         mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
         if rope_in_k and "r" in parts:
             mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
@@ -962,6 +974,15 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
+def _seesaw():
+    """$DSV4_ATTN_SEESAW: "1" runs the seesaw kernel (_attn_call_ss) where double_k would
+    run; "0" (default) double_k."""
+    v = os.environ.get("DSV4_ATTN_SEESAW", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"DSV4_ATTN_SEESAW must be '0' or '1', got {v!r}")
+    return v == "1"
+
+
 def _dk_overlap():
     """$DSV4_ATTN_DK_AT: "pv" (default) or "qk", where double_k puts the next dequant.
     H100, 128K (session 28 run6 / run7; cpasync kernel -> qk -> pv, us): Flash CSA B=64
@@ -1166,6 +1187,284 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             plgpu.Barrier(num_arrivals=2),                    # free: the FP8 slot
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree: K[s] read by P V
+            collective_axes="wg",
+        )
+
+    return _launch_ws(kernel, NS, B, HP)(q, wn, wr, cn, cr, *args)
+
+
+# The seesaw kernel (_attn_call_ss): the FP8 staging slot's two regions (chunks 0-3: the
+# block's owner dequantises them before its scores; chunks 4-6: the previous block's owner,
+# under its scores), and the meta slots (4 blocks may be in flight between a meta copy and
+# the last read of that slot's previous block).
+REG_A, REG_B = (0, 4), (4, NCH)
+META_SLOTS = 4
+HALF = D // 2
+
+
+def _cp_retire(pending, fence=False):
+    """Wait until at most `pending` of this thread's cp.async groups are in flight (the
+    older ones are done); fence: make them visible to the async proxy (the wgmma)."""
+    @plgpu.inline_mgpu()
+    def retire(ctx):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils as mu
+        mu.inline_ptx(f"cp.async.wait_group {pending};", has_side_effects=True)
+        if fence:
+            mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
+    retire()
+
+
+def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta):
+    """-> issue(g, slot): start (no wait: one cp.async group, _cp_retire) the copies of
+    one part of key block g: parts "n" the nope chunks `chunks` (and the meta into
+    m_s[slot] if meta), "r" the rope rows into K tile `slot`."""
+    wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
+    i32 = lambda v: jnp.asarray(v, jnp.int32)
+    gather = ((lambda *a, **k: None) if "copy" in _ablated() else
+              functools.partial(_cp_gather, parts=parts, rope_in_k=True, nope_chunks=chunks,
+                                meta=meta, commit=True))
+
+    def issue(g, slot):
+        @pl.when(g < NW)
+        def _():
+            gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
+                   i32(0), i32(b), i32(slot), epb, implicit)
+
+        @pl.when(g >= NW)
+        def _():
+            off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
+            gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
+                   i32(slot), epb, implicit)
+    return issue
+
+
+def _ss_buffers():
+    """SMEM of the seesaw kernel (~223 KB of 227): q_s [64, 448] bf16 (q's nope columns;
+    its rope columns live in registers), k_s two bf16 K tiles, n_s one FP8 staging slot
+    (two regions), m_s [4, 8, 64] meta, v_s [64] f32 (sink, then the lse), p_s [64, 64]
+    bf16 (q's rope columns until both consumers loaded them, then the published P), x_s
+    [3, 64] f32 (m, alpha, l after the published block), t_s [2] i32 (the tile ids)."""
+    return (plgpu.SMEM((HT, NOPE), jnp.bfloat16, transforms=TILED),
+            plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),
+            plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),
+            plgpu.SMEM((META_SLOTS, 8, BLK), jnp.uint8),
+            plgpu.SMEM((HT,), jnp.float32),
+            plgpu.SMEM((HT, BLK), jnp.bfloat16, transforms=TILED),
+            plgpu.SMEM((3, HT), jnp.float32),
+            plgpu.SMEM((2,), jnp.int32))
+
+
+def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
+    """seesaw ($DSV4_ATTN_SEESAW=1, gather="cpasync", GPU only): q.k once a key block
+    (FlashMLA's protocol; double_k computes the full scores in both consumers, 1.5x the
+    tensor work). Consumer c owns blocks c, c + 2, ... (K tile c): it scores its block,
+    runs the softmax from the statistics after the other's block, publishes P (bf16, p_s)
+    and (m, alpha, l) (x_s), and adds P V of its output half from registers; the other
+    consumer rescales its half by alpha and adds P V with P from SMEM. Same operands,
+    order and roundings as double_k, so the same output bit for bit. Block i, consumer
+    c = i % 2, o = 1 - c:
+      A  (the K tile free: block i-2's P V done by both) dequantise chunks 0-3 of block i;
+      B  the other's block i-1: wait pub[o], rescale, P V from p_s, release its tile;
+      C  wait kfull[c] (chunks 0-3 by c, 4-6 by o) and rbar[c] (rope rows);
+      D  scores (q nope from SMEM, q rope from registers); under them, chunks 4-6 of block
+         i+1 into the other tile (once block i-1's P V are done by both);
+      E  softmax, publish; F  P V of its half from registers, release tile c.
+    Chunks 4-6 of block 0: consumer 1 before its first block. SMEM: a P buffer (8 KB)
+    only fits with q's rope columns in registers (+16 a consumer thread). The producer,
+    per block j: chunks 0-3 + meta (after chunks 0-3 of j-1 are dequantised), chunks 4-6
+    (after those of j-1), rope rows into tile j % 2 (after block j-2's P V); each part is
+    one cp.async group, announced (landA / landB / rbar) once the next part is issued."""
+    B, HP, _ = q.shape
+    keys = args[:-2]
+    kp, bps = _key_blocks(keys, implicit, NS)
+    scale = 1.0 / math.sqrt(D)
+
+    def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
+        *key_g, nb_g, sink_g, o_g, lse_g = refs
+        b, s_id, ht = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("h")
+        wg = lax.axis_index("wg")
+        g0 = s_id * bps
+        n = _split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
+
+        def scoped(q_s, k_s, n_s, m_s, v_s, p_s, x_s, t_s, qbar, landA, landB, rbar, freeA,
+                   freeB, kfull, kfree, pub, done):
+            @pl.when(wg == 2)
+            def _producer():
+                _set_registers(consumer=False)
+                g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
+                s_refs = (n_s, k_s, m_s)
+                heads = pl.ds(ht * HT, HT)
+                plgpu.copy_gmem_to_smem(q_g.at[b, heads, pl.ds(0, NOPE)], q_s, qbar)
+                plgpu.copy_gmem_to_smem(q_g.at[b, heads, pl.ds(NOPE, ROPE)], p_s, qbar)
+                plgpu.copy_gmem_to_smem(sink_g.at[heads], v_s, qbar)
+                part_a = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_A, True)
+                part_b = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_B, False)
+                part_r = _cp_part(b, g_refs, s_refs, epb, implicit, "r", (0, 0), False)
+
+                @pl.loop(0, n)
+                def _(j):
+                    s = lax.rem(j, 2)
+
+                    @pl.when(j >= 1)
+                    def _():
+                        plgpu.barrier_wait(freeA)          # chunks 0-3 of j-1 dequantised
+                    part_a(g0 + j, lax.rem(j, META_SLOTS))
+
+                    @pl.when(j >= 1)
+                    def _():
+                        _cp_retire(1, fence=True)          # block j-1's rope rows
+                        plgpu.barrier_arrive(rbar.at[1 - s])
+                        plgpu.barrier_wait(freeB)          # chunks 4-6 of j-1 dequantised
+                    part_b(g0 + j, lax.rem(j, META_SLOTS))
+                    _cp_retire(1)
+                    plgpu.barrier_arrive(landA.at[s])
+
+                    @pl.when(j >= 2)
+                    def _():
+                        plgpu.barrier_wait(kfree.at[s])    # block j-2's P V done by both
+                    part_r(g0 + j, s)
+                    _cp_retire(1)
+                    plgpu.barrier_arrive(landB.at[s])
+
+                @pl.when(n >= 1)
+                def _():
+                    _cp_retire(0, fence=True)
+                    plgpu.barrier_arrive(rbar.at[lax.rem(n - 1, 2)])
+                plgpu.barrier_wait(qbar)
+
+            def consumer(c):
+                o = 1 - c
+                cols = pl.ds(c * HALF, HALF)
+                _set_registers(consumer=True)
+                # the tile ids, read back every block: as constants ptxas hoists every
+                # wgmma descriptor out of the loop and spills (seesaw_probe.py)
+                t_s[c] = jnp.int32(c)
+
+                def ids():
+                    tc = t_s[c]
+                    return tc, 1 - tc
+
+                plgpu.barrier_wait(qbar)
+                q_rope = plgpu.load(p_s, (), layout=WG)       # [64 heads, 64] bf16
+
+                def dequant(i, tile, chunks, land, free, full):
+                    plgpu.barrier_wait(land)
+                    _dequant(n_s, None, m_s, k_s.at[tile], lax.rem(i, META_SLOTS),
+                             range(*chunks), False, True, n_slot=0)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(free)
+                    plgpu.barrier_arrive(full)
+
+                def other(carry):
+                    """The other's latest block (tile to): -> acc, m, l after it."""
+                    acc = carry[0]
+                    _, to = ids()
+                    plgpu.barrier_wait(pub.at[o])
+                    alpha = plgpu.load(x_s.at[1], (), layout=ROW)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                    def mma(acc_ref):
+                        plgpu.wgmma(acc_ref, p_s, k_s.at[to, :, cols])
+                    acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(kfree.at[to])
+                    return (acc, plgpu.load(x_s.at[0], (), layout=ROW),
+                            plgpu.load(x_s.at[2], (), layout=ROW))
+
+                def own(i, carry, prev):
+                    tc, to = ids()
+
+                    @pl.when(i >= 2)
+                    def _():
+                        plgpu.barrier_wait(kfree.at[tc])   # block i-2's P V done by both
+                    with jax.named_scope("deq_own"):
+                        dequant(i, tc, REG_A, landA.at[c], freeA, kfull.at[c])
+                    if prev:
+                        with jax.named_scope("other"):
+                            carry = other(carry)
+                    acc, m, l = carry
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(kfull.at[c])
+                        plgpu.barrier_wait(rbar.at[c])
+                    bias = _bias(m_s, lax.rem(i, META_SLOTS))
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_s, k_s.at[tc, :, pl.ds(0, NOPE)].T)
+                        plgpu.wgmma(acc_ref, q_rope, k_s.at[tc, :, pl.ds(NOPE, ROPE)].T)
+
+                        @pl.when(i + 1 < n)
+                        def _():
+                            with jax.named_scope("deq_next"):
+                                if prev:
+                                    plgpu.barrier_wait(kfree.at[to])   # block i-1's P V
+                                dequant(i + 1, to, REG_B, landB.at[o], freeB, kfull.at[o])
+                        return acc_ref[...]
+                    with jax.named_scope("qk_softmax"):
+                        sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
+                        sc = sc * scale + lax.broadcast_in_dim(bias, sc.shape, [1])
+                        m_new = jnp.maximum(m, sc.max(axis=1))
+                        p, l, acc = _online_update(sc, m_new, m, l, acc)
+                        # the rescale _online_update applied, for the other consumer
+                        alpha = jnp.exp(m - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+                        p = p.astype(jnp.bfloat16)
+                        # p_s / x_s were last read by this consumer's P V of block i-1
+                        p_s[...] = p
+                        x_s[0] = m_new
+                        x_s[1] = alpha
+                        x_s[2] = l
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(pub.at[c])
+                    with jax.named_scope("pv"):
+                        def mma(acc_ref):
+                            plgpu.wgmma(acc_ref, p, k_s.at[tc, :, cols])
+                        acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+                        plgpu.barrier_arrive(kfree.at[tc])
+                    return acc, m_new, l
+
+                carry = _init_carry()
+                one = lambda x: x.astype(jnp.int32)
+                if c == 0:
+                    # block 0 (0 or 1 times), blocks 2, 4, ..., then block n-1 if it is odd
+                    carry = lax.fori_loop(0, jnp.minimum(n, 1),
+                                          lambda _, cr: own(0, cr, prev=False), carry)
+                    carry = lax.fori_loop(1, (n + 1) // 2,
+                                          lambda k, cr: own(2 * k, cr, prev=True), carry)
+                    carry = lax.fori_loop(0, one((n >= 2) & (n % 2 == 0)),
+                                          lambda _, cr: other(cr), carry)
+                else:
+                    @pl.when(n >= 1)
+                    def _():   # chunks 4-6 of block 0 (into tile 0)
+                        _, to = ids()
+                        dequant(0, to, REG_B, landB.at[0], freeB, kfull.at[0])
+                    carry = lax.fori_loop(0, n // 2,
+                                          lambda k, cr: own(2 * k + 1, cr, prev=True), carry)
+                    carry = lax.fori_loop(0, n % 2, lambda _, cr: other(cr), carry)
+                acc, m, l = carry
+                with jax.named_scope("finish"):
+                    # both consumers are past their last wgmma: tile 0 stages the output
+                    plgpu.barrier_arrive(done)
+                    plgpu.barrier_wait(done)
+                    _finish(acc, m, l, k_s.at[0], v_s, o_g, lse_g, s_id, b, ht, jnp.int32(c),
+                            NS == 1)
+
+            for cc in (0, 1):
+                @pl.when(wg == cc)
+                def _(cc=cc):
+                    consumer(cc)
+
+        pl.run_scoped(
+            scoped,
+            *_ss_buffers(),
+            plgpu.Barrier(num_arrivals=3),                    # qbar: q nope, q rope, sink
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # landA[c]: chunks 0-3 + meta
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # landB[j % 2]: chunks 4-6
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # rbar[c]: rope rows in K[c]
+            plgpu.Barrier(num_arrivals=1),                    # freeA: chunks 0-3 free
+            plgpu.Barrier(num_arrivals=1),                    # freeB: chunks 4-6 free
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfull[c]: both regions
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree[s]: both P V
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),    # pub[c]: P, statistics
+            plgpu.Barrier(num_arrivals=2),                    # done
             collective_axes="wg",
         )
 
