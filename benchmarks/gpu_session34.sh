@@ -32,4 +32,12 @@ case "${PART:-1}" in
     --variants cpasync+idp,cpasync+idp:DSV4_ATTN_SEESAW=1 | tee $OUT/attn_seesaw_csa.log | grep "^|\|^  "
   T 130 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:hca:64:131072 \
     --variants cpasync+hid,cpasync+hid:DSV4_ATTN_SEESAW=1 | tee $OUT/attn_seesaw_hca.log | grep "^|\|^  " ;;
+3)  # (H100) why seesaw is slower (run2: Flash CSA B=64 50.5 vs 32.9 us): Mosaic's in-kernel
+    # profiler per warpgroup scope, both kernels; and both with the row copies ablated
+  T 150 env DSV4_ATTN_SEESAW=1 python3 benchmarks/attn_timeline.py --case flash:csa:64:131072 \
+    | tee $OUT/timeline_seesaw.log
+  T 150 python3 benchmarks/attn_timeline.py --case flash:csa:64:131072 | tee $OUT/timeline_dk.log
+  T 250 python3 benchmarks/attn_probe.py --rounds 3 --cases flash:csa:64:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_SEESAW=1,cpasync+idp:DSV4_ATTN_ABLATE=copy,cpasync+idp:DSV4_ATTN_SEESAW=1:DSV4_ATTN_ABLATE=copy \
+    | tee $OUT/attn_seesaw_ablate.log | grep "^|\|^  " ;;
 esac
