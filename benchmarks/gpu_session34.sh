@@ -40,4 +40,15 @@ case "${PART:-1}" in
   T 250 python3 benchmarks/attn_probe.py --rounds 3 --cases flash:csa:64:131072 \
     --variants cpasync+idp,cpasync+idp:DSV4_ATTN_SEESAW=1,cpasync+idp:DSV4_ATTN_ABLATE=copy,cpasync+idp:DSV4_ATTN_SEESAW=1:DSV4_ATTN_ABLATE=copy \
     | tee $OUT/attn_seesaw_ablate.log | grep "^|\|^  " ;;
+4)  # (H100) seesaw with q_s indexed from SMEM (spills 812 -> 176 B; 0 with the next
+    # block's chunks 4-6 dequantised under P V, DSV4_ATTN_SS_DEQ_AT=pv)
+  T 240 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants cpasync+idp,cpasync+idp:DSV4_ATTN_SEESAW=1,cpasync+idp:DSV4_ATTN_SEESAW=1:DSV4_ATTN_SS_DEQ_AT=pv \
+    | tee $OUT/attn_seesaw2_csa.log | grep "^|\|^  "
+  T 120 python3 benchmarks/attn_probe.py --rounds 3 --cases flash:csa:64:131072 \
+    --variants cpasync+idp:DSV4_ATTN_ABLATE=copy,cpasync+idp:DSV4_ATTN_SEESAW=1:DSV4_ATTN_ABLATE=copy,cpasync+idp:DSV4_ATTN_SEESAW=1:DSV4_ATTN_SS_DEQ_AT=pv:DSV4_ATTN_ABLATE=copy \
+    | tee $OUT/attn_seesaw2_ablate.log | grep "^|\|^  "
+  T 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "seesaw_matches and csa" 2>&1 | tee $OUT/pytest_seesaw2.log | grep -v "^$" | tail -4 ;;
 esac

@@ -225,12 +225,14 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_gpu_seesaw_matches_double_k(kind, monkeypatch):
+@pytest.mark.parametrize("deq_at", ["qk", "pv"])
+def test_gpu_seesaw_matches_double_k(kind, deq_at, monkeypatch):
     """The seesaw kernel ($DSV4_ATTN_SEESAW=1: q.k once a block, P and the row statistics
     published through SMEM, q's rope columns from registers) gives double_k's output bit
     for bit on double_k's cases (pool edges, -1 holes, a block of -1, t bounds, Flash and
     Pro head counts, in-kernel HCA ids, 1-3 splits: 0 to 11 key blocks a CTA, odd and
-    even)."""
+    even); chunks 4-6 of the next block dequantised under the scores or under P V."""
+    monkeypatch.setenv("DSV4_ATTN_SS_DEQ_AT", deq_at)
     for args, hca, prefix, all_splits in _double_k_cases(kind):
         ids = R.hca_indices(args[5], hca) if hca else args[4]
         ref = np.asarray(R.sparse_decode_attention_reference(

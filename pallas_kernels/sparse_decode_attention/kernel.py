@@ -1245,7 +1245,7 @@ def _ss_buffers():
     (two regions), m_s [4, 8, 64] meta, v_s [64] f32 (sink, then the lse), p_s [64, 64]
     bf16 (q's rope columns until both consumers loaded them, then the published P), x_s
     [3, 64] f32 (m, alpha, l after the published block), t_s [2] i32 (the tile ids)."""
-    return (plgpu.SMEM((HT, NOPE), jnp.bfloat16, transforms=TILED),
+    return (plgpu.SMEM((1, HT, NOPE), jnp.bfloat16, transforms=TILED),
             plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),
             plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),
             plgpu.SMEM((META_SLOTS, 8, BLK), jnp.uint8),
@@ -1279,6 +1279,11 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     keys = args[:-2]
     kp, bps = _key_blocks(keys, implicit, NS)
     scale = 1.0 / math.sqrt(D)
+    # where chunks 4-6 of block i+1 are dequantised: under block i's scores ("qk") or its
+    # P V ("pv"); $DSV4_ATTN_SS_DEQ_AT
+    deq_at = os.environ.get("DSV4_ATTN_SS_DEQ_AT", "qk")
+    if deq_at not in ("qk", "pv"):
+        raise ValueError(f"DSV4_ATTN_SS_DEQ_AT must be 'qk' or 'pv', got {deq_at!r}")
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1295,7 +1300,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
                 s_refs = (n_s, k_s, m_s)
                 heads = pl.ds(ht * HT, HT)
-                plgpu.copy_gmem_to_smem(q_g.at[b, heads, pl.ds(0, NOPE)], q_s, qbar)
+                plgpu.copy_gmem_to_smem(q_g.at[b, heads, pl.ds(0, NOPE)], q_s.at[0], qbar)
                 plgpu.copy_gmem_to_smem(q_g.at[b, heads, pl.ds(NOPE, ROPE)], p_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[heads], v_s, qbar)
                 part_a = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_A, True)
@@ -1346,7 +1351,10 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     return tc, 1 - tc
 
                 plgpu.barrier_wait(qbar)
-                q_rope = plgpu.load(p_s, (), layout=WG)       # [64 heads, 64] bf16
+                # [64 heads, 64] bf16; DSV4_ATTN_ABLATE=qrope: the wgmma reads p_s instead
+                # (wrong values: times the kernel without these 16 registers a thread)
+                q_rope = (p_s if "qrope" in _ablated() else
+                          plgpu.load(p_s, (), layout=WG))
 
                 def dequant(i, tile, chunks, land, free, full):
                     plgpu.barrier_wait(land)
@@ -1388,16 +1396,20 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                         plgpu.barrier_wait(rbar.at[c])
                     bias = _bias(m_s, lax.rem(i, META_SLOTS))
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_s, k_s.at[tc, :, pl.ds(0, NOPE)].T)
-                        plgpu.wgmma(acc_ref, q_rope, k_s.at[tc, :, pl.ds(NOPE, ROPE)].T)
-
+                    def deq_next():
                         @pl.when(i + 1 < n)
                         def _():
                             with jax.named_scope("deq_next"):
                                 if prev:
                                     plgpu.barrier_wait(kfree.at[to])   # block i-1's P V
                                 dequant(i + 1, to, REG_B, landB.at[o], freeB, kfull.at[o])
+
+                    def qk(acc_ref):
+                        # q_s's index read back too (0): its 28 descriptors stay in the loop
+                        plgpu.wgmma(acc_ref, q_s.at[tc - c], k_s.at[tc, :, pl.ds(0, NOPE)].T)
+                        plgpu.wgmma(acc_ref, q_rope, k_s.at[tc, :, pl.ds(NOPE, ROPE)].T)
+                        if deq_at == "qk":
+                            deq_next()
                         return acc_ref[...]
                     with jax.named_scope("qk_softmax"):
                         sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
@@ -1417,6 +1429,8 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     with jax.named_scope("pv"):
                         def mma(acc_ref):
                             plgpu.wgmma(acc_ref, p, k_s.at[tc, :, cols])
+                            if deq_at == "pv":
+                                deq_next()
                         acc = pl.run_state(mma)(plgpu.ACC.init(acc))
                         plgpu.barrier_arrive(kfree.at[tc])
                     return acc, m_new, l
