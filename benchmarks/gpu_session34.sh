@@ -51,4 +51,8 @@ case "${PART:-1}" in
     | tee $OUT/attn_seesaw2_ablate.log | grep "^|\|^  "
   T 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
     -k "seesaw_matches and csa" 2>&1 | tee $OUT/pytest_seesaw2.log | grep -v "^$" | tail -4 ;;
+5)  # (H100) run4's pytest was cut by its 200 s limit after one of the two csa tests: the
+    # seesaw's default (DSV4_ATTN_SS_DEQ_AT=pv) against double_k, csa and hca cases
+  T 420 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "seesaw_matches and pv" 2>&1 | tee $OUT/pytest_seesaw_pv.log | grep -E "passed|failed|Error" | tail -4 ;;
 esac

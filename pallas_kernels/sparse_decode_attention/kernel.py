@@ -976,7 +976,7 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
 
 def _seesaw():
     """$DSV4_ATTN_SEESAW: "1" runs the seesaw kernel (_attn_call_ss) where double_k would
-    run; "0" (default) double_k."""
+    run; "0" (default) double_k (faster at Flash CSA B = 64: session 34 run4)."""
     v = os.environ.get("DSV4_ATTN_SEESAW", "0")
     if v not in ("0", "1"):
         raise ValueError(f"DSV4_ATTN_SEESAW must be '0' or '1', got {v!r}")
@@ -1267,21 +1267,31 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
       A  (the K tile free: block i-2's P V done by both) dequantise chunks 0-3 of block i;
       B  the other's block i-1: wait pub[o], rescale, P V from p_s, release its tile;
       C  wait kfull[c] (chunks 0-3 by c, 4-6 by o) and rbar[c] (rope rows);
-      D  scores (q nope from SMEM, q rope from registers); under them, chunks 4-6 of block
-         i+1 into the other tile (once block i-1's P V are done by both);
-      E  softmax, publish; F  P V of its half from registers, release tile c.
+      D  scores (q nope from SMEM, q rope from registers);
+      E  softmax, publish; F  P V of its half from registers, release tile c; under it
+         (or under the scores: $DSV4_ATTN_SS_DEQ_AT=qk), chunks 4-6 of block i+1 into the
+         other tile (once block i-1's P V are done by both).
     Chunks 4-6 of block 0: consumer 1 before its first block. SMEM: a P buffer (8 KB)
     only fits with q's rope columns in registers (+16 a consumer thread). The producer,
     per block j: chunks 0-3 + meta (after chunks 0-3 of j-1 are dequantised), chunks 4-6
     (after those of j-1), rope rows into tile j % 2 (after block j-2's P V); each part is
-    one cp.async group, announced (landA / landB / rbar) once the next part is issued."""
+    one cp.async group, announced (landA / landB / rbar) once the next part is issued.
+    q_s is indexed by a tile id read back from SMEM (always 0): as a constant address
+    ptxas hoisted its 28 wgmma descriptors out of the block loop (812 B of spills -> 176).
+    Measured (H100, 128K, session 34 run4; GPU tests: bit-identical to double_k): Flash
+    CSA B=64 34.9 us against double_k's 31.9 (24.5 vs 25.5 with the row copies ablated),
+    Pro CSA B=32 45.2 vs 46.0, Flash CSA B=8 12.4 vs 12.9. The shorter chain exposes the
+    row gathers' latency: with one FP8 staging slot a region's copy has about one block's
+    chain minus a dequant to land (double_k: one double_k block, ~2x longer), and SMEM
+    has no room for a second slot. So it is opt-in (MOSAIC_GPU_NOTES.md, session 34)."""
     B, HP, _ = q.shape
     keys = args[:-2]
     kp, bps = _key_blocks(keys, implicit, NS)
     scale = 1.0 / math.sqrt(D)
-    # where chunks 4-6 of block i+1 are dequantised: under block i's scores ("qk") or its
-    # P V ("pv"); $DSV4_ATTN_SS_DEQ_AT
-    deq_at = os.environ.get("DSV4_ATTN_SS_DEQ_AT", "qk")
+    # where chunks 4-6 of block i+1 are dequantised: under block i's scores ("qk": 176 B of
+    # spills, the scores' 32 accumulator registers live beside the dequant's) or its P V
+    # ("pv", default: no spills; 1-4% faster, session 34 run4); $DSV4_ATTN_SS_DEQ_AT
+    deq_at = os.environ.get("DSV4_ATTN_SS_DEQ_AT", "pv")
     if deq_at not in ("qk", "pv"):
         raise ValueError(f"DSV4_ATTN_SS_DEQ_AT must be 'qk' or 'pv', got {deq_at!r}")
 
