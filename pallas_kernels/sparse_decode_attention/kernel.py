@@ -598,6 +598,84 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
     gather(*refs, *s_refs, row_base, idx_off, b, slot)
 
 
+def _l2_ahead():
+    """$DSV4_ATTN_L2PF: key blocks ahead whose compressed rows the double_k / seesaw
+    producer prefetches into L2 after issuing a block's copies (0, default: none), so
+    that their gathers later read L2 instead of HBM (no SMEM, no barrier)."""
+    v = os.environ.get("DSV4_ATTN_L2PF", "0")
+    if not v.isdigit():
+        raise ValueError(f"DSV4_ATTN_L2PF must be a block count >= 0, got {v!r}")
+    return int(v)
+
+
+def _cp_prefetch(refs, idx_off, b, epb, implicit=0):
+    """Prefetch one compressed key block's rows into L2 from the calling warpgroup's 128
+    threads: key t // 2's pool row derived as _cp_gather derives it (ids idx[idx_off +
+    key], or the list position itself with implicit); thread h = 0 prefetches its nope
+    row (448 B, one bulk prefetch), h = 1 its rope row (128 B) and scale row (8 B). A
+    masked (-1) id prefetches row 0's entry: harmless. refs = (cmp nope [rows * 7, 64],
+    cmp rope [rows, 64], idx [B, KP], block_table [R, MAXB], cmp_scale [rows, 8]) in
+    GMEM. GPU only (inline PTX)."""
+    ref = plgpu.RefType()
+    splat = plgpu.Layout.WG_SPLAT(())
+    EPB_, MAXB = epb, refs[3].shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(ref,) * 5 + (splat,) * 2)
+    def prefetch(ctx, nope_g, rope_g, idx_g, bt_g, csc_g, io, bb):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm
+        from jax.experimental.mosaic.gpu import utils as mu
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        c32 = lambda v: mu.c(v, i32)
+        c64 = lambda v: mu.c(v, i64)
+        gaddr = lambda r: llvm.ptrtoint(i64, mu.memref_ptr(r))
+        io, bb = (x.registers.item() for x in (io, bb))
+        t = arith.remui(mu.thread_idx(), c32(128))
+        key, h = arith.shrui(t, c32(1)), arith.andi(t, c32(1))
+
+        def ld32(base, i):
+            a = arith.addi(base, arith.muli(arith.extui(i64, i), c64(4)))
+            return mu.inline_ptx("ld.global.nc.b32 $0, [$1];", a, result_types=i32)
+        i = arith.addi(io, key)
+        safe = i if implicit else arith.maxsi(ld32(gaddr(idx_g), i), c32(0))
+        col = arith.minui(arith.divui(safe, c32(EPB_)), c32(MAXB - 1))
+        blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)), col))
+        row = arith.extui(i64, arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
+                                          arith.remui(safe, c32(EPB_))))
+        h0 = arith.cmpi(arith.CmpIPredicate.eq, h, c32(0))
+        h1 = arith.cmpi(arith.CmpIPredicate.eq, h, c32(1))
+        mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {NOPE};",
+                      arith.addi(gaddr(nope_g), arith.muli(row, c64(NOPE))),
+                      predicate=h0, has_side_effects=True)
+        mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {ROPE * 2};",
+                      arith.addi(gaddr(rope_g), arith.muli(row, c64(ROPE * 2))),
+                      predicate=h1, has_side_effects=True)
+        mu.inline_ptx("prefetch.global.L2 [$0];",
+                      arith.addi(gaddr(csc_g), arith.muli(row, c64(8))),
+                      predicate=h1, has_side_effects=True)
+
+    prefetch(*refs, idx_off, b)
+
+
+def _prefetcher(b, g_refs, epb, implicit, ahead, g0, n):
+    """-> pf(j): after block j's copies, prefetch block j + ahead's compressed rows into L2
+    (when it is one of this CTA's n blocks and not a window block); a no-op if ahead = 0."""
+    wn_g, wr_g, cn_g, cr_g, idx_g, bt_g, wsc_g, csc_g, *_ = g_refs
+
+    def pf(j):
+        if not ahead:
+            return
+        g = g0 + j + ahead
+
+        @pl.when((j + ahead < n) & (g >= NW))
+        def _():
+            off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
+            _cp_prefetch((cn_g, cr_g, idx_g, bt_g, csc_g), jnp.asarray(off, jnp.int32),
+                         jnp.asarray(b, jnp.int32), epb, implicit)
+    return pf
+
+
 def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
@@ -1079,6 +1157,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 s_refs = (n_s, k_s, m_s)
                 nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
                 rope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="r", rope_in_k=True)
+                prefetch = _prefetcher(b, g_refs, epb, implicit, _l2_ahead(), g0, n_load)
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -1090,6 +1169,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     def _():
                         plgpu.barrier_wait(free)            # block j-1 dequantised
                     nope(g0 + j, s, wbar, cbar)
+                    prefetch(j)
 
                     @pl.when(j >= 2)
                     def _():
@@ -1316,6 +1396,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 part_a = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_A, True)
                 part_b = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_B, False)
                 part_r = _cp_part(b, g_refs, s_refs, epb, implicit, "r", (0, 0), False)
+                prefetch = _prefetcher(b, g_refs, epb, implicit, _l2_ahead(), g0, n)
 
                 @pl.loop(0, n)
                 def _(j):
@@ -1341,6 +1422,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     part_r(g0 + j, s)
                     _cp_retire(1)
                     plgpu.barrier_arrive(landB.at[s])
+                    prefetch(j)
 
                 @pl.when(n >= 1)
                 def _():

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Queued in session 34 (2026-11-28) for the next session's device calls, one PART each,
+# output in $OUT; each PART's timeouts sum to <= 600 s. Note: T() drops every line with
+# "warn" in it, pytest's summary line included: count the dots / F's in the log.
+# 1 (H100, kind nvidia-h100-x1): the L2 prefetch of the compressed rows a block or two
+#   ahead (DSV4_ATTN_L2PF=1|2, built in session 34, compile-only: double_k 16 B of spills,
+#   seesaw none) in double_k and the seesaw kernel: bit-identity (GPU test), then GPU time
+#   at the three CSA shapes of session 34 run4 (double_k 31.9 / 46.0 / 12.9 us, seesaw
+#   34.9 / 45.2 / 12.4). The seesaw lost Flash CSA B=64 to its gathers' latency (one
+#   staging slot, ~one short block to land): if L2 prefetch hides that, seesaw + L2PF
+#   could beat double_k there.
+# 2 (H100): HCA with the prefetch; the seesaw at B = 1 / 4 and with one split at B = 64
+#   (its shorter chain against the merge it saves: double_k one split 41.3 us, s29).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_COMPILE_CACHE=off
+T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
+V="cpasync+idp"
+case "${PART:-1}" in
+1)
+  T 230 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+    -k "l2_prefetch and csa" 2>&1 | tee $OUT/pytest_l2pf.log | grep -v "^$" | tail -4
+  T 340 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
+    --variants $V,$V:DSV4_ATTN_L2PF=1,$V:DSV4_ATTN_L2PF=2,$V:DSV4_ATTN_SEESAW=1,$V:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=1,$V:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=2 \
+    | tee $OUT/attn_l2pf_csa.log | grep "^|\|^  " ;;
+2)
+  H="cpasync+hid"
+  T 200 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants $H,$H:DSV4_ATTN_L2PF=2,$H:DSV4_ATTN_SEESAW=1,$H:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=2 \
+    | tee $OUT/attn_l2pf_hca.log | grep "^|\|^  "
+  T 200 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:1:131072,flash:csa:4:131072 \
+    --variants $V,$V:DSV4_ATTN_SEESAW=1 | tee $OUT/attn_seesaw_small.log | grep "^|\|^  "
+  T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:64:131072 \
+    --variants $V,$V+s1,$V+s1:DSV4_ATTN_SEESAW=1,$V+s1:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=2 \
+    | tee $OUT/attn_seesaw_s1.log | grep "^|\|^  " ;;
+esac
