@@ -446,7 +446,8 @@ def _ablated():
 
 
 def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0,
-               parts="nr", rope_in_k=False, nope_chunks=(0, NCH), meta=True, commit=False):
+               parts="nr", rope_in_k=False, nope_chunks=(0, NCH), meta=True, commit=False,
+               pf=None):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
     this thread's copies (the caller's barrier_arrive releases them to the consumers).
@@ -466,15 +467,21 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
     proxy fence (the consumers' wgmma read them through the async proxy).
     nope_chunks (lo, hi): only chunks lo..hi-1 of the nope rows; meta: write the meta with
     them; commit (the seesaw kernel): close this thread's copies as one cp.async group
-    instead of waiting for them (the caller retires it: _cp_retire)."""
+    instead of waiting for them (the caller retires it: _cp_retire).
+    pf = (cmp nope, cmp rope, pf_off, pf_on) ($DSV4_ATTN_L2PF): with this block's copies
+    in flight, also derive the pool rows of the compressed ids idx[pf_off + key] (or
+    positions, implicit) and, where pf_on, prefetch them into L2 (thread h = 0: its nope
+    row, one bulk prefetch of 448 B; h = 1: its rope row and scale row), so that their
+    own gather later reads L2. The derivation's loads overlap the copies' latency."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
     r_ref = plgpu.RefType(TILED) if rope_in_k else ref
     EPB_, MAXB = epb, refs[3].shape[1]
+    pf_types = () if pf is None else (ref, ref, splat, splat)
 
-    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4)
+    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4 + pf_types)
     def gather(ctx, nope_g, rope_g, idx_g, bt_g, wsc_g, csc_g, pos_g, t_g, n_s, r_s, m_s,
-               rb, io, bb, sl):
+               rb, io, bb, sl, *pf_args):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm
@@ -527,6 +534,31 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
             mu.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16;", dst, src,
                           predicate=pred, has_side_effects=True)
 
+        def emit_pf():
+            """The L2 prefetch of block pf_off's rows (pf), under this block's copies."""
+            if not pf_args:
+                return
+            pn_g, pr_g, po, pon = pf_args
+            po, pon = (x.registers.item() for x in (po, pon))
+            i = arith.addi(po, key)
+            safe = i if implicit else arith.maxsi(ld32(gaddr(idx_g), i), c32(0))
+            col = arith.minui(arith.divui(safe, c32(EPB_)), c32(MAXB - 1))
+            blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)), col))
+            prow = arith.extui(i64, arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
+                                               arith.remui(safe, c32(EPB_))))
+            on = arith.cmpi(arith.CmpIPredicate.ne, pon, c32(0))
+            h0 = arith.andi(on, arith.cmpi(arith.CmpIPredicate.eq, h, c32(0)))
+            h1 = arith.andi(on, arith.cmpi(arith.CmpIPredicate.eq, h, c32(1)))
+            mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {NOPE};",
+                          arith.addi(gaddr(pn_g), arith.muli(prow, c64(NOPE))),
+                          predicate=h0, has_side_effects=True)
+            mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {ROPE * 2};",
+                          arith.addi(gaddr(pr_g), arith.muli(prow, c64(ROPE * 2))),
+                          predicate=h1, has_side_effects=True)
+            mu.inline_ptx("prefetch.global.L2 [$0];",
+                          arith.addi(gaddr(csc_g), arith.muli(prow, c64(8))),
+                          predicate=h1, has_side_effects=True)
+
         # thread t copies half of key t // 2's row: pieces h, h + 2, h + 4, ... (h = t % 2),
         # so the two threads of a key read adjacent 16 bytes (whole 32-byte sectors), one
         # row id a thread, and every piece is a constant offset from two base addresses
@@ -566,6 +598,8 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
                                                  arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
                 for i in range(CP_ROPE // 2):
                     copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
+        if "n" not in parts or not meta:
+            emit_pf()
         if commit and ("n" not in parts or not meta):
             mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
             return
@@ -588,6 +622,7 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         for k in range(4):
             mu.inline_ptx("st.shared.u8 [$0], $1;", arith.addi(m, c32(k * BLK)),
                           arith.shrui(w, c32(8 * k)), has_side_effects=True)
+        emit_pf()
         if commit:
             mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
             return
@@ -595,110 +630,60 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         if rope_in_k and "r" in parts:
             mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
 
-    gather(*refs, *s_refs, row_base, idx_off, b, slot)
+    gather(*refs, *s_refs, row_base, idx_off, b, slot, *(() if pf is None else pf))
 
 
 def _l2_ahead():
     """$DSV4_ATTN_L2PF: key blocks ahead whose compressed rows the double_k / seesaw
-    producer prefetches into L2 after issuing a block's copies (0, default: none), so
-    that their gathers later read L2 instead of HBM (no SMEM, no barrier)."""
+    producer prefetches into L2 while a block's copies are in flight (0, default: none;
+    _cp_gather's pf), so that their gathers later read L2 instead of HBM (no SMEM, no
+    barrier). double_k prefetches from its nope gather, the seesaw from its rope gather."""
     v = os.environ.get("DSV4_ATTN_L2PF", "0")
     if not v.isdigit():
         raise ValueError(f"DSV4_ATTN_L2PF must be a block count >= 0, got {v!r}")
     return int(v)
 
 
-def _cp_prefetch(refs, idx_off, b, epb, implicit=0):
-    """Prefetch one compressed key block's rows into L2 from the calling warpgroup's 128
-    threads: key t // 2's pool row derived as _cp_gather derives it (ids idx[idx_off +
-    key], or the list position itself with implicit); thread h = 0 prefetches its nope
-    row (448 B, one bulk prefetch), h = 1 its rope row (128 B) and scale row (8 B). A
-    masked (-1) id prefetches row 0's entry: harmless. refs = (cmp nope [rows * 7, 64],
-    cmp rope [rows, 64], idx [B, KP], block_table [R, MAXB], cmp_scale [rows, 8]) in
-    GMEM. GPU only (inline PTX)."""
-    ref = plgpu.RefType()
-    splat = plgpu.Layout.WG_SPLAT(())
-    EPB_, MAXB = epb, refs[3].shape[1]
-
-    @plgpu.inline_mgpu(arg_types=(ref,) * 5 + (splat,) * 2)
-    def prefetch(ctx, nope_g, rope_g, idx_g, bt_g, csc_g, io, bb):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm
-        from jax.experimental.mosaic.gpu import utils as mu
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        c32 = lambda v: mu.c(v, i32)
-        c64 = lambda v: mu.c(v, i64)
-        gaddr = lambda r: llvm.ptrtoint(i64, mu.memref_ptr(r))
-        io, bb = (x.registers.item() for x in (io, bb))
-        t = arith.remui(mu.thread_idx(), c32(128))
-        key, h = arith.shrui(t, c32(1)), arith.andi(t, c32(1))
-
-        def ld32(base, i):
-            a = arith.addi(base, arith.muli(arith.extui(i64, i), c64(4)))
-            return mu.inline_ptx("ld.global.nc.b32 $0, [$1];", a, result_types=i32)
-        i = arith.addi(io, key)
-        safe = i if implicit else arith.maxsi(ld32(gaddr(idx_g), i), c32(0))
-        col = arith.minui(arith.divui(safe, c32(EPB_)), c32(MAXB - 1))
-        blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)), col))
-        row = arith.extui(i64, arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
-                                          arith.remui(safe, c32(EPB_))))
-        h0 = arith.cmpi(arith.CmpIPredicate.eq, h, c32(0))
-        h1 = arith.cmpi(arith.CmpIPredicate.eq, h, c32(1))
-        mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {NOPE};",
-                      arith.addi(gaddr(nope_g), arith.muli(row, c64(NOPE))),
-                      predicate=h0, has_side_effects=True)
-        mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {ROPE * 2};",
-                      arith.addi(gaddr(rope_g), arith.muli(row, c64(ROPE * 2))),
-                      predicate=h1, has_side_effects=True)
-        mu.inline_ptx("prefetch.global.L2 [$0];",
-                      arith.addi(gaddr(csc_g), arith.muli(row, c64(8))),
-                      predicate=h1, has_side_effects=True)
-
-    prefetch(*refs, idx_off, b)
+def _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n):
+    """_cp_gather's pf for block g's copies: block g + ahead's compressed rows, when it is
+    one of this CTA's n blocks (g0 ..) and not a window block (else the prefetch is off
+    and its ids are read at offset 0: in bounds); None if ahead = 0."""
+    if not ahead:
+        return None
+    gp = g + ahead
+    on = (gp - g0 < n) & (gp >= NW)
+    off = (gp - NW) * BLK if implicit else b * idx_g.shape[1] + (gp - NW) * BLK
+    return (cn_g, cr_g, jnp.where(on, off, 0).astype(jnp.int32), on.astype(jnp.int32))
 
 
-def _prefetcher(b, g_refs, epb, implicit, ahead, g0, n):
-    """-> pf(j): after block j's copies, prefetch block j + ahead's compressed rows into L2
-    (when it is one of this CTA's n blocks and not a window block); a no-op if ahead = 0."""
-    wn_g, wr_g, cn_g, cr_g, idx_g, bt_g, wsc_g, csc_g, *_ = g_refs
-
-    def pf(j):
-        if not ahead:
-            return
-        g = g0 + j + ahead
-
-        @pl.when((j + ahead < n) & (g >= NW))
-        def _():
-            off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
-            _cp_prefetch((cn_g, cr_g, idx_g, bt_g, csc_g), jnp.asarray(off, jnp.int32),
-                         jnp.asarray(b, jnp.int32), epb, implicit)
-    return pf
-
-
-def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False):
+def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False, ahead=0,
+               g0=0, n=0):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
     on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
     cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t). implicit: as
-    _cp_gather's (then idx is not read); parts, rope_in_k: _cp_gather's (double_k)."""
+    _cp_gather's (then idx is not read); parts, rope_in_k: _cp_gather's (double_k);
+    ahead > 0: each block's gather also prefetches block g + ahead's rows into L2 (_pf_spec,
+    g0 / n: this CTA's first block and block count)."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     gather = ((lambda *a, **k: None) if "copy" in _ablated() else
               functools.partial(_cp_gather, parts=parts, rope_in_k=rope_in_k))
 
     def issue(g, slot, wbar, cbar):
+        pf = _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n)
+
         @pl.when(g < NW)
         def _():
             gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                   i32(0), i32(b), i32(slot), epb, implicit)
+                   i32(0), i32(b), i32(slot), epb, implicit, pf=pf)
             plgpu.barrier_arrive(wbar.at[slot])
 
         @pl.when(g >= NW)
         def _():
             off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
             gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
-                   i32(slot), epb, implicit)
+                   i32(slot), epb, implicit, pf=pf)
             plgpu.barrier_arrive(cbar.at[slot])
     return issue
 
@@ -1155,9 +1140,10 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 _set_registers(consumer=False)
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
                 s_refs = (n_s, k_s, m_s)
-                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
+                # ($DSV4_ATTN_L2PF: the nope rows' gather also prefetches a later block's)
+                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True,
+                                  ahead=_l2_ahead(), g0=g0, n=n_load)
                 rope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="r", rope_in_k=True)
-                prefetch = _prefetcher(b, g_refs, epb, implicit, _l2_ahead(), g0, n_load)
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
 
@@ -1169,7 +1155,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     def _():
                         plgpu.barrier_wait(free)            # block j-1 dequantised
                     nope(g0 + j, s, wbar, cbar)
-                    prefetch(j)
 
                     @pl.when(j >= 2)
                     def _():
@@ -1295,10 +1280,10 @@ def _cp_retire(pending, fence=False):
     retire()
 
 
-def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta):
+def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta, ahead=0, g0=0, n=0):
     """-> issue(g, slot): start (no wait: one cp.async group, _cp_retire) the copies of
     one part of key block g: parts "n" the nope chunks `chunks` (and the meta into
-    m_s[slot] if meta), "r" the rope rows into K tile `slot`."""
+    m_s[slot] if meta), "r" the rope rows into K tile `slot`; ahead: _cp_issuer's."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     gather = ((lambda *a, **k: None) if "copy" in _ablated() else
@@ -1306,16 +1291,18 @@ def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta):
                                 meta=meta, commit=True))
 
     def issue(g, slot):
+        pf = _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n)
+
         @pl.when(g < NW)
         def _():
             gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                   i32(0), i32(b), i32(slot), epb, implicit)
+                   i32(0), i32(b), i32(slot), epb, implicit, pf=pf)
 
         @pl.when(g >= NW)
         def _():
             off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
             gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
-                   i32(slot), epb, implicit)
+                   i32(slot), epb, implicit, pf=pf)
     return issue
 
 
@@ -1395,8 +1382,10 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 plgpu.copy_gmem_to_smem(sink_g.at[heads], v_s, qbar)
                 part_a = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_A, True)
                 part_b = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_B, False)
-                part_r = _cp_part(b, g_refs, s_refs, epb, implicit, "r", (0, 0), False)
-                prefetch = _prefetcher(b, g_refs, epb, implicit, _l2_ahead(), g0, n)
+                # ($DSV4_ATTN_L2PF: the rope rows' gather, the block's last part, also
+                # prefetches a later block's rows)
+                part_r = _cp_part(b, g_refs, s_refs, epb, implicit, "r", (0, 0), False,
+                                  ahead=_l2_ahead(), g0=g0, n=n)
 
                 @pl.loop(0, n)
                 def _(j):
@@ -1422,7 +1411,6 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     part_r(g0 + j, s)
                     _cp_retire(1)
                     plgpu.barrier_arrive(landB.at[s])
-                    prefetch(j)
 
                 @pl.when(n >= 1)
                 def _():
