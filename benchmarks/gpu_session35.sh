@@ -8,7 +8,8 @@
 #   at the three CSA shapes of session 34 run4 (double_k 31.9 / 46.0 / 12.9 us, seesaw
 #   34.9 / 45.2 / 12.4). The seesaw lost Flash CSA B=64 to its gathers' latency (one
 #   staging slot, ~one short block to land): if L2 prefetch hides that, seesaw + L2PF
-#   could beat double_k there.
+#   could beat double_k there. DSV4_ATTN_SS_B=eager (the producer announces chunks 4-6 as
+#   they land instead of after the rope's gate) is the other seesaw producer variant.
 # 2 (H100): HCA with the prefetch; the seesaw at B = 1 / 4 and with one split at B = 64
 #   (its shorter chain against the merge it saves: double_k one split 41.3 us, s29).
 set -u
@@ -17,11 +18,16 @@ T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }
 V="cpasync+idp"
 case "${PART:-1}" in
 1)
-  T 230 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+  S="$V:DSV4_ATTN_SEESAW=1"
+  T 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
     -k "l2_prefetch and csa" 2>&1 | tee $OUT/pytest_l2pf.log | grep -v "^$" | tail -4
-  T 340 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
-    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072 \
-    --variants $V,$V:DSV4_ATTN_L2PF=1,$V:DSV4_ATTN_L2PF=2,$V:DSV4_ATTN_SEESAW=1,$V:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=1,$V:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=2 \
+  T 330 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:64:131072 \
+    --variants $V,$V:DSV4_ATTN_L2PF=1,$V:DSV4_ATTN_L2PF=2,$S,$S:DSV4_ATTN_L2PF=1,$S:DSV4_ATTN_L2PF=2,$S:DSV4_ATTN_SS_B=eager,$S:DSV4_ATTN_SS_B=eager:DSV4_ATTN_L2PF=2 \
+    | tee $OUT/attn_l2pf_flash64.log | grep "^|\|^  " ;;
+1b) # the best of PART=1 at Pro CSA B = 32 and Flash CSA B = 8 (edit the variants)
+  S="$V:DSV4_ATTN_SEESAW=1"
+  T 300 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases pro:csa:32:131072,flash:csa:8:131072 \
+    --variants $V,$V:DSV4_ATTN_L2PF=2,$S,$S:DSV4_ATTN_L2PF=2,$S:DSV4_ATTN_SS_B=eager:DSV4_ATTN_L2PF=2 \
     | tee $OUT/attn_l2pf_csa.log | grep "^|\|^  " ;;
 2)
   H="cpasync+hid"

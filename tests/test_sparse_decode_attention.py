@@ -253,18 +253,20 @@ def test_gpu_seesaw_matches_double_k(kind, deq_at, monkeypatch):
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_gpu_l2_prefetch_changes_nothing(kind, monkeypatch):
     """$DSV4_ATTN_L2PF (the producer prefetches the rows of the block 1 or 2 ahead into
-    L2) leaves double_k's and the seesaw's outputs bit for bit as they are without it."""
+    L2) and the seesaw's eager announcement of chunks 4-6 ($DSV4_ATTN_SS_B=eager) leave
+    double_k's and the seesaw's outputs bit for bit as they are without them."""
     for args, hca, prefix, all_splits in _double_k_cases(kind):
         for splits in all_splits[:2]:
-            def run(seesaw, ahead):
+            def run(seesaw, ahead, b_mode="lazy"):
                 monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
                 monkeypatch.setenv("DSV4_ATTN_L2PF", ahead)
+                monkeypatch.setenv("DSV4_ATTN_SS_B", b_mode)
                 return np.asarray(jax.jit(functools.partial(
                     K.sparse_decode_attention, splits=splits, gather="cpasync",
                     ids_prefix=prefix, hca_entries=hca, double_k=True))(*args)).astype(np.float32)
             base = run("0", "0")
-            for seesaw, ahead in (("0", "1"), ("0", "2"), ("1", "2")):
-                np.testing.assert_array_equal(run(seesaw, ahead), base)
+            for knobs in (("0", "1"), ("0", "2"), ("1", "2"), ("1", "0", "eager")):
+                np.testing.assert_array_equal(run(*knobs), base)
 
 
 def test_seesaw_lowering_and_refusal(monkeypatch):

@@ -1361,6 +1361,14 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     deq_at = os.environ.get("DSV4_ATTN_SS_DEQ_AT", "pv")
     if deq_at not in ("qk", "pv"):
         raise ValueError(f"DSV4_ATTN_SS_DEQ_AT must be 'qk' or 'pv', got {deq_at!r}")
+    # when the producer announces chunks 4-6 of block j: once the rope rows are issued
+    # ("lazy", default: the rope's gate, block j-2's P V, can hold them back although they
+    # are needed under block j-1's P V) or as soon as they land ("eager": the producer
+    # waits for them before the rope's gate); $DSV4_ATTN_SS_B
+    b_mode = os.environ.get("DSV4_ATTN_SS_B", "lazy")
+    if b_mode not in ("lazy", "eager"):
+        raise ValueError(f"DSV4_ATTN_SS_B must be 'lazy' or 'eager', got {b_mode!r}")
+    eager_b = b_mode == "eager"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1404,13 +1412,17 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     part_b(g0 + j, lax.rem(j, META_SLOTS))
                     _cp_retire(1)
                     plgpu.barrier_arrive(landA.at[s])
+                    if eager_b:   # chunks 4-6 announced as they land, before the rope's gate
+                        _cp_retire(0)
+                        plgpu.barrier_arrive(landB.at[s])
 
                     @pl.when(j >= 2)
                     def _():
                         plgpu.barrier_wait(kfree.at[s])    # block j-2's P V done by both
                     part_r(g0 + j, s)
-                    _cp_retire(1)
-                    plgpu.barrier_arrive(landB.at[s])
+                    if not eager_b:
+                        _cp_retire(1)
+                        plgpu.barrier_arrive(landB.at[s])
 
                 @pl.when(n >= 1)
                 def _():
