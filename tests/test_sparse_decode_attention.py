@@ -312,6 +312,15 @@ def test_seesaw_lowering_and_refusal(monkeypatch):
     with pytest.raises(ValueError, match="DSV4_ATTN_L2PF"):
         program("0")
     monkeypatch.setenv("DSV4_ATTN_L2PF", "0")
+    # the seesaw's producer / dequant placements lower; bad values are refused
+    for knob, good, bad in (("DSV4_ATTN_SS_B", "eager", "soon"),
+                            ("DSV4_ATTN_SS_DEQ_AT", "qk", "both")):
+        monkeypatch.setenv(knob, good)
+        assert "mosaic_gpu" in lowered("1", a, splits=2)
+        monkeypatch.setenv(knob, bad)
+        with pytest.raises(ValueError, match=knob):
+            program("1")
+        monkeypatch.delenv(knob)
     monkeypatch.setenv("DSV4_ATTN_SEESAW", "yes")
     with pytest.raises(ValueError, match="DSV4_ATTN_SEESAW"):
         jax.jit(functools.partial(K.sparse_decode_attention, gather="cpasync",
