@@ -223,6 +223,17 @@ def test_gpu_double_k_matches_cpasync(kind, at, monkeypatch):
             assert rel_err(out, ref) < 5e-3
 
 
+def _abstract_cache(B, NB=4096, EPB=32):
+    """Shapes of a cache for lowering-only tests -> (window parts, compressed pool parts
+    with EPB entries a block, the same pool with one entry a block (HCA))."""
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
+           S((B, 128), jnp.int32))
+    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
+    return win, cmp, tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("deq_at", ["qk", "pv"])
@@ -273,13 +284,9 @@ def test_seesaw_lowering_and_refusal(monkeypatch):
     """The seesaw kernel lowers for Flash / Pro head counts (top-k ids, 1 and 3 splits) and
     in-kernel HCA ids, and is a different program from double_k; so does the L2 prefetch
     in both kernels; bad $DSV4_ATTN_SEESAW / $DSV4_ATTN_L2PF values are refused."""
-    B, NB, EPB, MAXB = 8, 4096, 32, 512
+    B, MAXB = 8, 512
     S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-           S((B, 128), jnp.int32))
-    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
-    hcmp = tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
+    win, cmp, hcmp = _abstract_cache(B)
 
     def lowered(seesaw, a, **kw):
         monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
@@ -332,13 +339,9 @@ def test_double_k_lowering_and_refusals(monkeypatch):
     splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way
     to qk_split and the in-kernel merge; interpreted calls ignore it; a bad
     $DSV4_ATTN_DK_AT is refused."""
-    B, NB, EPB, MAXB = 8, 4096, 32, 512
+    B, MAXB = 8, 512
     S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-           S((B, 128), jnp.int32))
-    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
-    hcmp = tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
+    win, cmp, hcmp = _abstract_cache(B)
     for H in (64, 128):
         rest = (S((B, MAXB), jnp.int32),)
         a = (S((B, H, 512), jnp.bfloat16), win, cmp, *rest, S((B, 512), jnp.int32),

@@ -1037,13 +1037,18 @@ def _attn_call(q, wn, wr, cn, cr, crow, meta, n_blocks, sink, *, NS, gather, int
     )(q, wn, wr, cn, cr, crow, meta, n_blocks, sink)
 
 
+def _env_choice(name, choices):
+    """$name (read when a kernel is traced), one of choices (the first is the default)."""
+    v = os.environ.get(name, choices[0])
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+    return v
+
+
 def _seesaw():
     """$DSV4_ATTN_SEESAW: "1" runs the seesaw kernel (_attn_call_ss) where double_k would
     run; "0" (default) double_k (faster at Flash CSA B = 64: session 34 run4)."""
-    v = os.environ.get("DSV4_ATTN_SEESAW", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"DSV4_ATTN_SEESAW must be '0' or '1', got {v!r}")
-    return v == "1"
+    return _env_choice("DSV4_ATTN_SEESAW", ("0", "1")) == "1"
 
 
 def _dk_overlap():
@@ -1053,10 +1058,7 @@ def _dk_overlap():
     13.0; Flash HCA B=64 47.9 -> 49.2 (qk), Pro HCA B=32 47.0 -> 44.3 (qk). Under the
     scores, the dequant's SMEM traffic meets the scores' (q and K read by both consumers)
     and the FP8 rows (one staging slot) have the least time to land."""
-    v = os.environ.get("DSV4_ATTN_DK_AT", "pv")
-    if v not in ("qk", "pv"):
-        raise ValueError(f"DSV4_ATTN_DK_AT must be 'qk' or 'pv', got {v!r}")
-    return v
+    return _env_choice("DSV4_ATTN_DK_AT", ("pv", "qk"))
 
 
 def _key_blocks(keys, implicit, NS, cpasync=True):
@@ -1358,17 +1360,12 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     # where chunks 4-6 of block i+1 are dequantised: under block i's scores ("qk": 176 B of
     # spills, the scores' 32 accumulator registers live beside the dequant's) or its P V
     # ("pv", default: no spills; 1-4% faster, session 34 run4); $DSV4_ATTN_SS_DEQ_AT
-    deq_at = os.environ.get("DSV4_ATTN_SS_DEQ_AT", "pv")
-    if deq_at not in ("qk", "pv"):
-        raise ValueError(f"DSV4_ATTN_SS_DEQ_AT must be 'qk' or 'pv', got {deq_at!r}")
+    deq_at = _env_choice("DSV4_ATTN_SS_DEQ_AT", ("pv", "qk"))
     # when the producer announces chunks 4-6 of block j: once the rope rows are issued
     # ("lazy", default: the rope's gate, block j-2's P V, can hold them back although they
     # are needed under block j-1's P V) or as soon as they land ("eager": the producer
     # waits for them before the rope's gate); $DSV4_ATTN_SS_B
-    b_mode = os.environ.get("DSV4_ATTN_SS_B", "lazy")
-    if b_mode not in ("lazy", "eager"):
-        raise ValueError(f"DSV4_ATTN_SS_B must be 'lazy' or 'eager', got {b_mode!r}")
-    eager_b = b_mode == "eager"
+    eager_b = _env_choice("DSV4_ATTN_SS_B", ("lazy", "eager")) == "eager"
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
