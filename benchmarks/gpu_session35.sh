@@ -39,4 +39,13 @@ case "${PART:-1}" in
   T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:64:131072 \
     --variants $V,$V+s1,$V+s1:DSV4_ATTN_SEESAW=1,$V+s1:DSV4_ATTN_SEESAW=1:DSV4_ATTN_L2PF=2 \
     | tee $OUT/attn_seesaw_s1.log | grep "^|\|^  " ;;
+3)  # (H100) where the seesaw's consumers wait: Mosaic's profiler (a profiled seesaw build
+    # has 2 meta slots and 48 ranges a warpgroup to fit the SMEM: timelines only), both
+    # kernels, Flash CSA B = 64 (session 34 run3: double_k's 5 blocks a CTA, qk_softmax
+    # 15.5 us, pv 15.4, finish 3.9, wait_k 2.8 of ~50 us profiled)
+  T 150 env DSV4_ATTN_SEESAW=1 python3 benchmarks/attn_timeline.py --case flash:csa:64:131072 \
+    | tee $OUT/timeline_seesaw.log
+  T 150 env DSV4_ATTN_SEESAW=1 DSV4_ATTN_SS_B=eager DSV4_ATTN_L2PF=2 python3 benchmarks/attn_timeline.py \
+    --case flash:csa:64:131072 | tee $OUT/timeline_seesaw_eager_pf2.log
+  T 150 python3 benchmarks/attn_timeline.py --case flash:csa:64:131072 | tee $OUT/timeline_dk.log ;;
 esac

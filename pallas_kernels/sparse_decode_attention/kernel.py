@@ -955,7 +955,7 @@ def _out_types(NS, B, HP):
             jax.ShapeDtypeStruct((NS, B, HP), jnp.float32))
 
 
-def _params():
+def _params(profile_space=64):
     # Lane lowering: SMEM exactly as declared (the row buffers must stay un-swizzled).
     # Barriers are placed by hand (commit_smem, mbarriers): the automatic ones would add a
     # warpgroup barrier before each of the 129 copies of a block. No reduction scratch:
@@ -972,7 +972,7 @@ def _params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                 approx_math=os.environ.get("DSV4_ATTN_APPROX", "1") != "0",
                                 unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
-                                profile_space=64 if prof else 0, profile_dir=prof,
+                                profile_space=profile_space if prof else 0, profile_dir=prof,
                                 # (a CTA with > ~10 key blocks fills the 64 ranges: truncate
                                 # its trace rather than overwrite the SMEM after it)
                                 profile_bounds_check=bool(prof))
@@ -1093,11 +1093,11 @@ def _dk_buffers():
             plgpu.SMEM((HT,), jnp.float32))
 
 
-def _launch_ws(kernel, NS, B, HP):
+def _launch_ws(kernel, NS, B, HP, profile_space=64):
     """The double_k kernel's launch: three warpgroups a CTA (two consumers, the
     producer), one CTA per (request, split, 64-head tile)."""
     return plgpu.kernel(kernel, out_type=_out_types(NS, B, HP), num_threads=3,
-                        thread_name="wg", compiler_params=_params(),
+                        thread_name="wg", compiler_params=_params(profile_space),
                         grid=(B, NS, HP // HT), grid_names=("b", "s", "h"))
 
 
@@ -1308,7 +1308,7 @@ def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta, ahead=0, g0=
     return issue
 
 
-def _ss_buffers():
+def _ss_buffers(meta_slots=META_SLOTS):
     """SMEM of the seesaw kernel (~223 KB of 227): q_s [64, 448] bf16 (q's nope columns;
     its rope columns live in registers), k_s two bf16 K tiles, n_s one FP8 staging slot
     (two regions), m_s [4, 8, 64] meta, v_s [64] f32 (sink, then the lse), p_s [64, 64]
@@ -1317,7 +1317,7 @@ def _ss_buffers():
     return (plgpu.SMEM((1, HT, NOPE), jnp.bfloat16, transforms=TILED),
             plgpu.SMEM((2, BLK, D), jnp.bfloat16, transforms=TILED),
             plgpu.SMEM((1, NCH, BLK, 64), jnp.float8_e4m3fn, transforms=SWZ64),
-            plgpu.SMEM((META_SLOTS, 8, BLK), jnp.uint8),
+            plgpu.SMEM((meta_slots, 8, BLK), jnp.uint8),
             plgpu.SMEM((HT,), jnp.float32),
             plgpu.SMEM((HT, BLK), jnp.bfloat16, transforms=TILED),
             plgpu.SMEM((3, HT), jnp.float32),
@@ -1366,6 +1366,10 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     # are needed under block j-1's P V) or as soon as they land ("eager": the producer
     # waits for them before the rope's gate); $DSV4_ATTN_SS_B
     eager_b = _env_choice("DSV4_ATTN_SS_B", ("lazy", "eager")) == "eager"
+    # meta slots: a profiled build ($DSV4_ATTN_PROFILE) has 2, to make room for the
+    # profiler's ~3 KB; a block's meta may then overwrite that of the block two back while
+    # its bias is read, so its outputs may be wrong: it is for timelines only
+    ms = 2 if os.environ.get("DSV4_ATTN_PROFILE") else META_SLOTS
 
     def kernel(q_g, wn_g, wr_g, cn_g, cr_g, *refs):
         *key_g, nb_g, sink_g, o_g, lse_g = refs
@@ -1399,14 +1403,14 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     @pl.when(j >= 1)
                     def _():
                         plgpu.barrier_wait(freeA)          # chunks 0-3 of j-1 dequantised
-                    part_a(g0 + j, lax.rem(j, META_SLOTS))
+                    part_a(g0 + j, lax.rem(j, ms))
 
                     @pl.when(j >= 1)
                     def _():
                         _cp_retire(1, fence=True)          # block j-1's rope rows
                         plgpu.barrier_arrive(rbar.at[1 - s])
                         plgpu.barrier_wait(freeB)          # chunks 4-6 of j-1 dequantised
-                    part_b(g0 + j, lax.rem(j, META_SLOTS))
+                    part_b(g0 + j, lax.rem(j, ms))
                     _cp_retire(1)
                     plgpu.barrier_arrive(landA.at[s])
                     if eager_b:   # chunks 4-6 announced as they land, before the rope's gate
@@ -1447,7 +1451,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 
                 def dequant(i, tile, chunks, land, free, full):
                     plgpu.barrier_wait(land)
-                    _dequant(n_s, None, m_s, k_s.at[tile], lax.rem(i, META_SLOTS),
+                    _dequant(n_s, None, m_s, k_s.at[tile], lax.rem(i, ms),
                              range(*chunks), False, True, n_slot=0)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(free)
@@ -1483,7 +1487,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                     with jax.named_scope("wait_k"):
                         plgpu.barrier_wait(kfull.at[c])
                         plgpu.barrier_wait(rbar.at[c])
-                    bias = _bias(m_s, lax.rem(i, META_SLOTS))
+                    bias = _bias(m_s, lax.rem(i, ms))
 
                     def deq_next():
                         @pl.when(i + 1 < n)
@@ -1557,7 +1561,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 
         pl.run_scoped(
             scoped,
-            *_ss_buffers(),
+            *_ss_buffers(ms),
             plgpu.Barrier(num_arrivals=3),                    # qbar: q nope, q rope, sink
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # landA[c]: chunks 0-3 + meta
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # landB[j % 2]: chunks 4-6
@@ -1571,7 +1575,8 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
             collective_axes="wg",
         )
 
-    return _launch_ws(kernel, NS, B, HP)(q, wn, wr, cn, cr, *args)
+    # (profiled: 48 ranges a warpgroup, ~7 a key block, to fit the SMEM left)
+    return _launch_ws(kernel, NS, B, HP, profile_space=48)(q, wn, wr, cn, cr, *args)
 
 
 def _attn_call_ws(q, wn, wr, cn, cr, *args, NS, gather, interpret, qk_split=False, epb=None,
