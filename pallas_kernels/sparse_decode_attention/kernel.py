@@ -1344,8 +1344,9 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     only fits with q's rope columns in registers (+16 a consumer thread). The producer,
     per block j: chunks 0-3 + meta (after chunks 0-3 of j-1 are dequantised), chunks 4-6
     (after those of j-1), rope rows into tile j % 2 (after block j-2's P V); each part is
-    one cp.async group, announced (landA / landB / rbar) once the next part is issued.
-    q_s is indexed by a tile id read back from SMEM (always 0): as a constant address
+    one cp.async group, announced (landA / landB / rbar) once the next part is issued
+    (chunks 4-6 as soon as they land with $DSV4_ATTN_SS_B=eager); the rope rows' gather
+    also prefetches a later block's rows into L2 with $DSV4_ATTN_L2PF. q_s is indexed by a tile id read back from SMEM (always 0): as a constant address
     ptxas hoisted its 28 wgmma descriptors out of the block loop (812 B of spills -> 176).
     Measured (H100, 128K, session 34 run4; GPU tests: bit-identical to double_k): Flash
     CSA B=64 34.9 us against double_k's 31.9 (24.5 vs 25.5 with the row copies ablated),
