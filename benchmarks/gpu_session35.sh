@@ -19,9 +19,9 @@ V="cpasync+idp"
 case "${PART:-1}" in
 1)
   S="$V:DSV4_ATTN_SEESAW=1"
-  T 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
+  T 260 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sparse_decode_attention.py \
     -k "l2_prefetch and csa" 2>&1 | tee $OUT/pytest_l2pf.log | grep -v "^$" | tail -4
-  T 330 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:64:131072 \
+  T 320 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:64:131072 \
     --variants $V,$V:DSV4_ATTN_L2PF=1,$V:DSV4_ATTN_L2PF=2,$S,$S:DSV4_ATTN_L2PF=1,$S:DSV4_ATTN_L2PF=2,$S:DSV4_ATTN_SS_B=eager,$S:DSV4_ATTN_SS_B=eager:DSV4_ATTN_L2PF=2 \
     | tee $OUT/attn_l2pf_flash64.log | grep "^|\|^  " ;;
 1b) # the best of PART=1 at Pro CSA B = 32 and Flash CSA B = 8 (edit the variants)
