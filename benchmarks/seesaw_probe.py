@@ -36,10 +36,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # the attention kernel's shapes, layouts and online-softmax step, so both forms here run
 # its arithmetic: heads a CTA (the wgmma M), head width, keys a block
-from pallas_kernels.sparse_decode_attention.kernel import BLK, D, _online_update
+# (HALF: the output columns a consumer owns)
+from pallas_kernels.sparse_decode_attention.kernel import BLK, D, HALF, _online_update
 from pallas_kernels.sparse_decode_attention.merge import HT, ROW, TILED, WG
 
-HALF = D // 2                 # output columns a consumer owns
 FORMS = ("dup", "seesaw", "seesaw_nest")
 
 
@@ -54,12 +54,11 @@ def reference(q_BHD, k_BND):
 
 def _online(s, m, l, acc):
     """The kernel's online-softmax step (_online_update) for scores s [64, 64] with the
-    statistics (m, l) after the previous block -> (P f32, m, l, alpha, acc rescaled). alpha
-    (published by the seesaw's owner for the other consumer's rescale) is the same
-    expression _online_update applies, so both consumers rescale by the same bits."""
+    statistics (m, l) after the previous block -> (P f32, m, l, alpha, acc rescaled); alpha
+    (the rescale applied, published by the seesaw's owner for the other consumer) is the
+    one _online_update applied, so both consumers rescale by the same bits."""
     m_new = jnp.maximum(m, s.max(axis=1))
-    p, l, acc = _online_update(s, m_new, m, l, acc)
-    alpha = jnp.exp(m - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+    p, l, acc, alpha = _online_update(s, m_new, m, l, acc)
     return p, m_new, l, alpha, acc
 
 

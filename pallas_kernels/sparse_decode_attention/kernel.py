@@ -55,6 +55,7 @@ D = 512
 NOPE = 448
 ROPE = 64
 BLK = 64        # keys per step (the reference's online-softmax block)
+HALF = D // 2   # output columns a consumer warpgroup owns
 BLOCK_TOKENS = 128   # tokens a compressed pool block covers (EPB entries of 128 / EPB each)
 NW = WINDOW // BLK
 GATHERS = ("direct", "staged", "cpasync")
@@ -598,15 +599,19 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
                                                  arith.addi(arith.muli(key, c32(ROPE * 2)), h16)))
                 for i in range(CP_ROPE // 2):
                     copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
-        if "n" not in parts or not meta:
+        def finish(fence):
+            """The L2 prefetch (pf), then close this thread's copies: one group (commit)
+            or wait for them, and fence them for the wgmma's async proxy."""
             emit_pf()
-        if commit and ("n" not in parts or not meta):
-            mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
-            return
-        if "n" not in parts or not meta:
+            if commit:
+                mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
+                return
             mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
-            if rope_in_k:
+            if fence:
                 mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
+
+        if "n" not in parts or not meta:
+            finish(rope_in_k)
             return
         # meta: thread h writes exponents 4h .. 4h + 3 of its key into m_s [8, 64]; the
         # format's unused 8th exponent becomes the validity byte
@@ -622,13 +627,7 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
         for k in range(4):
             mu.inline_ptx("st.shared.u8 [$0], $1;", arith.addi(m, c32(k * BLK)),
                           arith.shrui(w, c32(8 * k)), has_side_effects=True)
-        emit_pf()
-        if commit:
-            mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
-            return
-        mu.inline_ptx("cp.async.wait_all;", has_side_effects=True)
-        if rope_in_k and "r" in parts:
-            mu.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
+        finish(rope_in_k and "r" in parts)
 
     gather(*refs, *s_refs, row_base, idx_off, b, slot, *(() if pf is None else pf))
 
@@ -656,35 +655,48 @@ def _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n):
     return (cn_g, cr_g, jnp.where(on, off, 0).astype(jnp.int32), on.astype(jnp.int32))
 
 
-def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False, ahead=0,
-               g0=0, n=0):
-    """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
-    into slot with its meta (the calling warpgroup waits for its copies) and arrives once
-    on its barrier (wbar / cbar: one arrival per block). g_refs = (win nope, win rope,
-    cmp nope, cmp rope, idx, block_table, win_scale, cmp_scale, win_pos, t). implicit: as
-    _cp_gather's (then idx is not read); parts, rope_in_k: _cp_gather's (double_k);
-    ahead > 0: each block's gather also prefetches block g + ahead's rows into L2 (_pf_spec,
-    g0 / n: this CTA's first block and block count)."""
+def _cp_blocks(b, g_refs, s_refs, epb, implicit=0, ahead=0, g0=0, n=0, **gather_kw):
+    """-> gather(g, slot, after=None): _cp_gather of key block g into slot (the window
+    ring's rows b*128 + g*64 + j for g < NW, else the rows of the compressed ids, list
+    positions (g - NW)*64 ..), then after(window) in the same branch (the caller's
+    barrier arrival). g_refs = (win nope, win rope, cmp nope, cmp rope, idx, block_table,
+    win_scale, cmp_scale, win_pos, t); implicit, gather_kw: _cp_gather's; ahead > 0: the
+    gather also prefetches block g + ahead's rows into L2 (_pf_spec; g0 / n: this CTA's
+    first block and block count). DSV4_ATTN_ABLATE=copy: no copies."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
-    gather = ((lambda *a, **k: None) if "copy" in _ablated() else
-              functools.partial(_cp_gather, parts=parts, rope_in_k=rope_in_k))
+    copy = ((lambda *a, **k: None) if "copy" in _ablated() else
+            functools.partial(_cp_gather, **gather_kw))
 
-    def issue(g, slot, wbar, cbar):
+    def gather(g, slot, after=lambda window: None):
         pf = _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n)
 
         @pl.when(g < NW)
         def _():
-            gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                   i32(0), i32(b), i32(slot), epb, implicit, pf=pf)
-            plgpu.barrier_arrive(wbar.at[slot])
+            copy(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
+                 i32(0), i32(b), i32(slot), epb, implicit, pf=pf)
+            after(True)
 
         @pl.when(g >= NW)
         def _():
             off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
-            gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
-                   i32(slot), epb, implicit, pf=pf)
-            plgpu.barrier_arrive(cbar.at[slot])
+            copy(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
+                 i32(slot), epb, implicit, pf=pf)
+            after(False)
+    return gather
+
+
+def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False, ahead=0,
+               g0=0, n=0):
+    """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
+    into slot with its meta (the calling warpgroup waits for its copies) and arrives once
+    on its barrier (wbar / cbar: one arrival per block). g_refs, implicit, ahead, g0, n:
+    _cp_blocks'; parts, rope_in_k: _cp_gather's (double_k)."""
+    gather = _cp_blocks(b, g_refs, s_refs, epb, implicit, ahead, g0, n, parts=parts,
+                        rope_in_k=rope_in_k)
+
+    def issue(g, slot, wbar, cbar):
+        gather(g, slot, lambda window: plgpu.barrier_arrive((wbar if window else cbar).at[slot]))
     return issue
 
 
@@ -727,12 +739,13 @@ def _bias(m_s, slot, keys=None):
 
 def _online_update(s, m_new, m, l, acc):
     """The online-softmax step for scores s [64 heads, n keys] with the new running row max
-    m_new: -> (P f32, l, acc rescaled)."""
+    m_new: -> (P f32, l, acc rescaled, alpha: the rescale, which the seesaw kernel
+    publishes for the consumer that did not score the block)."""
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # all-masked block so far
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
     l = l * alpha + p.sum(axis=1)
-    return p, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), alpha
 
 
 def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
@@ -744,7 +757,7 @@ def _scores_softmax(q_s, k_s, p_s, bias, m, l, acc):
     s = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32)) * (1.0 / math.sqrt(D))
     s = s + lax.broadcast_in_dim(bias, s.shape, [1])
     m_new = jnp.maximum(m, s.max(axis=1))
-    p, l, acc = _online_update(s, m_new, m, l, acc)
+    p, l, acc, _ = _online_update(s, m_new, m, l, acc)
     p_s[...] = p.astype(jnp.bfloat16)
     plgpu.commit_smem()
     return m_new, l, acc
@@ -793,7 +806,7 @@ def _scores_softmax_split(q_s, k_s, p_s, x_s, xbar, pfull, bias, c, m, l, acc):
     s = s + lax.broadcast_in_dim(bias, s.shape, [1])
     m_c = s.max(axis=1)
     m_new = jnp.maximum(m, jnp.maximum(m_c, _exchange(x_s, xbar, c, m_c)))
-    p, l, acc = _online_update(s, m_new, m, l, acc)
+    p, l, acc, _ = _online_update(s, m_new, m, l, acc)
     for h in range(2):   # p_s [64 heads, 64 keys]: this consumer's 32 columns
         @pl.when(c == h)
         def _():
@@ -1210,7 +1223,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                                 plgpu.barrier_arrive(kfull)
                         sc = sc * (1.0 / math.sqrt(D)) + lax.broadcast_in_dim(bias, sc.shape, [1])
                         m_new = jnp.maximum(m, sc.max(axis=1))
-                        p, l, acc = _online_update(sc, m_new, m, l, acc)
+                        p, l, acc, _ = _online_update(sc, m_new, m, l, acc)
                         p = p.astype(jnp.bfloat16)
 
                     with jax.named_scope("pv"):
@@ -1266,7 +1279,6 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
 # the last read of that slot's previous block).
 REG_A, REG_B = (0, 4), (4, NCH)
 META_SLOTS = 4
-HALF = D // 2
 
 
 def _cp_retire(pending, fence=False):
@@ -1285,27 +1297,9 @@ def _cp_retire(pending, fence=False):
 def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta, ahead=0, g0=0, n=0):
     """-> issue(g, slot): start (no wait: one cp.async group, _cp_retire) the copies of
     one part of key block g: parts "n" the nope chunks `chunks` (and the meta into
-    m_s[slot] if meta), "r" the rope rows into K tile `slot`; ahead: _cp_issuer's."""
-    wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
-    i32 = lambda v: jnp.asarray(v, jnp.int32)
-    gather = ((lambda *a, **k: None) if "copy" in _ablated() else
-              functools.partial(_cp_gather, parts=parts, rope_in_k=True, nope_chunks=chunks,
-                                meta=meta, commit=True))
-
-    def issue(g, slot):
-        pf = _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n)
-
-        @pl.when(g < NW)
-        def _():
-            gather(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                   i32(0), i32(b), i32(slot), epb, implicit, pf=pf)
-
-        @pl.when(g >= NW)
-        def _():
-            off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
-            gather(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
-                   i32(slot), epb, implicit, pf=pf)
-    return issue
+    m_s[slot] if meta), "r" the rope rows into K tile `slot`; ahead: _cp_blocks'."""
+    return _cp_blocks(b, g_refs, s_refs, epb, implicit, ahead, g0, n, parts=parts,
+                      rope_in_k=True, nope_chunks=chunks, meta=meta, commit=True)
 
 
 def _ss_buffers(meta_slots=META_SLOTS):
@@ -1346,8 +1340,9 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     (after those of j-1), rope rows into tile j % 2 (after block j-2's P V); each part is
     one cp.async group, announced (landA / landB / rbar) once the next part is issued
     (chunks 4-6 as soon as they land with $DSV4_ATTN_SS_B=eager); the rope rows' gather
-    also prefetches a later block's rows into L2 with $DSV4_ATTN_L2PF. q_s is indexed by a tile id read back from SMEM (always 0): as a constant address
-    ptxas hoisted its 28 wgmma descriptors out of the block loop (812 B of spills -> 176).
+    also prefetches a later block's rows into L2 with $DSV4_ATTN_L2PF. q_s is indexed by
+    a tile id read back from SMEM (always 0): as a constant address ptxas hoisted its 28
+    wgmma descriptors out of the block loop (812 B of spills -> 176).
     Measured (H100, 128K, session 34 run4; GPU tests: bit-identical to double_k): Flash
     CSA B=64 34.9 us against double_k's 31.9 (24.5 vs 25.5 with the row copies ablated),
     Pro CSA B=32 45.2 vs 46.0, Flash CSA B=8 12.4 vs 12.9. The shorter chain exposes the
@@ -1509,9 +1504,8 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                         sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
                         sc = sc * scale + lax.broadcast_in_dim(bias, sc.shape, [1])
                         m_new = jnp.maximum(m, sc.max(axis=1))
-                        p, l, acc = _online_update(sc, m_new, m, l, acc)
-                        # the rescale _online_update applied, for the other consumer
-                        alpha = jnp.exp(m - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+                        # alpha: the rescale applied here, for the other consumer
+                        p, l, acc, alpha = _online_update(sc, m_new, m, l, acc)
                         p = p.astype(jnp.bfloat16)
                         # p_s / x_s were last read by this consumer's P V of block i-1
                         p_s[...] = p
