@@ -49,3 +49,28 @@ case "${PART:-1}" in
     --case flash:csa:64:131072 | tee $OUT/timeline_seesaw_eager_pf2.log
   T 150 python3 benchmarks/attn_timeline.py --case flash:csa:64:131072 | tee $OUT/timeline_dk.log ;;
 esac
+# H200 (kind nvidia-h200; session 35 found no H100 lent, only H200s): the defaults of every
+# issue-5 kernel against the XLA path they replace, at the table's shapes, on this GPU.
+# h1: attention (CSA B = 64 / 32 Pro / 8 / 1, HCA B = 64 / 32 Pro) and the fp4 / nvfp4
+#     indexer scoring kernels alone (B = 64 / 32 / 8, 128K).
+# h2: the indexer call with the XLA path (scores + top-k) at B = 64 / 8, 128K, and the
+#     window append / compressed flush against XLA.
+case "${PART:-1}" in
+h1)
+  T 240 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072,flash:csa:8:131072,flash:csa:1:131072 \
+    --variants $V,xla | tee $OUT/h200_attn_csa.log | grep "^|\|^  "
+  T 150 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants cpasync+hid,xla | tee $OUT/h200_attn_hca.log | grep "^|\|^  "
+  W=place:0:2:0:1:w
+  T 180 python3 benchmarks/indexer_probe.py sweep --rounds 3 \
+    --cases 64:131072,32:131072,8:131072 --variants fp4:$W,nvfp4:$W \
+    | tee $OUT/h200_indexer.log | grep "^|\|device" ;;
+h2)
+  T 330 python3 benchmarks/indexer_attention.py --only indexer --out $OUT \
+    --cases idx:64:131072:512,idx:8:131072:512 --formats fp4,nvfp4,fp8 \
+    | tee $OUT/h200_indexer_xla.log | grep "^|"
+  T 240 python3 benchmarks/kv_scatter_gather.py --final --budget-s 200 --out $OUT \
+    | tee $OUT/h200_scatter.log | grep "^|" ;;
+esac
