@@ -12,6 +12,10 @@
 #   they land instead of after the rope's gate) is the other seesaw producer variant.
 # 2 (H100): HCA with the prefetch; the seesaw at B = 1 / 4 and with one split at B = 64
 #   (its shorter chain against the merge it saves: double_k one split 41.3 us, s29).
+# Run on an H200 (no H100 was lent in session 35): PART=1 = run1. The L2 prefetch measured
+# slower everywhere (Flash CSA B=64: double_k 28.9 -> 30.5 / 30.6 us, seesaw 29.9 -> 30.7 /
+# 32.2) and was removed after run1: on later commits DSV4_ATTN_L2PF is ignored and the
+# "l2_prefetch" GPU test is gone; PARTs 1b-3 were not run.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_COMPILE_CACHE=off
 T() { timeout -s KILL "$@" 2>&1 | grep --line-buffered -v -i "warning\|warn("; }

@@ -447,8 +447,7 @@ def _ablated():
 
 
 def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0,
-               parts="nr", rope_in_k=False, nope_chunks=(0, NCH), meta=True, commit=False,
-               pf=None):
+               parts="nr", rope_in_k=False, nope_chunks=(0, NCH), meta=True, commit=False):
     """Copy one key block into buffer `slot` with cp.async from the calling warpgroup's
     128 threads, write its meta (scale exponents + validity byte) into m_s, then wait for
     this thread's copies (the caller's barrier_arrive releases them to the consumers).
@@ -468,21 +467,15 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
     proxy fence (the consumers' wgmma read them through the async proxy).
     nope_chunks (lo, hi): only chunks lo..hi-1 of the nope rows; meta: write the meta with
     them; commit (the seesaw kernel): close this thread's copies as one cp.async group
-    instead of waiting for them (the caller retires it: _cp_retire).
-    pf = (cmp nope, cmp rope, pf_off, pf_on) ($DSV4_ATTN_L2PF): with this block's copies
-    in flight, also derive the pool rows of the compressed ids idx[pf_off + key] (or
-    positions, implicit) and, where pf_on, prefetch them into L2 (thread h = 0: its nope
-    row, one bulk prefetch of 448 B; h = 1: its rope row and scale row), so that their
-    own gather later reads L2. The derivation's loads overlap the copies' latency."""
+    instead of waiting for them (the caller retires it: _cp_retire)."""
     splat = plgpu.Layout.WG_SPLAT(())
     ref, n_ref = plgpu.RefType(), plgpu.RefType(SWZ64)
     r_ref = plgpu.RefType(TILED) if rope_in_k else ref
     EPB_, MAXB = epb, refs[3].shape[1]
-    pf_types = () if pf is None else (ref, ref, splat, splat)
 
-    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4 + pf_types)
+    @plgpu.inline_mgpu(arg_types=(ref,) * 8 + (n_ref, r_ref, ref) + (splat,) * 4)
     def gather(ctx, nope_g, rope_g, idx_g, bt_g, wsc_g, csc_g, pos_g, t_g, n_s, r_s, m_s,
-               rb, io, bb, sl, *pf_args):
+               rb, io, bb, sl):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm
@@ -535,31 +528,6 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
             mu.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16;", dst, src,
                           predicate=pred, has_side_effects=True)
 
-        def emit_pf():
-            """The L2 prefetch of block pf_off's rows (pf), under this block's copies."""
-            if not pf_args:
-                return
-            pn_g, pr_g, po, pon = pf_args
-            po, pon = (x.registers.item() for x in (po, pon))
-            i = arith.addi(po, key)
-            safe = i if implicit else arith.maxsi(ld32(gaddr(idx_g), i), c32(0))
-            col = arith.minui(arith.divui(safe, c32(EPB_)), c32(MAXB - 1))
-            blk = ld32(gaddr(bt_g), arith.addi(arith.muli(bb, c32(MAXB)), col))
-            prow = arith.extui(i64, arith.addi(arith.muli(arith.maxsi(blk, c32(0)), c32(EPB_)),
-                                               arith.remui(safe, c32(EPB_))))
-            on = arith.cmpi(arith.CmpIPredicate.ne, pon, c32(0))
-            h0 = arith.andi(on, arith.cmpi(arith.CmpIPredicate.eq, h, c32(0)))
-            h1 = arith.andi(on, arith.cmpi(arith.CmpIPredicate.eq, h, c32(1)))
-            mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {NOPE};",
-                          arith.addi(gaddr(pn_g), arith.muli(prow, c64(NOPE))),
-                          predicate=h0, has_side_effects=True)
-            mu.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {ROPE * 2};",
-                          arith.addi(gaddr(pr_g), arith.muli(prow, c64(ROPE * 2))),
-                          predicate=h1, has_side_effects=True)
-            mu.inline_ptx("prefetch.global.L2 [$0];",
-                          arith.addi(gaddr(csc_g), arith.muli(prow, c64(8))),
-                          predicate=h1, has_side_effects=True)
-
         # thread t copies half of key t // 2's row: pieces h, h + 2, h + 4, ... (h = t % 2),
         # so the two threads of a key read adjacent 16 bytes (whole 32-byte sectors), one
         # row id a thread, and every piece is a constant offset from two base addresses
@@ -600,9 +568,8 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
                 for i in range(CP_ROPE // 2):
                     copy(arith.addi(dst, c32(32 * i)), arith.addi(src, c64(32 * i)))
         def finish(fence):
-            """The L2 prefetch (pf), then close this thread's copies: one group (commit)
-            or wait for them, and fence them for the wgmma's async proxy."""
-            emit_pf()
+            """Close this thread's copies: one group (commit) or wait for them, and
+            fence them for the wgmma's async proxy."""
             if commit:
                 mu.inline_ptx("cp.async.commit_group;", has_side_effects=True)
                 return
@@ -629,70 +596,43 @@ def _cp_gather(window, refs, s_refs, row_base, idx_off, b, slot, epb, implicit=0
                           arith.shrui(w, c32(8 * k)), has_side_effects=True)
         finish(rope_in_k and "r" in parts)
 
-    gather(*refs, *s_refs, row_base, idx_off, b, slot, *(() if pf is None else pf))
+    gather(*refs, *s_refs, row_base, idx_off, b, slot)
 
 
-def _l2_ahead():
-    """$DSV4_ATTN_L2PF: key blocks ahead whose compressed rows the double_k / seesaw
-    producer prefetches into L2 while a block's copies are in flight (0, default: none;
-    _cp_gather's pf), so that their gathers later read L2 instead of HBM (no SMEM, no
-    barrier). double_k prefetches from its nope gather, the seesaw from its rope gather."""
-    v = os.environ.get("DSV4_ATTN_L2PF", "0")
-    if not v.isdigit():
-        raise ValueError(f"DSV4_ATTN_L2PF must be a block count >= 0, got {v!r}")
-    return int(v)
-
-
-def _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n):
-    """_cp_gather's pf for block g's copies: block g + ahead's compressed rows, when it is
-    one of this CTA's n blocks (g0 ..) and not a window block (else the prefetch is off
-    and its ids are read at offset 0: in bounds); None if ahead = 0."""
-    if not ahead:
-        return None
-    gp = g + ahead
-    on = (gp - g0 < n) & (gp >= NW)
-    off = (gp - NW) * BLK if implicit else b * idx_g.shape[1] + (gp - NW) * BLK
-    return (cn_g, cr_g, jnp.where(on, off, 0).astype(jnp.int32), on.astype(jnp.int32))
-
-
-def _cp_blocks(b, g_refs, s_refs, epb, implicit=0, ahead=0, g0=0, n=0, **gather_kw):
+def _cp_blocks(b, g_refs, s_refs, epb, implicit=0, **gather_kw):
     """-> gather(g, slot, after=None): _cp_gather of key block g into slot (the window
     ring's rows b*128 + g*64 + j for g < NW, else the rows of the compressed ids, list
     positions (g - NW)*64 ..), then after(window) in the same branch (the caller's
     barrier arrival). g_refs = (win nope, win rope, cmp nope, cmp rope, idx, block_table,
-    win_scale, cmp_scale, win_pos, t); implicit, gather_kw: _cp_gather's; ahead > 0: the
-    gather also prefetches block g + ahead's rows into L2 (_pf_spec; g0 / n: this CTA's
-    first block and block count). DSV4_ATTN_ABLATE=copy: no copies."""
+    win_scale, cmp_scale, win_pos, t); implicit, gather_kw: _cp_gather's.
+    DSV4_ATTN_ABLATE=copy: no copies."""
     wn_g, wr_g, cn_g, cr_g, idx_g, *rest = g_refs
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     copy = ((lambda *a, **k: None) if "copy" in _ablated() else
             functools.partial(_cp_gather, **gather_kw))
 
     def gather(g, slot, after=lambda window: None):
-        pf = _pf_spec(b, g, idx_g, cn_g, cr_g, implicit, ahead, g0, n)
-
         @pl.when(g < NW)
         def _():
             copy(True, (wn_g, wr_g, idx_g, *rest), s_refs, i32(b * WINDOW + g * BLK),
-                 i32(0), i32(b), i32(slot), epb, implicit, pf=pf)
+                 i32(0), i32(b), i32(slot), epb, implicit)
             after(True)
 
         @pl.when(g >= NW)
         def _():
             off = (g - NW) * BLK if implicit else b * idx_g.shape[1] + (g - NW) * BLK
             copy(False, (cn_g, cr_g, idx_g, *rest), s_refs, i32(0), i32(off), i32(b),
-                 i32(slot), epb, implicit, pf=pf)
+                 i32(slot), epb, implicit)
             after(False)
     return gather
 
 
-def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False, ahead=0,
-               g0=0, n=0):
+def _cp_issuer(b, g_refs, s_refs, epb, implicit=0, parts="nr", rope_in_k=False):
     """gather="cpasync" counterpart of _issuer: issue(g, slot, wbar, cbar) copies block g
     into slot with its meta (the calling warpgroup waits for its copies) and arrives once
-    on its barrier (wbar / cbar: one arrival per block). g_refs, implicit, ahead, g0, n:
+    on its barrier (wbar / cbar: one arrival per block). g_refs, implicit:
     _cp_blocks'; parts, rope_in_k: _cp_gather's (double_k)."""
-    gather = _cp_blocks(b, g_refs, s_refs, epb, implicit, ahead, g0, n, parts=parts,
+    gather = _cp_blocks(b, g_refs, s_refs, epb, implicit, parts=parts,
                         rope_in_k=rope_in_k)
 
     def issue(g, slot, wbar, cbar):
@@ -1155,9 +1095,7 @@ def _attn_call_dk(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 _set_registers(consumer=False)
                 g_refs = (wn_g, wr_g, cn_g, cr_g, *key_g)
                 s_refs = (n_s, k_s, m_s)
-                # ($DSV4_ATTN_L2PF: the nope rows' gather also prefetches a later block's)
-                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True,
-                                  ahead=_l2_ahead(), g0=g0, n=n_load)
+                nope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="n", rope_in_k=True)
                 rope = _cp_issuer(b, g_refs, s_refs, epb, implicit, parts="r", rope_in_k=True)
                 plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(ht * HT, HT)], q_s, qbar)
                 plgpu.copy_gmem_to_smem(sink_g.at[pl.ds(ht * HT, HT)], v_s, qbar)
@@ -1294,11 +1232,11 @@ def _cp_retire(pending, fence=False):
     retire()
 
 
-def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta, ahead=0, g0=0, n=0):
+def _cp_part(b, g_refs, s_refs, epb, implicit, parts, chunks, meta):
     """-> issue(g, slot): start (no wait: one cp.async group, _cp_retire) the copies of
     one part of key block g: parts "n" the nope chunks `chunks` (and the meta into
-    m_s[slot] if meta), "r" the rope rows into K tile `slot`; ahead: _cp_blocks'."""
-    return _cp_blocks(b, g_refs, s_refs, epb, implicit, ahead, g0, n, parts=parts,
+    m_s[slot] if meta), "r" the rope rows into K tile `slot`."""
+    return _cp_blocks(b, g_refs, s_refs, epb, implicit, parts=parts,
                       rope_in_k=True, nope_chunks=chunks, meta=meta, commit=True)
 
 
@@ -1339,8 +1277,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     per block j: chunks 0-3 + meta (after chunks 0-3 of j-1 are dequantised), chunks 4-6
     (after those of j-1), rope rows into tile j % 2 (after block j-2's P V); each part is
     one cp.async group, announced (landA / landB / rbar) once the next part is issued
-    (chunks 4-6 as soon as they land with $DSV4_ATTN_SS_B=eager); the rope rows' gather
-    also prefetches a later block's rows into L2 with $DSV4_ATTN_L2PF. q_s is indexed by
+    (chunks 4-6 as soon as they land with $DSV4_ATTN_SS_B=eager). q_s is indexed by
     a tile id read back from SMEM (always 0): as a constant address ptxas hoisted its 28
     wgmma descriptors out of the block loop (812 B of spills -> 176).
     Measured (H100, 128K, session 34 run4; GPU tests: bit-identical to double_k): Flash
@@ -1387,10 +1324,7 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
                 plgpu.copy_gmem_to_smem(sink_g.at[heads], v_s, qbar)
                 part_a = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_A, True)
                 part_b = _cp_part(b, g_refs, s_refs, epb, implicit, "n", REG_B, False)
-                # ($DSV4_ATTN_L2PF: the rope rows' gather, the block's last part, also
-                # prefetches a later block's rows)
-                part_r = _cp_part(b, g_refs, s_refs, epb, implicit, "r", (0, 0), False,
-                                  ahead=_l2_ahead(), g0=g0, n=n)
+                part_r = _cp_part(b, g_refs, s_refs, epb, implicit, "r", (0, 0), False)
 
                 @pl.loop(0, n)
                 def _(j):
