@@ -78,3 +78,22 @@ h2)
   T 240 python3 benchmarks/kv_scatter_gather.py --final --budget-s 200 --out $OUT \
     | tee $OUT/h200_scatter.log | grep "^|" ;;
 esac
+# h3 (H200): the tunables chosen on the H100, checked on the H200: attention's key-block
+#     splits (1 / default / 3) and the seesaw (it won Pro CSA B=32 and Flash CSA B=8 by 2-4%
+#     on the H100) at CSA B=64 / Pro 32 / 8 and HCA B=64 / Pro 32; the fp4 / nvfp4
+#     indexer's chunks a CTA (default 32 at these sizes / 16) at B=64 / 32, 128K.
+if [ "${PART:-1}" = h3 ]; then
+  S="$V:DSV4_ATTN_SEESAW=1"
+  T 200 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:csa:64:131072,pro:csa:32:131072 \
+    --variants $V,$V+s1,$V+s3,$S | tee $OUT/h200_attn_csa_tune.log | grep "^|\|^  "
+  T 70 python3 benchmarks/attn_probe.py --roofline --rounds 3 --cases flash:csa:8:131072 \
+    --variants $V,$S | tee $OUT/h200_attn_csa8_tune.log | grep "^|\|^  "
+  H=cpasync+hid
+  T 170 python3 benchmarks/attn_probe.py --roofline --rounds 3 \
+    --cases flash:hca:64:131072,pro:hca:32:131072 \
+    --variants $H,$H+s1,$H+s3,$H:DSV4_ATTN_SEESAW=1 | tee $OUT/h200_attn_hca_tune.log | grep "^|\|^  "
+  W=place:0:2:0:1:w; W16=place:16:2:0:1:w
+  T 120 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:131072,32:131072 \
+    --variants fp4:$W,fp4:$W16,nvfp4:$W,nvfp4:$W16 | tee $OUT/h200_indexer_cpc.log | grep "^|\|device"
+fi
