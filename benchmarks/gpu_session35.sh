@@ -97,3 +97,14 @@ if [ "${PART:-1}" = h3 ]; then
   T 120 python3 benchmarks/indexer_probe.py sweep --rounds 3 --cases 64:131072,32:131072 \
     --variants fp4:$W,fp4:$W16,nvfp4:$W,nvfp4:$W16 | tee $OUT/h200_indexer_cpc.log | grep "^|\|device"
 fi
+# h4 (H200): the seesaw against double_k at the shapes h3 did not cover (it won Pro CSA B=32
+#     and Flash CSA B=8, lost Flash B=64 CSA / HCA, tied Pro HCA B=32): where to switch.
+if [ "${PART:-1}" = h4 ]; then
+  S="$V:DSV4_ATTN_SEESAW=1"
+  T 120 python3 benchmarks/attn_probe.py --rounds 3 \
+    --cases flash:csa:1:131072,flash:csa:4:131072,flash:csa:16:131072,flash:csa:32:131072 \
+    --variants $V,$S | tee $OUT/h200_seesaw_flash.log | grep "^|\|^  "
+  T 100 python3 benchmarks/attn_probe.py --rounds 3 \
+    --cases pro:csa:1:131072,pro:csa:8:131072,pro:csa:16:131072 \
+    --variants $V,$S | tee $OUT/h200_seesaw_pro.log | grep "^|\|^  "
+fi
