@@ -298,10 +298,23 @@ def test_seesaw_lowering_and_refusal(monkeypatch):
         assert "mosaic_gpu" in lowered("1", ha, splits=2, hca_entries=MAXB)
 
     def program(seesaw):   # the traced program (its lowered text differs run to run)
-        monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
+        if seesaw is None:
+            monkeypatch.delenv("DSV4_ATTN_SEESAW", raising=False)
+        else:
+            monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
         return str(jax.make_jaxpr(functools.partial(
             K.sparse_decode_attention, gather="cpasync", ids_prefix=True, double_k=True))(*a))
     assert program("0") == program("0") != program("1") == program("1")
+    # auto (the default): the seesaw for Pro's two head tiles or B <= 8, else double_k
+    a0 = a
+    for B_, H_, want in ((8, 64, "1"), (1, 64, "1"), (16, 64, "0"), (64, 64, "0"),
+                         (16, 128, "1"), (32, 128, "1")):
+        w_, c_, _ = _abstract_cache(B_)
+        a = (S((B_, H_, 512), jnp.bfloat16), w_, c_, S((B_, MAXB), jnp.int32),
+             S((B_, 512), jnp.int32), S((B_,), jnp.int32), S((H_,), jnp.float32))
+        assert program(None) == program("auto") == program(want) \
+            != program("1" if want == "0" else "0"), (B_, H_)
+    a = a0
     # the seesaw's producer / dequant placements lower; bad values are refused
     for knob, good, bad in (("DSV4_ATTN_SS_B", "eager", "soon"),
                             ("DSV4_ATTN_SS_DEQ_AT", "qk", "both")):
@@ -322,6 +335,7 @@ def test_double_k_lowering_and_refusals(monkeypatch):
     splits; it refuses qk_split and the in-kernel merge; it is the default, which gives way
     to qk_split and the in-kernel merge; interpreted calls ignore it; a bad
     $DSV4_ATTN_DK_AT is refused."""
+    monkeypatch.setenv("DSV4_ATTN_SEESAW", "0")   # double_k itself, not the auto choice
     B, MAXB = 8, 512
     S = jax.ShapeDtypeStruct
     win, cmp, hcmp = _abstract_cache(B)

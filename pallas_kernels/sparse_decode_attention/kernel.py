@@ -261,7 +261,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                 raise ValueError(f"double_k takes neither qk_split nor the in-kernel merge "
                                  f"(got qk_split={qk_split}, merge={merge!r})")
             double_k = False   # the default gives way to an explicit qk_split / merge
-        if double_k and gather == "cpasync" and _seesaw():
+        if double_k and gather == "cpasync" and _seesaw(q_BHD.shape[0], H):
             o, lse = _attn_call_ss(*args, NS=NS, epb=cmp[0].shape[1],
                                    used_from_t=ids_prefix, implicit=implicit)
         elif double_k and gather == "cpasync":
@@ -998,10 +998,23 @@ def _env_choice(name, choices):
     return v
 
 
-def _seesaw():
-    """$DSV4_ATTN_SEESAW: "1" runs the seesaw kernel (_attn_call_ss) where double_k would
-    run; "0" (default) double_k (faster at Flash CSA B = 64: session 34 run4)."""
-    return _env_choice("DSV4_ATTN_SEESAW", ("0", "1")) == "1"
+# The seesaw kernel replaces double_k (auto) for Pro's heads and small batches. GPU us,
+# 128K, double_k -> seesaw (H200, session 35 runs 1-5; H100 session 34 run4 alike):
+# Flash CSA B = 1 / 4 / 8: 9.7 -> 9.1, 11.5 -> 11.0, 12.5 -> 12.1 (H100 12.9 -> 12.4);
+# Pro CSA B = 1 / 32: 11.5 -> 11.0, 42.9 -> 41.9 (H100 46.0 -> 45.2); Pro HCA B = 32 38.9 both;
+# but Flash CSA B = 64 29.2 -> 30.8 (H100 31.9 -> 34.9) and Flash HCA B = 64 41.0 -> 42.8:
+# with one FP8 staging slot its shorter chain exposes the gathers' latency, which Pro's
+# second head tile (the same rows again, from L2) and a lightly loaded GPU hide.
+SEESAW_MAX_BATCH = 8
+
+
+def _seesaw(B, H):
+    """$DSV4_ATTN_SEESAW: where double_k would run, "auto" (default) runs the seesaw kernel
+    (_attn_call_ss) for more than one head tile (Pro) or B <= SEESAW_MAX_BATCH and
+    double_k otherwise; "1" the seesaw always, "0" double_k always. Both give the same
+    output bit for bit (GPU tests)."""
+    v = _env_choice("DSV4_ATTN_SEESAW", ("auto", "0", "1"))
+    return H > HT or B <= SEESAW_MAX_BATCH if v == "auto" else v == "1"
 
 
 def _dk_overlap():
