@@ -1270,8 +1270,8 @@ def _ss_buffers(meta_slots=META_SLOTS):
 
 
 def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
-    """seesaw ($DSV4_ATTN_SEESAW=1, gather="cpasync", GPU only): q.k once a key block
-    (FlashMLA's protocol; double_k computes the full scores in both consumers, 1.5x the
+    """seesaw (where _seesaw says: Pro's heads or B <= 8 by default; gather="cpasync", GPU
+    only): q.k once a key block (FlashMLA's protocol; double_k computes the full scores in both consumers, 1.5x the
     tensor work). Consumer c owns blocks c, c + 2, ... (K tile c): it scores its block,
     runs the softmax from the statistics after the other's block, publishes P (bf16, p_s)
     and (m, alpha, l) (x_s), and adds P V of its output half from registers; the other
