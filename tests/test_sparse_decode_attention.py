@@ -234,6 +234,16 @@ def _abstract_cache(B, NB=4096, EPB=32):
     return win, cmp, tuple(S((NB, 1) + a.shape[2:], a.dtype) for a in cmp)
 
 
+def _abstract_args(B, H, MAXB=512, topk=512):
+    """Abstract sparse_decode_attention arguments for lowering-only tests -> (top-k ids
+    args, in-kernel HCA ids args)."""
+    S = jax.ShapeDtypeStruct
+    win, cmp, hcmp = _abstract_cache(B)
+    a = (S((B, H, 512), jnp.bfloat16), win, cmp, S((B, MAXB), jnp.int32),
+         S((B, topk), jnp.int32), S((B,), jnp.int32), S((H,), jnp.float32))
+    return a, a[:2] + (hcmp,) + a[3:4] + (None,) + a[5:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("deq_at", ["qk", "pv"])
@@ -280,9 +290,7 @@ def test_seesaw_lowering_and_refusal(monkeypatch):
     """The seesaw kernel lowers for Flash / Pro head counts (top-k ids, 1 and 3 splits) and
     in-kernel HCA ids, and is a different program from double_k; bad values of its knobs
     are refused."""
-    B, MAXB = 8, 512
-    S = jax.ShapeDtypeStruct
-    win, cmp, hcmp = _abstract_cache(B)
+    MAXB = 512
 
     def lowered(seesaw, a, **kw):
         monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
@@ -290,31 +298,25 @@ def test_seesaw_lowering_and_refusal(monkeypatch):
                               double_k=True, **kw)
         return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
     for H in (64, 128):
-        a = (S((B, H, 512), jnp.bfloat16), win, cmp, S((B, MAXB), jnp.int32),
-             S((B, 512), jnp.int32), S((B,), jnp.int32), S((H,), jnp.float32))
+        a, ha = _abstract_args(8, H, MAXB)
         for splits in (1, 3):
             assert "mosaic_gpu" in lowered("1", a, splits=splits)
-        ha = a[:2] + (hcmp,) + a[3:4] + (None,) + a[5:]
         assert "mosaic_gpu" in lowered("1", ha, splits=2, hca_entries=MAXB)
 
-    def program(seesaw):   # the traced program (its lowered text differs run to run)
+    def program(seesaw, a):   # the traced program (its lowered text differs run to run)
         if seesaw is None:
             monkeypatch.delenv("DSV4_ATTN_SEESAW", raising=False)
         else:
             monkeypatch.setenv("DSV4_ATTN_SEESAW", seesaw)
         return str(jax.make_jaxpr(functools.partial(
             K.sparse_decode_attention, gather="cpasync", ids_prefix=True, double_k=True))(*a))
-    assert program("0") == program("0") != program("1") == program("1")
+    assert program("0", a) == program("0", a) != program("1", a) == program("1", a)
     # auto (the default): the seesaw for Pro's two head tiles or B <= 8, else double_k
-    a0 = a
-    for B_, H_, want in ((8, 64, "1"), (1, 64, "1"), (16, 64, "0"), (64, 64, "0"),
-                         (16, 128, "1"), (32, 128, "1")):
-        w_, c_, _ = _abstract_cache(B_)
-        a = (S((B_, H_, 512), jnp.bfloat16), w_, c_, S((B_, MAXB), jnp.int32),
-             S((B_, 512), jnp.int32), S((B_,), jnp.int32), S((H_,), jnp.float32))
-        assert program(None) == program("auto") == program(want) \
-            != program("1" if want == "0" else "0"), (B_, H_)
-    a = a0
+    for B, H, want in ((8, 64, "1"), (1, 64, "1"), (16, 64, "0"), (64, 64, "0"),
+                       (16, 128, "1"), (32, 128, "1")):
+        ab, _ = _abstract_args(B, H, MAXB)
+        assert program(None, ab) == program("auto", ab) == program(want, ab) \
+            != program("1" if want == "0" else "0", ab), (B, H)
     # the seesaw's producer / dequant placements lower; bad values are refused
     for knob, good, bad in (("DSV4_ATTN_SS_B", "eager", "soon"),
                             ("DSV4_ATTN_SS_DEQ_AT", "qk", "both")):
@@ -322,7 +324,7 @@ def test_seesaw_lowering_and_refusal(monkeypatch):
         assert "mosaic_gpu" in lowered("1", a, splits=2)
         monkeypatch.setenv(knob, bad)
         with pytest.raises(ValueError, match=knob):
-            program("1")
+            program("1", a)
         monkeypatch.delenv(knob)
     monkeypatch.setenv("DSV4_ATTN_SEESAW", "yes")
     with pytest.raises(ValueError, match="DSV4_ATTN_SEESAW"):
@@ -336,18 +338,13 @@ def test_double_k_lowering_and_refusals(monkeypatch):
     to qk_split and the in-kernel merge; interpreted calls ignore it; a bad
     $DSV4_ATTN_DK_AT is refused."""
     monkeypatch.setenv("DSV4_ATTN_SEESAW", "0")   # double_k itself, not the auto choice
-    B, MAXB = 8, 512
-    S = jax.ShapeDtypeStruct
-    win, cmp, hcmp = _abstract_cache(B)
+    MAXB = 512
     for H in (64, 128):
-        rest = (S((B, MAXB), jnp.int32),)
-        a = (S((B, H, 512), jnp.bfloat16), win, cmp, *rest, S((B, 512), jnp.int32),
-             S((B,), jnp.int32), S((H,), jnp.float32))
+        a, ha = _abstract_args(8, H, MAXB)
         for splits in (1, 3):
             f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
                                   ids_prefix=True, double_k=True)
             assert "mosaic_gpu" in jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-        ha = a[:2] + (hcmp,) + a[3:4] + (None,) + a[5:]
         f = functools.partial(K.sparse_decode_attention, splits=2, gather="cpasync",
                               ids_prefix=True, hca_entries=MAXB, double_k=True)
         assert "mosaic_gpu" in jax.jit(f).trace(*ha).lower(lowering_platforms=("cuda",)).as_text()
@@ -508,14 +505,9 @@ def test_merge_kernel_lowers_and_refuses_bad_shapes(monkeypatch):
     refused."""
     monkeypatch.delenv("DSV4_ATTN_MERGE", raising=False)
     from pallas_kernels.sparse_decode_attention.merge import merge_splits_kernel
-    B, NB, EPB, MAXB, H = 8, 4096, 32, 512, 64
+    B = 8
     S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    win = (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-           S((B, 128), jnp.int32))
-    cmp = (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16))
-    a = (S((B, H, 512), jnp.bfloat16), win, cmp, S((B, MAXB), jnp.int32), S((B, 512), jnp.int32),
-         S((B,), jnp.int32), S((H,), jnp.float32))
+    a, _ = _abstract_args(B, 64)
     for splits in (2, 5):
         def program(merge):
             f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
@@ -607,15 +599,8 @@ def test_bad_inputs_raise():
 
 @pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])
 def test_cuda_lowering_flash_pro_shapes(H, topk):
-    B, NB, EPB, MAXB = 8, 4096, 32, 512
-    S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    args = (S((B, H, 512), jnp.bfloat16),
-            (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-             S((B, 128), jnp.int32)),
-            (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
-            S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
-            S((H,), jnp.float32))
+    MAXB = 512
+    args, hargs = _abstract_args(8, H, MAXB, topk=topk)
     for splits, gather, ws, qks in ((1, "direct", True, False), (3, "direct", True, False),
                                     (3, "direct", False, False), (3, "staged", False, False),
                                     (1, "cpasync", True, False), (3, "cpasync", True, False),
@@ -635,8 +620,6 @@ def test_cuda_lowering_flash_pro_shapes(H, topk):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "exponential" not in text
     # HCA ids derived in-kernel (idx_BK=None): one custom call and nothing else in XLA
-    hargs = args[:2] + ((S((NB, 1, 448), f8), S((NB, 1, 8), jnp.uint8),
-                         S((NB, 1, 64), jnp.bfloat16)),) + args[3:4] + (None,) + args[5:]
     for splits in (1, 3):
         f = functools.partial(K.sparse_decode_attention, splits=splits, gather="cpasync",
                               ids_prefix=True, hca_entries=MAXB)
@@ -716,15 +699,7 @@ def test_triton_bad_arguments_raise():
 @pytest.mark.parametrize("H,topk", [(64, 512), (128, 1024)])
 def test_triton_cuda_lowering_flash_pro_shapes(H, topk):
     from jax._src.mesh import AbstractDevice, AbstractMesh
-    B, NB, EPB, MAXB = 8, 4096, 32, 512
-    S = jax.ShapeDtypeStruct
-    f8 = jnp.float8_e4m3fn
-    args = (S((B, H, 512), jnp.bfloat16),
-            (S((B, 128, 448), f8), S((B, 128, 8), jnp.uint8), S((B, 128, 64), jnp.bfloat16),
-             S((B, 128), jnp.int32)),
-            (S((NB, EPB, 448), f8), S((NB, EPB, 8), jnp.uint8), S((NB, EPB, 64), jnp.bfloat16)),
-            S((B, MAXB), jnp.int32), S((B, topk), jnp.int32), S((B,), jnp.int32),
-            S((H,), jnp.float32))
+    args, _ = _abstract_args(8, H, topk=topk)
     dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
         for splits, joined in ((1, False), (3, False), (3, True)):

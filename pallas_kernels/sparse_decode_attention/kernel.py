@@ -1271,8 +1271,8 @@ def _ss_buffers(meta_slots=META_SLOTS):
 
 def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0):
     """seesaw (where _seesaw says: Pro's heads or B <= 8 by default; gather="cpasync", GPU
-    only): q.k once a key block (FlashMLA's protocol; double_k computes the full scores in both consumers, 1.5x the
-    tensor work). Consumer c owns blocks c, c + 2, ... (K tile c): it scores its block,
+    only): q.k once a key block (FlashMLA's protocol; double_k computes the full scores in
+    both consumers, 1.5x the tensor work). Consumer c owns blocks c, c + 2, ... (K tile c): it scores its block,
     runs the softmax from the statistics after the other's block, publishes P (bf16, p_s)
     and (m, alpha, l) (x_s), and adds P V of its output half from registers; the other
     consumer rescales its half by alpha and adds P V with P from SMEM. Same operands,
@@ -1293,12 +1293,11 @@ def _attn_call_ss(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit
     (chunks 4-6 as soon as they land with $DSV4_ATTN_SS_B=eager). q_s is indexed by
     a tile id read back from SMEM (always 0): as a constant address ptxas hoisted its 28
     wgmma descriptors out of the block loop (812 B of spills -> 176).
-    Measured (H100, 128K, session 34 run4; GPU tests: bit-identical to double_k): Flash
-    CSA B=64 34.9 us against double_k's 31.9 (24.5 vs 25.5 with the row copies ablated),
-    Pro CSA B=32 45.2 vs 46.0, Flash CSA B=8 12.4 vs 12.9. The shorter chain exposes the
-    row gathers' latency: with one FP8 staging slot a region's copy has about one block's
-    chain minus a dequant to land (double_k: one double_k block, ~2x longer), and SMEM
-    has no room for a second slot. So it is opt-in (MOSAIC_GPU_NOTES.md, session 34)."""
+    GPU tests: bit-identical to double_k. Where it is faster and where slower: the comment
+    above _seesaw. Why it loses at Flash B=64: the shorter chain exposes the row gathers'
+    latency (one FP8 staging slot gives a region's copy about one block's chain minus a
+    dequant to land, double_k's about twice that; SMEM has no room for a second slot;
+    MOSAIC_GPU_NOTES.md, session 34)."""
     B, HP, _ = q.shape
     keys = args[:-2]
     kp, bps = _key_blocks(keys, implicit, NS)
