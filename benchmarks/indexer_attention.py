@@ -23,7 +23,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax import kvformat
+from pallas_kernels import formats as kvformat
 from pallas_kernels.indexer_decode import kernel as IK
 from pallas_kernels.indexer_decode import reference as IR
 from pallas_kernels.sparse_decode_attention import kernel as AK

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax import kvformat as kf
+from pallas_kernels import formats as kf
 from pallas_kernels.kv_scatter import kernel as sk
 from pallas_kernels.kv_scatter import reference as sr
 from benchmarks.common import copy_bandwidth

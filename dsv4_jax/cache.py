@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Config
-from . import kvformat as KF
+from pallas_kernels import formats as KF
 
 BLOCK_TOKENS = 128
 

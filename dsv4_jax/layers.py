@@ -17,7 +17,7 @@ from .config import Config
 from .params import ROW_MERGES, X_PROJ, X_PROJ_PARTS
 from .quant import (KERNEL_MAX_ROWS, Fp8Weight, Numerics, WeightRows, dequant, f32_dot_bf16,
                     fp8_block_sim, fp4_block_sim, grouped_linear, linear)
-from . import kvformat
+from pallas_kernels import formats as kvformat
 
 F32 = jnp.float32
 

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from dsv4_jax import cli, config, kvformat, params as P
+from dsv4_jax import cli, config, params as P
+from pallas_kernels import formats as kvformat
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
 

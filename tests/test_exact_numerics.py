@@ -16,7 +16,7 @@ import pytest
 
 from dsv4_jax import EXACT_COMPILER_OPTIONS
 from dsv4_jax.decode import STEP_COMPILER_OPTIONS
-from dsv4_jax.kvformat import fp8_block_sim
+from pallas_kernels.formats import fp8_block_sim
 
 
 def _np_fp8_block_sim(x_f32, block=128):

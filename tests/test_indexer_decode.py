@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4_jax import kvformat
+from pallas_kernels import formats as kvformat
 from pallas_kernels.indexer_decode import kernel as K
 from pallas_kernels.indexer_decode import reference as R
 

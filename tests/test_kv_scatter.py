@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4_jax import kvformat as kf
+from pallas_kernels import formats as kf
 from pallas_kernels.kv_scatter import kernel, reference
 
 sd = jax.ShapeDtypeStruct

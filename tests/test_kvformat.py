@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax import kvformat as kf
+from pallas_kernels import formats as kf
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E2M1 = ml_dtypes.float4_e2m1fn

@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax import config, layers as L, model, params as P, quant as Q, kvformat as KF
+from dsv4_jax import config, layers as L, model, params as P, quant as Q
+from pallas_kernels import formats as KF
 from dsv4_jax.quant import Numerics
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "hf_reference"))

@@ -8,7 +8,7 @@ import pytest
 from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from dsv4_jax import config, layers as L, model, params as P, quant as Q
-from dsv4_jax.kvformat import fp8_block_sim
+from pallas_kernels.formats import fp8_block_sim
 from dsv4_jax.quant import EXACT_COMPILER_OPTIONS as EXACT, Numerics
 from pallas_kernels.norm_fp8 import (hc_norm_fp8, hc_norm_fp8_reference, rms_norm_fp8,
                                      rms_norm_fp8_reference)

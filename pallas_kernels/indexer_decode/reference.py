@@ -8,7 +8,7 @@ t_B [B] -> scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4), ids [B, topk] (
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax import kvformat
+from pallas_kernels import formats as kvformat
 
 RATIO = 4
 

@@ -1,6 +1,6 @@
 """Mosaic-GPU (Hopper) quantise-and-scatter of new KV rows into the cache, in place.
 
-Cache layout: pallas_kernels/CACHE_LAYOUT.md. Numerics: dsv4_jax/kvformat.py (bit-exact).
+Cache layout: pallas_kernels/CACHE_LAYOUT.md. Numerics: pallas_kernels/formats.py (bit-exact).
 
 Two entry points, both functional (arrays in, arrays out) and in place under
 `jax.jit(..., donate_argnums=...)`: the cache arrays become `jax.new_ref` refs that the
@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4_jax import kvformat as kf
+from pallas_kernels import formats as kf
 
 ROWS = 8  # rows per CTA
 NOPE, ROPE, BLK = 448, 64, 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsv4_jax import kvformat
+from pallas_kernels import formats as kvformat
 
 
 def append_window(win, kv_BD, pos_B):

@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kvformat import fp8_block_sim
+from pallas_kernels.formats import fp8_block_sim
 
 
 def rms_norm_fp8_reference(x_MD, w_D, eps: float, rows: int):

@@ -50,7 +50,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
 
-from dsv4_jax.quant import Fp4Weight, Fp8Weight
+from pallas_kernels.formats import Fp4Weight, Fp8Weight
 
 # Defaults from the H100 sweep (benchmarks/results/quant_matmul.md)
 TN = 128          # FP8 weight rows (n) per CTA: the wgmma M side (64 when M > 128)
@@ -93,7 +93,7 @@ def check_inputs(x_GMK, expert_G, w, for_kernel=True):
     """Shape / dtype validation with errors that name the problem (`for_kernel`: also the
     kernel's tiling constraints)."""
     if not isinstance(w, (Fp8Weight, Fp4Weight)):
-        raise TypeError(f"w must be dsv4_jax.quant.Fp8Weight or Fp4Weight, got {type(w).__name__}")
+        raise TypeError(f"w must be an Fp8Weight or Fp4Weight (pallas_kernels.formats), got {type(w).__name__}")
     if x_GMK.ndim != 3:
         raise ValueError(f"x_GMK must be [G, M, K], got shape {x_GMK.shape}")
     if x_GMK.dtype != jnp.bfloat16:

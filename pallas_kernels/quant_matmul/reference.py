@@ -9,7 +9,7 @@ path reads only the experts it uses, like the kernel, but writes their f32 copie
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax.quant import Fp4Weight, Fp8Weight
+from pallas_kernels.formats import Fp4Weight, Fp8Weight
 
 
 def _gather(a, idx):

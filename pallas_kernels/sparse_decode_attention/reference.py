@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax import kvformat
+from pallas_kernels import formats as kvformat
 
 WINDOW = 128
 

@@ -1,5 +1,14 @@
-"""Storage formats of the KV cache: pure-JAX quantise / dequantise (CACHE_LAYOUT.md).
+"""Storage formats shared by the model and the kernels (the one low-level module: it
+imports neither). Pure JAX / numpy quantise and dequantise, exact against each other.
 
+Weights, logical shape [..., out, in] (leading axes e.g. stacked experts):
+  Fp8Weight    e4m3 values [.., out, in] + ue8m0 scale per 128x128 block
+  Fp4Weight    packed e2m1 int8 [.., out, in/2] (element 2k in the low nibble) + ue8m0 per 32
+  NvFp4Weight  packed e2m1 uint8 [.., out, in/2] + e4m3 scale per 16 + fp32 global scale
+  plain array  bf16 / f32
+  WeightRows   rows [start, stop) of any of these (a view: params.merge_x_proj)
+
+The KV cache (docs/KV_CACHE.md):
 Main KV entry (window ring and compressed pools), 512 dims -> 584 bytes:
   nope  float8_e4m3fn [..., 448]  dims 0..447, value = nope * 2^(scale_e - 127)
   scale uint8         [..., 8]    e8m0 exponent per 64-dim block (7 used, byte 7 = 127)
@@ -28,6 +37,9 @@ recipe runs inside the Pallas kernels, so kernel and reference agree byte for by
 so the model's own simulation (dsv4_jax/quant.py) can be checked against them bit for bit.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -251,3 +263,176 @@ def dequantize_index_key(fields, fmt="fp4"):
     if fmt == "fp8":
         return fields["idx_keys"].astype(jnp.float32) * fields["idx_scale"]
     index_key_fields(fmt)
+
+
+# ---------------------------------------------------------------------------------------
+# Weight types
+# ---------------------------------------------------------------------------------------
+def _register(cls):
+    fields = [f.name for f in dataclasses.fields(cls)]
+    jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    return cls
+
+
+@_register
+@dataclasses.dataclass
+class Fp8Weight:
+    w: jax.Array  # float8_e4m3fn [..., out, in]
+    scale: jax.Array  # float8_e8m0fnu [..., ceil(out/128), ceil(in/128)]
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    def dequant(self, dtype=jnp.float32):
+        *_, o, i = self.w.shape
+        s = self.scale.astype(jnp.float32)
+        s = jnp.repeat(jnp.repeat(s, 128, axis=-2)[..., :o, :], 128, axis=-1)[..., :i]
+        return (self.w.astype(jnp.float32) * s).astype(dtype)
+
+
+def unpack_e2m1(packed):
+    """uint8/int8 [..., n/2] with element 2k in the low nibble -> f32 [..., n]."""
+    b = packed.astype(jnp.uint8).astype(jnp.int32)
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    codes = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return jnp.asarray(E2M1_TABLE)[codes]
+
+
+@_register
+@dataclasses.dataclass
+class Fp4Weight:
+    packed: jax.Array  # int8 [..., out, in/2]
+    scale: jax.Array  # float8_e8m0fnu [..., out, in/32]
+
+    @property
+    def shape(self):
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    def dequant(self, dtype=jnp.float32):
+        v = unpack_e2m1(self.packed)
+        s = jnp.repeat(self.scale.astype(jnp.float32), 32, axis=-1)
+        return (v * s).astype(dtype)
+
+
+@_register
+@dataclasses.dataclass
+class NvFp4Weight:
+    packed: jax.Array  # uint8 [..., out, in/2]
+    scale: jax.Array  # float8_e4m3fn [..., out, in/16]
+    scale2: jax.Array  # float32 [...] global scale (kept separate: never folded)
+
+    @property
+    def shape(self):
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    def dequant(self, dtype=jnp.float32):
+        v = unpack_e2m1(self.packed)
+        s = jnp.repeat(self.scale.astype(jnp.float32), 16, axis=-1)
+        g = self.scale2.astype(jnp.float32)[..., None, None]
+        return (v * s * g).astype(dtype)
+
+
+QUANT_TYPES = (Fp8Weight, Fp4Weight, NvFp4Weight)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w"],
+                   meta_fields=["start", "stop"])
+@dataclasses.dataclass
+class WeightRows:
+    """Rows [start, stop) of a stored weight w [..., out, in] (plain or quantised, leading
+    dims: stacked experts), as a weight [..., stop - start, in] of its own: how the layer
+    code sees one of the weights stored concatenated in `attn.x_proj_merged` or a
+    params.ROW_MERGES weight (params.merge_x_proj). `f32_dot_bf16` multiplies x by ALL of w
+    and slices the output columns, so the views of one weight read with the same x in one
+    program are the same dot, which XLA's CSE computes once (w is read once per step, and
+    no concatenation is ever made)."""
+    w: jax.Array
+    start: int
+    stop: int
+
+    @property
+    def shape(self):
+        return (*self.w.shape[:-2], self.stop - self.start, self.w.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QUANT_TYPES)
+
+
+def dequant(w, dtype=jnp.float32):
+    return w.dequant(dtype) if is_quantized(w) else w.astype(dtype)
+
+
+def dequant_bf16(w):
+    """Weight -> (bf16 [..., out, in], f32 post-scale or None), exactly: e4m3 / e2m1 values
+    times power-of-two or e4m3 block scales fit bf16's 8 significant bits; NVFP4's fp32
+    global scale is returned separately to multiply the matmul's output."""
+    if isinstance(w, NvFp4Weight):
+        v = unpack_e2m1(w.packed) * jnp.repeat(w.scale.astype(jnp.float32), 16, axis=-1)
+        return v.astype(jnp.bfloat16), w.scale2.astype(jnp.float32)
+    return dequant(w, jnp.bfloat16), None
+
+
+# ---------------------------------------------------------------------------------------
+# Encoders (numpy, host side): used by random init, the synthetic checkpoint writer and
+# the converter. All exact with respect to the formats above.
+# ---------------------------------------------------------------------------------------
+def _np_pow2_exponent(amax, qmax, floor):
+    a = np.maximum(amax, floor) / qmax
+    m, e = np.frexp(a.astype(np.float64))
+    return np.where(m == 0.5, e - 1, e).astype(np.int32)
+
+
+def encode_fp8_np(W: np.ndarray):
+    """f32 [..., out, in] -> (e4m3 values, e8m0 block scales) per 128x128 block."""
+    import ml_dtypes
+    *lead, o, i = W.shape
+    po, pi = -o % 128, -i % 128
+    Wp = np.pad(W, [(0, 0)] * len(lead) + [(0, po), (0, pi)])
+    blk = Wp.reshape(*lead, (o + po) // 128, 128, (i + pi) // 128, 128)
+    amax = np.abs(blk).max(axis=(-3, -1))
+    e = _np_pow2_exponent(amax, E4M3_MAX, 2.0 ** -100)
+    s = np.ldexp(1.0, e)
+    q = np.clip(blk / s[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
+    q = q.reshape(Wp.shape)[..., :o, :i].astype(ml_dtypes.float8_e4m3fn)
+    return q, (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def _e2m1_codes_np(v):
+    import ml_dtypes
+    f = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    idx = np.searchsorted(E2M1_TABLE[:8], np.abs(f))
+    return (idx + 8 * np.signbit(f)).astype(np.uint8)
+
+
+def pack_e2m1_np(codes: np.ndarray) -> np.ndarray:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def encode_fp4_np(W: np.ndarray):
+    """f32 [..., out, in] -> (packed int8 [.., in/2], e8m0 scales per 32)."""
+    import ml_dtypes
+    blk = W.reshape(*W.shape[:-1], W.shape[-1] // 32, 32)
+    e = _np_pow2_exponent(np.abs(blk).max(-1), E2M1_MAX, 2.0 ** -100)
+    v = np.clip(blk / np.ldexp(1.0, e)[..., None], -E2M1_MAX, E2M1_MAX).reshape(W.shape)
+    packed = pack_e2m1_np(_e2m1_codes_np(v)).view(np.int8)
+    return packed, (e + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def encode_nvfp4_np(W: np.ndarray):
+    """f32 [..., out, in] -> (packed uint8, e4m3 scale per 16, f32 global scale)."""
+    import ml_dtypes
+    amax_all = np.abs(W).max(axis=(-2, -1)).astype(np.float32)
+    g = np.maximum(amax_all, 1e-12) / (E2M1_MAX * E4M3_MAX)
+    blk = W.reshape(*W.shape[:-1], W.shape[-1] // 16, 16)
+    gb = np.asarray(g)[..., None, None]
+    s = (np.abs(blk).max(-1) / E2M1_MAX / gb).astype(ml_dtypes.float8_e4m3fn)
+    sf = s.astype(np.float32) * gb
+    v = np.where(sf[..., None] > 0, blk / np.where(sf > 0, sf, 1)[..., None], 0)
+    v = np.clip(v, -E2M1_MAX, E2M1_MAX).reshape(W.shape)
+    return pack_e2m1_np(_e2m1_codes_np(v)), s, np.asarray(g, np.float32)
