@@ -110,7 +110,7 @@ def shard_of(ckpt: Path, name: str) -> Path:
 # ---------------------------------------------------------------------------------------
 def test_safetensors_io_against_reference_library(tmp_path):
     from safetensors.numpy import load_file, save_file
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(101)
     ref = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.integers(-9, 9, (7,)),
            "c": rng.integers(0, 255, (2, 2, 3)).astype(np.uint8), "d": np.float32(rng.random()),
            "e": rng.integers(-128, 127, (4, 8)).astype(np.int8)}
@@ -209,7 +209,7 @@ def test_forward_from_loaded_equals_in_memory(converted):
     cfg, loaded = loading.load(converted["official"])
     mem = P.init_params(cfg, SEED)
     nm = Numerics(act_quant=False, dtype="float32")  # weights still dequantised; cheaper compile
-    tok = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (1, 40)), jnp.int32)
+    tok = jnp.asarray(np.random.default_rng(102).integers(0, cfg.vocab_size, (1, 40)), jnp.int32)
     fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm)).lower(loaded, tok).compile()
     a, b = np.asarray(fwd(loaded, tok)), np.asarray(fwd(mem, tok))
     assert np.isfinite(a).all() and np.abs(a).max() > 0
@@ -232,7 +232,7 @@ def test_expert_dtype_fp8_is_lossless(ckpts, tmp_path):
 
 
 def test_fp4_to_fp8_wide_scale_range():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(103)
     W = (rng.standard_normal((256, 384)) * np.exp2(rng.integers(-5, 6, (256, 12)))
          .repeat(32, 1)).astype(np.float32)
     from dsv4_jax.quant import encode_fp4_np
@@ -433,7 +433,7 @@ def test_load_onto_gpu_and_forward(ckpts, converted):
         mem = jax.device_put(P.init_params(cfg, SEED), dev)
         assert_trees_bit_equal(mem, params)
         nm = Numerics(act_quant=True, dtype="float32")
-        tok = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (2, 40)), jnp.int32)
+        tok = jnp.asarray(np.random.default_rng(104).integers(0, cfg.vocab_size, (2, 40)), jnp.int32)
         fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm)).lower(params, tok).compile()
         a, b = np.asarray(fwd(params, tok)), np.asarray(fwd(mem, tok))
         assert np.isfinite(a).all() and np.array_equal(a, b)
@@ -482,7 +482,7 @@ def test_numerics_check_names_bad_tensors(monkeypatch):
     import warnings
     from checkpoints.errors import CheckpointError
     cfg = tiny3()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(105)
     params = P.init_params(cfg, int(rng.integers(1 << 30)))
     monkeypatch.delenv("DSV4_QMM_FP4_PTX", raising=False)
     with warnings.catch_warnings():
