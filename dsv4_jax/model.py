@@ -1,7 +1,7 @@
 """The DeepSeek-V4 forward pass over whole sequences (prefill from position 0, no cache).
 
 `forward(params, tokens, cfg, nm)` -> logits [B, T, V] (f32). The cached prefill/decode
-path lives in `decode.py` and shares every building block in `layers.py`.
+path lives in `decode.py` and shares every building block in `layers/`.
 """
 from __future__ import annotations
 
@@ -23,30 +23,34 @@ def block(bp, X, tokens, layer: int, cfg: Config, nm: Numerics, attn_fn, debug=N
     """One transformer block on the hc residual X [B, T, N, D]. `attn_fn(bp, x)` computes
     attention on the normed input (prefill or cached decode); `attn_fn(bp, x, xq=xq)` when
     the norm also made x's padded FP8 simulation for the matmul kernels (L.norm_act)."""
-    pre, post, C, x, xq = L.hc_site(X, bp["hc_attn_fn"], bp["hc_attn_scale"],
-                                    bp["hc_attn_base"], bp["attn_norm.weight"], cfg, nm)
-    ap = L.block_params(bp, "attn.")
-    f = attn_fn(ap, x) if xq is None else attn_fn(ap, x, xq=xq)
-    X = L.hc_expand(f, X, post, C, nm.jdtype)
+    with jax.named_scope("attn"):
+        pre, post, C, x, xq = L.hc_site(X, bp["hc_attn_fn"], bp["hc_attn_scale"],
+                                        bp["hc_attn_base"], bp["attn_norm.weight"], cfg, nm)
+        ap = L.block_params(bp, "attn.")
+        f = attn_fn(ap, x) if xq is None else attn_fn(ap, x, xq=xq)
+        X = L.hc_expand(f, X, post, C, nm.jdtype)
     if debug is not None:
         debug["hc_attn"] = (pre, post, C)
-    pre, post, C, x, xq = L.hc_site(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"], bp["hc_ffn_base"],
-                                    bp["ffn_norm.weight"], cfg, nm)
-    mdbg = {} if debug is not None else None
-    f = L.moe(L.block_params(bp, "ffn."), x, tokens, cfg, nm, cfg.is_hash_layer(layer), mdbg,
-              xq=xq)
+    with jax.named_scope("ffn"):
+        pre, post, C, x, xq = L.hc_site(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"],
+                                        bp["hc_ffn_base"], bp["ffn_norm.weight"], cfg, nm)
+        mdbg = {} if debug is not None else None
+        f = L.moe(L.block_params(bp, "ffn."), x, tokens, cfg, nm, cfg.is_hash_layer(layer),
+                  mdbg, xq=xq)
+        X = L.hc_expand(f, X, post, C, nm.jdtype)
     if debug is not None:
         debug["hc_ffn"] = (pre, post, C)
         debug.update(mdbg)
-    return L.hc_expand(f, X, post, C, nm.jdtype)
+    return X
 
 
 def head(params, X, cfg: Config, nm: Numerics, prefix=""):
     """hc head -> final RMSNorm -> logits in fp32."""
-    y = L.hc_head(X, params[prefix + "hc_head_fn"], params[prefix + "hc_head_scale"],
-                  params[prefix + "hc_head_base"], cfg, nm.jdtype)
-    y = L.rms_norm(y, params[prefix + "norm.weight"], cfg.rms_norm_eps, nm.jdtype)
-    return f32_dot_bf16(y, params["head.weight"])
+    with jax.named_scope("head"):
+        y = L.hc_head(X, params[prefix + "hc_head_fn"], params[prefix + "hc_head_scale"],
+                      params[prefix + "hc_head_base"], cfg, nm.jdtype)
+        y = L.rms_norm(y, params[prefix + "norm.weight"], cfg.rms_norm_eps, nm.jdtype)
+        return f32_dot_bf16(y, params["head.weight"])
 
 
 def forward_hidden(params, tokens, cfg: Config, nm: Numerics = Numerics(), debug=None):
@@ -85,5 +89,6 @@ def mtp_forward(params, X_main, next_tokens, cfg: Config, nm: Numerics = Numeric
     ratio = cfg.layer_ratio(layer)
     bp = L.block_params(params, p)
     attn = lambda ap, x, xq=None: L.attention_prefill(ap, x, cfg, nm, ratio, xq=xq)
-    X = block(bp, X, next_tokens, layer, cfg, nm, attn)
+    with jax.named_scope(f"mtp{j}"):
+        X = block(bp, X, next_tokens, layer, cfg, nm, attn)
     return head(params, X, cfg, nm, prefix=p)

@@ -24,9 +24,8 @@ MATMUL_IMPLS = ("xla", "pallas", "interpret")
 # (xla_allow_excess_precision=True) deletes f32 -> f8 -> f32 and f32 -> bf16 -> f32 convert
 # chains (its SimplifyFPConversions pass): the FP8 activation simulation and every bf16
 # rounding point of the reference then silently vanish on the GPU, while the CPU keeps
-# them. Found 2026-11-25: kvformat.fp8_block_sim compiled for an H100 has no f8 convert left
-# with the default, and returns plain bf16 values on the GPU (benchmarks/results/
-# session15_h100/gpu_tests.log). Notebooks that jit model code on a GPU pass these too:
+# them: fp8_block_sim compiled for an H100 with the default has no f8 convert left and
+# returns plain bf16 values. Notebooks that jit model code on a GPU pass these too:
 # jax.jit(f, compiler_options=dsv4_jax.EXACT_COMPILER_OPTIONS).
 EXACT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
@@ -38,10 +37,13 @@ EXACT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 class Numerics:
     """How activations are computed. `act_quant`: simulate the FP8/FP4 activation, KV and
     indexer rounding the checkpoint was trained with. `dtype`: activation dtype between ops
-    (bf16 like the reference; f32 for tight comparisons)."""
+    (bf16 like the reference; f32 for tight comparisons). `gpu`: trace the GPU-only
+    kernels (the mHC comb matrix, the norm + FP8 simulation); None: when jax's default
+    backend is a GPU; True lowers them from a CPU process (ahead-of-time for a GPU)."""
     act_quant: bool = True
     dtype: str = "bfloat16"
     matmul: str = "xla"  # quantised linears/experts: "xla" | "pallas" | "interpret"
+    gpu: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
@@ -52,6 +54,11 @@ class Numerics:
     @property
     def jdtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether to trace the GPU-only kernels (see `gpu`)."""
+        return jax.default_backend() == "gpu" if self.gpu is None else self.gpu
 
     @property
     def bf16_operands(self) -> bool:
