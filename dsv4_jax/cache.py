@@ -1,4 +1,4 @@
-"""Inference state as pytrees (see pallas_kernels/CACHE_LAYOUT.md) and the host-side block
+"""Inference state as pytrees (byte layout: docs/KV_CACHE.md) and the host-side block
 manager.
 
 The cache is a dict {"L<i>": per-layer dict of arrays}. Shapes are static:
@@ -19,6 +19,7 @@ from .config import Config
 from pallas_kernels import formats as KF
 
 BLOCK_TOKENS = 128
+ATTENTION_BACKENDS = ("mosaic", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class CacheSpec:
     # Decode steps (T == 1) through the Pallas Mosaic-GPU kernels: "off" (pure JAX, the
     # reference), "on" (GPU), "interpret" (the Mosaic GPU interpreter, for CPU tests).
     kernels: str = "off"
+    # The sparse attention kernel with kernels on: "mosaic" (warp-specialised Mosaic GPU
+    # kernel, needs Hopper's wgmma; the fastest on H200: Flash CSA B=64 32K 41.0 against
+    # 58.0 us) or "triton" (the portable Pallas-Triton kernel, for GPUs without wgmma).
+    attention_backend: str = "mosaic"
 
     @property
     def capacity(self) -> int:
@@ -43,6 +48,9 @@ class CacheSpec:
                 raise ValueError(f"CacheSpec.{f} must be positive, got {getattr(self, f)}")
         if self.kv_format not in ("fp8", "raw"):
             raise ValueError(f"CacheSpec.kv_format must be 'fp8' or 'raw', got {self.kv_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"CacheSpec.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.kernels not in ("off", "on", "interpret"):
             raise ValueError(f"CacheSpec.kernels must be 'off', 'on' or 'interpret', got "
                              f"{self.kernels!r}")

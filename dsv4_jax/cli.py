@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+import jax
+import numpy as np
+
+from . import chat, config as C, generate as G, params as P
+from .cache import CacheSpec
+from .distributed import init_processes_from_env, make_mesh
+from .generate import Engine
+from .loading import load
+from .quant import Numerics
+from .tokenizer import load_tokenizer
 
 
 def _add_model_args(ap):
@@ -51,15 +63,12 @@ def _mesh(args):
             if getattr(args, ax, None):
                 raise ValueError(f"--{ax} needs --devices")
         return None
-    from .distributed import make_mesh
     return make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
 
 
 def _load_model(args):
-    from . import config as C, params as P
     args.mesh = _mesh(args)
     if args.checkpoint:
-        from .loading import load
         cfg, params = load(args.checkpoint, mesh=args.mesh)
         # the decode form, merged in place: each CSA block's five weights freed as it goes
         return cfg, P.merge_x_proj(params, cfg, consume=True), args.checkpoint
@@ -71,21 +80,16 @@ def _load_model(args):
 
 
 def _device_name() -> str:
-    import jax
     return f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
 
 
 def _on_hopper() -> bool:
     """A CUDA device of compute capability 9.x: the kernels are built for sm_90a."""
-    import jax
     d = jax.devices()[0]
     return jax.default_backend() == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
 def _engine(args, cfg, params):
-    from .cache import CacheSpec
-    from .generate import Engine
-    from .quant import Numerics
     hopper = _on_hopper()
     mesh = getattr(args, "mesh", None)
     split = {} if mesh is None else {a: n for a, n in mesh.shape.items() if n > 1}
@@ -108,7 +112,6 @@ def _engine(args, cfg, params):
 
 
 def _sampler(args):
-    from . import generate as G
     if args.temperature == 0:
         return G.Greedy()
     if args.top_k:
@@ -121,8 +124,6 @@ def _sampler(args):
 
 
 def cmd_generate(args):
-    from . import chat
-    from .tokenizer import load_tokenizer
     cfg, params, ckpt = _load_model(args)
     tok = load_tokenizer(ckpt, cfg.vocab_size)
     mode = "thinking" if args.thinking else "chat"
@@ -184,7 +185,6 @@ def cmd_generate(args):
 
 
 def cmd_logits(args):
-    import numpy as np
     cfg, params, _ = _load_model(args)
     tokens = np.load(args.tokens)
     if tokens.ndim != 2:
@@ -240,13 +240,11 @@ def build_parser():
 def _compile_cache(args):
     """Keep compiled programs on disk (jax's persistent compilation cache): a full-width
     decode step compiles for minutes, the next run with the same shapes loads it."""
-    import os
     d = getattr(args, "compile_cache", None)
     if d is None:
         d = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
     if not d or d == "off":
         return
-    import jax
     jax.config.update("jax_compilation_cache_dir", d)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
@@ -258,7 +256,6 @@ def main(argv=None):
         raise SystemExit(run(args))
     _compile_cache(args)
     try:
-        from .distributed import init_processes_from_env
         init_processes_from_env()  # a no-op unless DSV4_COORDINATOR is set
         args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

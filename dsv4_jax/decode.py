@@ -8,11 +8,14 @@ of which the first nvalid[b] are real (the rest is padding: never written, never
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.indexer_decode import topk_keys
+from pallas_kernels.kv_scatter import append_window, flush_compressed
+from pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
 from .cache import (BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv,
                     join_cmp_state, split_cmp_state)
@@ -145,105 +148,21 @@ def _write_state(lc, slots, st, cfg, ratio):
 
 
 # The read-only kernels behind one jit each: the layers' identical calls then share one
-# lowered kernel per layer kind instead of one per call (Flash: 64 calls). The whole-model
-# compile on 2 x H200 went 69 -> 347 s when the cache kernels came on, most likely from the
-# per-call copies; not re-measured yet. The in-place scatters stay inline: their cache
-# buffers must alias the step's donated ones (see DEDUP_SCATTER).
-@functools.partial(jax.jit, static_argnames=("fmt", "topk", "interpret", "select", "dequant"))
-def _indexer_topk_jit(q, w, keys, block_table, t, *, fmt, topk, interpret, select,
-                      dequant=None):
-    from pallas_kernels.indexer_decode import topk_keys
-    return topk_keys(q, w, keys, block_table, t, topk, fmt=fmt, interpret=interpret,
-                     select=select, dequant=dequant)
+# lowered kernel per layer kind instead of one per call (Flash: 64 calls). The in-place
+# scatters (append_window, flush_compressed) stay inline: their cache buffers must alias
+# the step's donated ones.
+@functools.partial(jax.jit, static_argnames=("fmt", "topk", "interpret"))
+def _indexer_topk_jit(q, w, keys, block_table, t, *, fmt, topk, interpret):
+    return topk_keys(q, w, keys, block_table, t, topk, fmt=fmt, interpret=interpret)
 
 
-# The indexer's top-k: "kernel" (pallas_kernels/topk_select, radix select: the same ids as
-# lax.top_k, ascending; the default since its H100 proof, 2026-11-25: 57 us GPU busy at
-# B=64, N=32800 against XLA's 242) or "xla" (lax.top_k, a full sort of each row in
-# XLA-GPU). DSV4_TOPK=xla turns the kernel off.
-TOPK_SELECT = os.environ.get("DSV4_TOPK", "kernel")
-if TOPK_SELECT not in ("xla", "kernel"):
-    raise ValueError(f"DSV4_TOPK must be 'xla' or 'kernel', got {TOPK_SELECT!r}")
-# The indexer kernel's FP4 key dequant (pallas_kernels/indexer_decode): "place" (each
-# e2m1 nibble's bits placed into a bf16 by prmt / shift / mask: the value * 2^-126, scaled
-# back by the key scale's multiply and the head weights), "lutbf" / "lut" (e2m1 -> bf16
-# pairs / e4m3 by prmt lookup tables on whole registers), "e4m3" (the nibble re-packed as
-# e4m3, converted by the hardware), "bits" (integer ops) or "fp8mma" (e4m3 keys into an
-# e4m3 wgmma per 32-dim group against q in e4m3; needs FP4-simulated q, so only with
-# Numerics.act_quant). All give the same scores, bit for bit, and are GPU-tested. On an
-# H100 (GPU time, 2026-11-26, session 24 run4) the scoring kernel took 92.3 us with
-# "place" against 100.4 with "lutbf" at B = 64, 128K (13.5 / 15.3 us at B = 8).
-# DSV4_IDX_DEQUANT picks one (nvfp4 keys: "place", "lutbf", "lut" or "e4m3"); unset, the
-# kernel's own defaults (indexer_decode.kernel.DEQUANT / NVFP4_DEQUANT, "place") apply:
-# one default, not two (a default kept here too went stale in session 24, so its step
-# checks ran the old path).
-IDX_DEQUANT = os.environ.get("DSV4_IDX_DEQUANT") or None
-# (indexer_decode.kernel.DEQUANTS, spelled out: this module imports no kernel at load)
-if IDX_DEQUANT not in (None, "place", "lut", "lutbf", "e4m3", "bits", "fp8mma"):
-    raise ValueError(f"DSV4_IDX_DEQUANT must be 'place', 'lut', 'lutbf', 'e4m3', 'bits' or "
-                     f"'fp8mma', got {IDX_DEQUANT!r}")
-
-
-# Attention kernel backend: "mosaic" (kernel.py, warp-specialised: a producer warpgroup
-# copies the selected rows with cp.async into a swizzled double buffer, two consumer
-# warpgroups dequantise and run the wgmmas) or "triton" (kernel_triton.py: rows gathered
-# by vector loads, 64 heads per program, 8 warps). H200, GPU time of the op
-# (benchmarks/attn_probe.py, 2026-11-26): Flash CSA B=64 32K 41.0 vs 58.0 us, Flash HCA
-# B=64 128K 56.6 vs 88.3, Pro CSA B=32 57.5 vs 84.2, Flash CSA B=8 18.7 vs 20.3, B=1 16.1
-# vs 17.6; the same error against the reference. DSV4_ATTN_BACKEND=triton for the Triton
-# kernel, DSV4_ATTN_GATHER=direct for the Mosaic kernel's one-TMA-per-row gather.
-ATTN_BACKEND = os.environ.get("DSV4_ATTN_BACKEND", "mosaic")
-if ATTN_BACKEND not in ("triton", "mosaic"):
-    raise ValueError(f"DSV4_ATTN_BACKEND must be 'triton' or 'mosaic', got {ATTN_BACKEND!r}")
-ATTN_GATHER = os.environ.get("DSV4_ATTN_GATHER", "cpasync")
-if ATTN_GATHER not in ("cpasync", "direct"):
-    raise ValueError(f"DSV4_ATTN_GATHER must be 'cpasync' or 'direct', got {ATTN_GATHER!r}")
-# The Mosaic kernel's consumers each score half the keys of a block (one QK per block
-# instead of two; built 2026-11-26 without device time, interpreter-tested; off until
-# benchmarks/gpu_session21.sh times it). DSV4_ATTN_QK_SPLIT=1 turns it on.
-ATTN_QK_SPLIT = os.environ.get("DSV4_ATTN_QK_SPLIT", "0") == "1"
-# The Triton kernel's joined form (K and the output as whole [.., 512] tiles, q permuted in
-# XLA: 2 dots a key block instead of 16; its sm_90a SASS has 3 CTA barriers and 2 wgmma
-# waits a block instead of 23 and 16; built 2026-11-25 without device time, so off until
-# benchmarks/gpu_session18.sh PART=4 times it). DSV4_ATTN_JOINED=1 turns it on.
-ATTN_JOINED = os.environ.get("DSV4_ATTN_JOINED", "0") == "1"
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "backend", "joined", "gather",
-                                             "qk_split", "ids_prefix", "hca_entries"))
-def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, interpret, backend,
-                          joined=False, gather="cpasync", qk_split=False, ids_prefix=False,
-                          hca_entries=None):
-    from pallas_kernels.sparse_decode_attention import sparse_decode_attention
-    if backend == "triton":
-        return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink,
-                                       backend="triton", interpret=interpret is not None,
-                                       joined=joined, hca_entries=hca_entries)
-    return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, gather=gather,
-                                   qk_split=qk_split, ids_prefix=ids_prefix,
-                                   hca_entries=hca_entries,
+@functools.partial(jax.jit, static_argnames=("backend", "ids_prefix", "hca_entries",
+                                             "interpret"))
+def _sparse_attention_jit(q, win, cmp, block_table, idx, t, sink, *, backend, ids_prefix,
+                          hca_entries, interpret):
+    return sparse_decode_attention(q, win, cmp, block_table, idx, t, sink, backend=backend,
+                                   ids_prefix=ids_prefix, hca_entries=hca_entries,
                                    interpret=interpret)
-
-
-# Experimental, off until a GPU run compares compile and step time: the in-place scatters
-# behind one jit each as well (DSV4_DEDUP_SCATTER=1). After XLA inlines the call their
-# outputs should still alias the donated cache; if they did not, every step would copy the
-# window ring and the pool.
-DEDUP_SCATTER = os.environ.get("DSV4_DEDUP_SCATTER", "0") == "1"
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _append_window_jit(win, kv, pos, *, interpret):
-    from pallas_kernels.kv_scatter import append_window
-    return append_window(win, kv, pos, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
-def _flush_compressed_jit(pool, idx_pool, entry, key, flush, entry_idx, block_table, *, fmt,
-                          interpret):
-    from pallas_kernels.kv_scatter import flush_compressed
-    return flush_compressed(pool, idx_pool, entry, key, flush, entry_idx, block_table, fmt=fmt,
-                            interpret=interpret)
 
 
 # The window-only layers' dummy compressed pool (its rows are never read: every id is -1).
@@ -259,11 +178,9 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
     the window row and of completed compressed entries / indexer keys, the lightning indexer
     top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from pallas_kernels.kv_scatter import append_window, flush_compressed
     if DEDUP_SCATTER:
         append_window, flush_compressed = _append_window_jit, _flush_compressed_jit
-    interp = plgpu.InterpretGPUParams() if cs.kernels == "interpret" else None
+    interp = cs.kernels == "interpret"   # the Mosaic GPU interpreter (CPU tests)
     B = x.shape[0]
     t, ok = tok_pos[:, 0], valid[:, 0]
     w = lc["win"]
@@ -297,12 +214,8 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            nv = IDX_DEQUANT if IDX_DEQUANT in ("place", "lut", "lutbf", "e4m3") else None
-            dq = {"fp4": IDX_DEQUANT, "nvfp4": nv}.get(cs.index_format)   # fp8 keys: one path
             idx = _indexer_topk_jit(qI, wI, lc["idx"], bt_rows, t, fmt=cs.index_format,
-                                    topk=cfg.index_topk, interpret=interp, select=TOPK_SELECT,
-                                    dequant="lut" if dq == "fp8mma" and not nm.act_quant
-                                    else dq)
+                                    topk=cfg.index_topk, interpret=interp)
         else:   # HCA: every visible entry; the kernel derives the ids from t (hca_indices)
             idx, hca = None, bt_rows.shape[1] * (BLOCK_TOKENS // ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
@@ -311,10 +224,9 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
         idx = np.full((B, 64), -1, np.int32)
     win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
     o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
-                              interpret=interp, backend=ATTN_BACKEND, joined=ATTN_JOINED,
-                              gather=ATTN_GATHER, qk_split=ATTN_QK_SPLIT,
+                              backend=cs.attention_backend,
                               # top-k output and hca_indices list their valid ids first
-                              ids_prefix=ratio > 0, hca_entries=hca)
+                              ids_prefix=ratio > 0, hca_entries=hca, interpret=interp)
     return o[:, None].astype(F32)
 
 
@@ -407,20 +319,18 @@ def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs
 # XLA options of the step programs. A GPU step runs as one CUDA graph; with concurrent
 # regions its independent small kernels (the q / kv / compressor / indexer branches of a
 # layer) overlap in the graph: H100, SWA + CSA + HCA layers + head, B = 1: sync step 2.24 ->
-# 1.87 ms, pipelined 1.27 -> 1.09 ms (benchmarks/results/session5_h100/flags.log); 4 Flash
-# layers: sync 2.71 -> 2.31 ms, pipelined 1.47 either way. Only the scheduling changes, not
-# the kernels. DSV4_GRAPH_CONCURRENT=0 turns it off (A/B runs). Plus the options that keep
-# the reference's roundings on the GPU (quant.EXACT_COMPILER_OPTIONS; DSV4_EXCESS_PRECISION=1
-# drops them, for an A/B of their cost only: the FP8 activation simulation is then gone).
-STEP_COMPILER_OPTIONS = {"xla_gpu_graph_enable_concurrent_region":
-                         os.environ.get("DSV4_GRAPH_CONCURRENT", "1") == "1",
-                         **({} if os.environ.get("DSV4_EXCESS_PRECISION") == "1"
-                            else EXACT_COMPILER_OPTIONS)}
+# 1.87 ms, pipelined 1.27 -> 1.09 ms; 4 Flash layers: sync 2.71 -> 2.31 ms, pipelined 1.47
+# either way. Only the scheduling changes, not the kernels. Plus the options that keep the
+# reference's roundings on the GPU (quant.EXACT_COMPILER_OPTIONS).
+STEP_COMPILER_OPTIONS = {"xla_gpu_graph_enable_concurrent_region": True,
+                         **EXACT_COMPILER_OPTIONS}
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
-    """jit(step) with the cache donated; one compilation per (B, T) shape."""
+    """jit(step) on a flat parameter tree, the cache donated; one compilation per (B, T)
+    shape. The same program as nnx_model.step_program, which Engine runs on the module's
+    state."""
     return jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
                    compiler_options=STEP_COMPILER_OPTIONS)
 
@@ -431,14 +341,13 @@ def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
 # XLA updates a step's CUDA graph whenever a buffer the graph uses sits at a new address,
 # at a host cost that seems to grow with the graph, not with the buffers that moved (the
 # logits feed one or two kernels, yet donating them saved a quarter of the 4-layer step's
-# host time). A stream that
-# feeds fresh token / position arrays and gets fresh logits back pays it every step.
-# Measured on one H100, 10 Flash layers (675 kernels), B=1, pipelined: fresh inputs 3.60
-# ms/step, inputs at fixed addresses 3.39, nothing moving (logits donated too) 3.07
-# (benchmarks/results/session8_h100/). The stream step below keeps every buffer in place:
-# the state it reads (tokens, positions, ...) is donated and written back by the step.
+# host time). A stream that feeds fresh token / position arrays and gets fresh logits back
+# pays it every step. Measured on one H100, 10 Flash layers (675 kernels), B=1, pipelined:
+# fresh inputs 3.60 ms/step, inputs at fixed addresses 3.39, nothing moving (logits
+# donated too) 3.07. The stream step below keeps every buffer in place: the state it reads
+# (tokens, positions, ...) is donated and written back by the step.
 # On a host-bound H100: 3.13 ms/step against 3.63 for the plain step with fixed inputs;
-# reading each step's tokens back (Engine.stream) adds ~0.5 ms there (stream_diag.log).
+# reading each step's tokens back (Engine.stream) adds ~0.5 ms there.
 
 def init_stream_state(tokens_R, pos_R, nvalid_R, block_table, key, i0: int = 1,
                       sharding=None):
@@ -486,7 +395,8 @@ def stream_step_fn(step_fn, sampler):
 
 @functools.lru_cache(maxsize=None)
 def compiled_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, sampler):
-    """jit(stream_step_fn(step)) with the cache and the stream state donated."""
+    """jit(stream_step_fn(step)) on a flat parameter tree, the cache and the stream state
+    donated (nnx_model.stream_program on the module's state)."""
     def step_(params, cache, tokens, slots, pos, nvalid, table):
         return step(params, cache, tokens, slots, pos, nvalid, table, cfg, cs, nm)
     return jax.jit(stream_step_fn(step_, sampler), donate_argnums=(1, 2),
@@ -498,7 +408,7 @@ def compiled_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, sampler):
 # memory, not in a fresh device buffer: a device allocation made between two steps moves
 # the step's temporary buffer, and XLA then re-records every CUDA graph of the step
 # (2 x H200, 6 Flash layers, stream step pipelined: 2.95 ms/step with a device copy, 2.32
-# with the pinned one; benchmarks/results/session10_x2/, XLA's command-buffer log).
+# with the pinned one, from XLA's command-buffer log).
 
 def read_tokens(st) -> jax.Array:
     """st -> st.tok[:, 0] [R] int32, in pinned host memory (np.asarray waits for it)."""

@@ -1,18 +1,8 @@
-"""Sharding over a device mesh: one rules table, expert and tensor parallelism, sharded
-forward and decode step. The same code runs on 1, 2, 4, 8 (or any number of) devices, and
-on several hosts after `jax.distributed.initialize()` (docs/SHARDING.md).
-
-Mesh axes ("data", "expert", "model"):
-  data    requests / batch rows (and the cache's request slots and pool blocks)
-  expert  routed experts (expert parallelism, EP)
-  model   tensor parallelism (TP) of attention heads, shared expert, vocab; the routed
-          experts are split over expert x model together, so every device that is not a
-          data replica holds E / (expert * model) whole experts.
-
-Every parameter (params.describe) and every cache array (`cache_logical_axes`) carries
-logical axis names; `RULES` maps them to mesh axes. A logical axis is split over its mesh
-axes when they exist, are not used by an earlier dim of the same array, and divide the
-dim; otherwise the dim is replicated (the same rule for every device count).
+"""Sharded execution over a device mesh: meshes and multi-process start-up, the
+expert-parallel MoE, and the sharded programs (forward, decode step, stream step). The
+same code runs on 1, 2, 4, 8 (or any number of) devices, and on several hosts after
+`jax.distributed.initialize()` (docs/SHARDING.md). Where each array lives (the
+logical-axis rules, the parameter / cache / module-state shardings) is sharding.py.
 
 Routed experts run inside `jax.shard_map` (`expert_parallel_moe`): routing is computed
 once outside; each device computes its local experts for the tokens routed to them (ids
@@ -26,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 
 import jax
@@ -37,39 +26,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from .cache import BlockManager, CacheSpec, PoolExhausted, blocks_needed, cache_structs
 from .config import Config
 from .quant import Numerics
+from .sharding import (AXES, REPLICATED, RULES, axis_size, cache_logical_axes,  # noqa: F401
+                       cache_shardings, expert_axes, logical_to_pspec, param_pspecs,
+                       param_shardings, shard_cache, shard_params)
 from . import decode as D
 from . import layers as L
 from . import model as M
-from . import params as PR
-
-AXES = ("data", "expert", "model")
-
-# logical axis -> mesh axis (or a tuple of mesh axes, major first); absent: replicated.
-RULES: dict[str, str | tuple[str, ...]] = {
-    # parameters
-    "experts": ("expert", "model"),  # EP: whole routed experts per device
-    "heads": "model",  # attn_sink [H]
-    "heads_hd": "model",  # wq_b rows (H * head_dim): query heads
-    "o_groups_lora": "model",  # wo_a rows (groups), wo_b input columns
-    "mlp": "model",  # shared expert (routed ones: "model" is taken by "experts")
-    "idx_heads_hd": "model",  # indexer wq_b rows
-    "idx_heads": "model",  # indexer weights_proj rows
-    "vocab": "model",  # embedding and head rows, hash-routing table
-    # cache
-    "requests": "data",  # request slots: window ring, positions, compressor state
-    "pool_blocks": "data",  # paged pool blocks (see SHARDING.md: allocator is global)
-}
-# Logical axes kept whole on purpose (listed so a new axis name is a decision, not an
-# accident: tests check every name is in RULES or here). The router (experts_r) runs on
-# every device; the single shared K=V head (head_dim, kv_*) cannot be split over heads.
-REPLICATED = frozenset({
-    "embed", "embed_hc", "embed_in", "q_lora", "head_dim", "group_hd", "cmp_hd", "experts_r",
-    "x_proj",  # the CSA blocks' merged x-projections (params.merge_x_proj)
-    # params.ROW_MERGES: wq_a + wkv rows (both whole already), and the shared expert's
-    # w1 + w3 rows (whole: split over "model" the rows would not pair w1 with w3)
-    "qkv_a", "mlp13",
-    "window", "entries", "cmp_rows", "cmp_state", "kv_nope", "kv_scale", "kv_rope", "kv_dim",
-    "idx_dim"})
+from . import nnx_model as NX
+from . import param_specs as PS
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,130 +87,9 @@ def make_mesh(n_devices: int | None = None, *, expert: int | None = None,
                          devices=devices[:n])
 
 
-def axis_size(mesh: Mesh, axis) -> int:
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    return math.prod(mesh.shape.get(a, 1) for a in axes)
-
-
-# ---------------------------------------------------------------------------------------
-# Logical axes -> PartitionSpec
-# ---------------------------------------------------------------------------------------
-def _mesh_axes_for(logical, n: int, mesh: Mesh, rules, used: set):
-    """The mesh axes (tuple) a dim of size n with this logical name is split over: the
-    rule's axes that exist with size > 1 and are not used yet; trailing ones dropped
-    until their product divides n."""
-    r = rules.get(logical) if logical else None
-    if r is None:
-        return ()
-    axes = [a for a in ((r,) if isinstance(r, str) else r)
-            if mesh.shape.get(a, 1) > 1 and a not in used]
-    while axes and n % axis_size(mesh, axes):
-        axes.pop()
-    return tuple(axes)
-
-
-def logical_to_pspec(axes, shape, mesh: Mesh, rules=None) -> P:
-    rules = RULES if rules is None else rules
-    out, used = [], set()
-    for ax, n in zip(axes, shape):
-        m = _mesh_axes_for(ax, n, mesh, rules, used)
-        used.update(m)
-        out.append(None if not m else m[0] if len(m) == 1 else m)
-    return P(*out)
-
-
-def _storage_axes(spec: PR.ParamSpec, s) -> tuple:
-    """Logical axes of one stored field of a (possibly quantised) parameter: leading
-    (stacking) dims always; the last two only where the stored size equals the logical
-    one (packed FP4 columns and block scales are not split). Routed experts are split
-    only by whole experts (the expert-parallel MoE expects whole experts per device)."""
-    nd = len(spec.shape)
-    if spec.axes[:1] == ("experts",):
-        return ("experts",) + (None,) * (len(s.shape) - 1)
-    return tuple(spec.axes[d] if d < nd and (n == spec.shape[d] or d < nd - 2) else None
-                 for d, n in enumerate(s.shape))
-
-
-def param_pspecs(spec: PR.ParamSpec, mesh, rules=None):
-    """PartitionSpecs of one parameter's stored arrays (a quant type of specs, or one)."""
-    return jax.tree.map(lambda s: logical_to_pspec(_storage_axes(spec, s), s.shape, mesh, rules),
-                        PR.storage_structs(spec))
-
-
-def param_shardings(cfg: Config, mesh: Mesh, rules=None, include_mtp: bool = True,
-                    x_proj_merged: bool = False) -> dict:
-    """NamedSharding tree shaped like params.abstract_params(cfg, include_mtp,
-    x_proj_merged)."""
-    return {k: jax.tree.map(lambda p: NamedSharding(mesh, p), param_pspecs(v, mesh, rules))
-            for k, v in PR.describe(cfg, include_mtp, x_proj_merged).items()}
-
-
-# trailing (storage) dims of the entry formats: never split
-_FIELD_AXES = {"nope": "kv_nope", "scale": "kv_scale", "rope": "kv_rope", "kv": "kv_dim"}
-
-
-def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
-    """Logical axis names of every cache array: a tree shaped like cache.cache_structs.
-      win.*    [R, W, ...]      requests, window, <field>
-      win_pos  [R, W]           requests, window
-      cmp.*    [NB, epb, ...]   pool_blocks, entries, <field>
-      idx.*    [NB, epb, ...]   pool_blocks, entries, idx_dim...
-      cst      [R, r, width]    requests, cmp_rows, cmp_state (the compressor state's
-                                parts side by side: cache.cmp_state_parts)"""
-    def axes(path, s):
-        keys = [p.key for p in path]  # ["L<i>", name] or ["L<i>", group, field]
-        name, field = keys[1], keys[2] if len(keys) > 2 else None
-        if name in ("win", "win_pos"):
-            lead = ("requests", "window")
-        elif name in ("cmp", "idx"):
-            lead = ("pool_blocks", "entries")
-        else:
-            lead = ("requests", "cmp_rows", "cmp_state")
-        tail = (_FIELD_AXES.get(field, "idx_dim"),) if field else ()
-        return (lead + tail + ("idx_dim",) * s.ndim)[:s.ndim]
-    return jax.tree_util.tree_map_with_path(axes, cache_structs(cfg, cs))
-
-
-def cache_shardings(cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
-    return jax.tree.map(
-        lambda s, a: NamedSharding(mesh, logical_to_pspec(a, s.shape, mesh, rules)),
-        cache_structs(cfg, cs), cache_logical_axes(cfg, cs),
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-
-def _put(x, sharding):
-    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
-        return jax.device_put(x, sharding)  # (a global array, e.g. loaded onto the mesh)
-    # multi-host: every process holds the full host value and builds its own shards
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
-def shard_params(params: dict, cfg: Config, mesh: Mesh, rules=None) -> dict:
-    """Place a parameter tree (host or device arrays; with or without the MTP keys; as
-    described or in decode form, params.merge_x_proj) on the mesh by the rules."""
-    sh = param_shardings(cfg, mesh, rules, include_mtp=True,
-                         x_proj_merged=PR.x_proj_is_merged(params))
-    unknown = sorted(set(params) - set(sh))
-    if unknown:
-        raise KeyError(f"shard_params: parameters not in the description: {unknown[:5]}")
-    return {k: jax.tree.map(_put, v, sh[k]) for k, v in params.items()}
-
-
-def shard_cache(cache: dict, cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
-    """Place a cache tree (cache.init_cache(cfg, cs)) on the mesh by the rules."""
-    return jax.tree.map(_put, cache, cache_shardings(cfg, cs, mesh, rules))
-
-
 # ---------------------------------------------------------------------------------------
 # Expert parallelism
 # ---------------------------------------------------------------------------------------
-def expert_axes(cfg: Config, mesh: Mesh, rules=None) -> tuple[str, ...]:
-    """Mesh axes the routed experts are split over (from the rules; () = not split)."""
-    return _mesh_axes_for("experts", cfg.n_routed_experts, mesh,
-                          RULES if rules is None else rules, set())
-
-
 def _batch_axis(mesh: Mesh, B: int):
     return "data" if mesh.shape.get("data", 1) > 1 and B % mesh.shape["data"] == 0 else None
 
@@ -316,7 +159,7 @@ class PerParamForm:
         return self._progs[x_proj_merged]
 
     def program(self, params):
-        return self.form(PR.x_proj_is_merged(params))
+        return self.form(PS.x_proj_is_merged(params))
 
     def __call__(self, params, *args):
         return self.program(params)(params, *args)
@@ -452,20 +295,13 @@ class ShardedStep(PerParamForm):
         return getattr(self.jitted, name)
 
 
-@functools.lru_cache(maxsize=None)
-def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
-                 include_mtp: bool = True):
-    """jit(decode.step) over the mesh with the cache donated and kept in its sharding:
-    (params, cache, tokens [B, T], slots, pos, nvalid [B], block_table [R, MAXB]) ->
-    (logits [B, V] f32 replicated, new cache). Same signature and results as
-    decode.compiled_step; one compilation per (B, T); the host only feeds small int
-    arrays (no host synchronisation inside the step).
-
-    With G = data_groups(cs, mesh) > 1 and B divisible by G, the step runs data-parallel:
-    a shard_map over "data" in which each group steps its own B/G rows against its own
-    slots and pool blocks (local indices; use DataParallelBlockManager and put group g's
-    requests in the g-th chunk of rows); expert and tensor parallelism inside as usual.
-    Other shapes (e.g. a one-request prefill chunk) run the same step under plain GSPMD."""
+def _data_parallel_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, apply):
+    """The sharded form of a step `apply(p, cache, tokens, slots, pos, nvalid, block_table,
+    cs) -> (logits, cache)` (p: the flat tree or the module state) -> (stp(p, cache, tokens,
+    slots, pos, nvalid, block_table), G). With G = data_groups(cs, mesh) > 1 and B
+    divisible by G, stp runs data-parallel: a shard_map over "data" in which each group
+    steps its own B/G rows against its own slots and pool blocks (local indices); other
+    shapes (e.g. a one-request prefill chunk) run under plain GSPMD."""
     # The cache kernels run where attention is replicated: expert parallelism only. Under
     # "model" the heads are split; under "data" the step is a partly manual shard_map, where
     # the Mosaic-GPU interpreter's callbacks cannot run (so it could not be tested on CPU).
@@ -478,29 +314,48 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
         raise ValueError("Numerics(matmul='pallas') under tensor parallelism (mesh 'model' "
                          f"size {mesh.shape['model']}) would all-gather the split weights "
                          "for the kernel; use matmul='xla' or a mesh without 'model'")
-    rep = NamedSharding(mesh, P())
-    csh = cache_shardings(cfg, cs, mesh)
     G = data_groups(cs, mesh)
     cs_loc = dataclasses.replace(cs, max_requests=cs.max_requests // G,
                                  num_blocks=cs.num_blocks // G)
     dspec = jax.tree.map(lambda _: P("data"), cache_structs(cfg, cs))
 
-    def local(params, cache, tokens, slots, pos, nvalid, block_table):
+    def local(p, cache, tokens, slots, pos, nvalid, block_table):
         g = jax.lax.axis_index("data")
         slots = slots - g * cs_loc.max_requests
         block_table = jnp.where(block_table >= 0, block_table - g * cs_loc.num_blocks, -1)
-        return D.step(params, cache, tokens, slots, pos, nvalid, block_table, cfg, cs_loc, nm)
+        return apply(p, cache, tokens, slots, pos, nvalid, block_table, cs_loc)
 
-    def stp(params, cache, tokens, slots, pos, nvalid, block_table):
+    def stp(p, cache, tokens, slots, pos, nvalid, block_table):
         with expert_parallel(cfg, mesh):
             if G > 1 and tokens.shape[0] % G == 0:
                 d = P("data")
                 return jax.shard_map(local, mesh=mesh, in_specs=(P(), dspec, d, d, d, d, d),
                                      out_specs=(d, dspec), axis_names={"data"},
-                                     check_vma=False)(params, cache, tokens, slots, pos,
-                                                      nvalid, block_table)
-            return D.step(params, cache, _constrain_batch(tokens, mesh), slots, pos, nvalid,
-                          block_table, cfg, cs, nm)
+                                     check_vma=False)(p, cache, tokens, slots, pos, nvalid,
+                                                      block_table)
+            return apply(p, cache, _constrain_batch(tokens, mesh), slots, pos, nvalid,
+                         block_table, cs)
+    return stp, G
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
+                 include_mtp: bool = True):
+    """jit(decode.step) over the mesh on a flat parameter tree (shard_params), the cache
+    donated and kept in its sharding: (params, cache, tokens [B, T], slots, pos, nvalid
+    [B], block_table [R, MAXB]) -> (logits [B, V] f32 replicated, new cache). Same
+    signature and results as decode.compiled_step; one compilation per (B, T); the host
+    only feeds small int arrays (no host synchronisation inside the step). The module form
+    (what Engine runs) is `sharded_step_program`.
+
+    Data-parallel when the batch splits (_data_parallel_step): use DataParallelBlockManager
+    and put group g's requests in the g-th chunk of rows; expert and tensor parallelism
+    inside as usual."""
+    def apply(params, *a):   # the module built in the trace: the same step as Engine's
+        return NX.DeepSeekV4.from_params(cfg, params).step(*a[:-1], cs=a[-1], nm=nm)
+    stp, G = _data_parallel_step(cfg, cs, nm, mesh, apply)
+    rep = NamedSharding(mesh, P())
+    csh = cache_shardings(cfg, cs, mesh)
 
     def make(merged):
         return jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp,
@@ -514,9 +369,9 @@ def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
 @functools.lru_cache(maxsize=None)
 def sharded_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, sampler,
                         include_mtp: bool = True):
-    """decode.compiled_stream_step over the mesh: (params, cache, st) -> (cache, st') with
-    the cache kept in its sharding, the stream state replicated, both donated (every
-    buffer stays in place from step to step)."""
+    """decode.compiled_stream_step over the mesh on a flat tree: (params, cache, st) ->
+    (cache, st') with the cache kept in its sharding, the stream state replicated, both
+    donated (every buffer stays in place from step to step)."""
     stp = sharded_step(cfg, cs, nm, mesh, include_mtp).fn
     rep = NamedSharding(mesh, P())
     csh = cache_shardings(cfg, cs, mesh)
@@ -526,3 +381,48 @@ def sharded_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, sa
                       csh, rep),
         out_shardings=(csh, rep), donate_argnums=(1, 2),
         compiler_options=D.STEP_COMPILER_OPTIONS))
+
+
+# ---------------------------------------------------------------------------------------
+# The module's programs over the mesh (what Engine runs)
+# ---------------------------------------------------------------------------------------
+def state_shardings(cfg: Config, mesh: Mesh, include_mtp: bool = True,
+                    x_proj_merged: bool = False, rules=None):
+    """The NamedShardings of the module state nnx.split(DeepSeekV4.from_params(cfg, p))
+    for a tree p of that form: sharding.param_shardings, arranged as the module holds it."""
+    return NX.state_of(cfg, param_shardings(cfg, mesh, rules, include_mtp, x_proj_merged))
+
+
+def _module_apply(graphdef, nm: Numerics):
+    return lambda state, *a: NX.apply_step(graphdef, state, *a[:-1], cs=a[-1], nm=nm)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_step_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh,
+                         include_mtp: bool = True, x_proj_merged: bool = True):
+    """nnx_model.step_program over the mesh: jit (state, cache, tokens [B, T], slots, pos,
+    nvalid [B], block_table [R, MAXB]) -> (logits [B, V] f32 replicated, new cache), the
+    state placed by state_shardings, the cache by sharding.cache_shardings and donated.
+    Data-parallel as sharded_step."""
+    stp, _ = _data_parallel_step(cfg, cs, nm, mesh, _module_apply(graphdef, nm))
+    rep = NamedSharding(mesh, P())
+    csh = cache_shardings(cfg, cs, mesh)
+    return jax.jit(stp, in_shardings=(state_shardings(cfg, mesh, include_mtp, x_proj_merged),
+                                      csh, rep, rep, rep, rep, rep),
+                   out_shardings=(rep, csh), donate_argnums=(1,),
+                   compiler_options=D.STEP_COMPILER_OPTIONS)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_stream_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh,
+                           sampler, include_mtp: bool = True, x_proj_merged: bool = True):
+    """nnx_model.stream_program over the mesh: (state, cache, st) -> (cache, st'), the
+    cache in its sharding, the stream state replicated, both donated."""
+    stp, _ = _data_parallel_step(cfg, cs, nm, mesh, _module_apply(graphdef, nm))
+    rep = NamedSharding(mesh, P())
+    csh = cache_shardings(cfg, cs, mesh)
+    return jax.jit(D.stream_step_fn(stp, sampler),
+                   in_shardings=(state_shardings(cfg, mesh, include_mtp, x_proj_merged),
+                                 csh, rep),
+                   out_shardings=(csh, rep), donate_argnums=(1, 2),
+                   compiler_options=D.STEP_COMPILER_OPTIONS)

@@ -1,5 +1,6 @@
 """Generation: samplers, chunked prefill, a streaming iterator and a fully-jitted decode
-loop (`lax.while_loop`), plus teacher-forced logits for debugging.
+loop (`lax.while_loop`), plus teacher-forced logits for debugging. The Engine holds the
+model as an NNX module (nnx_model.DeepSeekV4) and runs its compiled step programs.
 
     eng = Engine(cfg, params)
     out = eng.generate([[0, 17, 42], [0, 5]], max_new_tokens=16, sampler=TopP(0.9))
@@ -15,12 +16,17 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
 
 from .cache import BlockManager, CacheSpec, CapacityExceeded, PoolExhausted, init_cache
 from .config import Config
-from .decode import (STEP_COMPILER_OPTIONS, compiled_step, compiled_stream_step,
-                     init_stream_state, put_state, read_tokens, step as step_fn)
+from .decode import STEP_COMPILER_OPTIONS, init_stream_state, put_state, read_tokens
+from .nnx_model import DeepSeekV4, apply_step, step_program, stream_program
+from .param_specs import x_proj_is_merged
+from .params import merge_x_proj as merge_decode_form
 from .quant import Numerics
+from . import distributed as dist
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,9 +145,8 @@ class Engine:
         into a new tree, so `params` keeps its five weights alive while the caller holds
         it; pass a tree merged with consume=True (as the CLI does) to hold them once."""
         if merge_x_proj:
-            from .params import merge_x_proj as merge
-            params = merge(params, cfg)   # a no-op on a merged tree
-        self.cfg, self.params, self.nm = cfg, params, numerics
+            params = merge_decode_form(params, cfg)   # a no-op on a merged tree
+        self.cfg, self.nm = cfg, numerics
         self.progress = progress
         self.cs = cache_spec or CacheSpec.for_numerics(numerics)
         if prefill_chunk < 1:
@@ -154,16 +159,22 @@ class Engine:
             # step compile again (a 4-layer Flash check lost ~36 s a step to it on the H100)
             self.cache = jax.device_put(self.cache, jax.devices()[0])
             self.bm = BlockManager(cfg, self.cs)
-            self._step = compiled_step(cfg, self.cs, numerics)
         else:
-            from . import distributed as dist
-            self.params = dist.shard_params(params, cfg, mesh)
+            params = dist.shard_params(params, cfg, mesh)
             self.cache = dist.shard_cache(self.cache, cfg, self.cs, mesh)
             self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
+        # the model as an NNX module; the compiled programs take its split state
+        self.model = DeepSeekV4.from_params(cfg, params)
+        self.graphdef, self.state = nnx.split(self.model)
+        if mesh is None:
+            self._step = step_program(self.graphdef, self.cs, numerics)
+        else:
             # a checkpoint loaded without its MTP block steps without it (the step never
             # runs MTP; its shardings must match the tree it is given)
-            self._mtp = any(k.startswith("mtp.") for k in params)
-            self._step = dist.sharded_step(cfg, self.cs, numerics, mesh, include_mtp=self._mtp)
+            self._form = dict(include_mtp=any(k.startswith("mtp.") for k in params),
+                              x_proj_merged=x_proj_is_merged(params))
+            self._step = dist.sharded_step_program(cfg, self.graphdef, self.cs, numerics, mesh,
+                                                   **self._form)
         # where the stream state lives: the default device, or replicated on the mesh
         self._state_sharding = (None if mesh is None else
                                 jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -171,9 +182,14 @@ class Engine:
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
 
+    @property
+    def params(self) -> dict:
+        """The flat parameter tree the module holds (the same arrays)."""
+        return self.model.to_params()
+
     # ---- building blocks -------------------------------------------------------------
     def _run(self, tokens, slots, pos, nvalid):
-        logits, self.cache = self._step(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
+        logits, self.cache = self._step(self.state, self.cache, jnp.asarray(tokens, jnp.int32),
                                         jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32),
                                         jnp.asarray(nvalid, jnp.int32), jnp.asarray(self.bm.table))
         return logits
@@ -192,7 +208,6 @@ class Engine:
         logits = None
         starts = range(0, len(prompt), self.chunk)
         if len(starts) > 8 and self.progress:  # long prompts: show prefill progress
-            from tqdm.auto import tqdm
             starts = tqdm(starts, desc=f"prefill slot {slot}", unit="chunk", leave=False)
         for s in starts:
             part = prompt[s:s + self.chunk]
@@ -242,10 +257,9 @@ class Engine:
     def _stream_program(self, sampler):
         """The stream step (decode.stream_step_fn) for this engine and sampler."""
         if self.mesh is None:
-            return compiled_stream_step(self.cfg, self.cs, self.nm, sampler)
-        from . import distributed as dist
-        return dist.sharded_stream_step(self.cfg, self.cs, self.nm, self.mesh, sampler,
-                                        include_mtp=self._mtp)
+            return stream_program(self.graphdef, self.cs, self.nm, sampler)
+        return dist.sharded_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
+                                           self.mesh, sampler, **self._form)
 
     def _launch(self, prog, st, run_slots: list[int], first=None, key=None):
         """Enqueue one stream step for `run_slots` -> (new state, device tokens [R]).
@@ -275,7 +289,7 @@ class Engine:
             if not np.array_equal(tb0, self.bm.table):
                 st = dict(st, table=put_state(self.bm.table, self._state_sharding))
             self._st_host = (nvalid, self.bm.table.copy())
-        self.cache, st = prog(self.params, self.cache, st)
+        self.cache, st = prog(self.state, self.cache, st)
         self.last_stream_state = st   # for inspection (e.g. in a notebook)
         nxt = read_tokens(st)   # into pinned host memory, when the step ends
         for s in run_slots:
@@ -378,11 +392,11 @@ class Engine:
             t1 = time.perf_counter()
             tok0 = jnp.zeros(R, jnp.int32).at[jnp.asarray(slots)].set(first)
             active = jnp.zeros(R, bool).at[jnp.asarray(slots)].set(True)
-            args = (self.params, self.cache, tok0, active, jnp.asarray(self.bm.length, jnp.int32),
+            args = (self.state, self.cache, tok0, active, jnp.asarray(self.bm.length, jnp.int32),
                     jnp.asarray(self.bm.table), key)
             lkey = (sampler, max_new_tokens, tuple(sorted({self.cfg.eos_token_id, *stop_ids})))
             if lkey not in self._loops:
-                self._loops[lkey] = _decode_loop(self.cfg, self.cs, self.nm, *lkey).lower(
+                self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm, *lkey).lower(
                     *args).compile()
             t2 = time.perf_counter()
             out, n_gen, self.cache = self._loops[lkey](*args)
@@ -419,13 +433,13 @@ class Engine:
                 self.bm.release(s)
 
 
-@functools.lru_cache(maxsize=None)
-def _decode_loop(cfg, cs, nm, sampler, max_new: int, stops: tuple[int, ...]):
-    """jit(while_loop over decode steps): stops per request on a stop token or max_new."""
-    R = cs.max_requests
+def _loop_fn(apply, R: int, sampler, max_new: int, stops: tuple[int, ...]):
+    """run(p, cache, tok0, active, pos0, table, key) -> (tokens [R, max_new], generated
+    counts [R], cache): a while_loop over decode steps apply(p, cache, tokens, slots, pos,
+    nvalid, table) -> (logits, cache); a request stops on a stop token or at max_new."""
     stop_arr = jnp.asarray(stops, jnp.int32)
 
-    def run(params, cache, tok0, active, pos0, table, key):
+    def run(p, cache, tok0, active, pos0, table, key):
         out = jnp.zeros((R, max_new), jnp.int32).at[:, 0].set(tok0)
         n_gen = jnp.where(active, 1, 0)
         running = active & ~jnp.isin(tok0, stop_arr)
@@ -435,8 +449,8 @@ def _decode_loop(cfg, cs, nm, sampler, max_new: int, stops: tuple[int, ...]):
 
         def body(c):
             cache, tok, pos, running, out, i, n_gen = c
-            logits, cache = step_fn(params, cache, tok[:, None], jnp.arange(R), pos,
-                                    running.astype(jnp.int32), table, cfg, cs, nm)
+            logits, cache = apply(p, cache, tok[:, None], jnp.arange(R), pos,
+                                  running.astype(jnp.int32), table)
             nxt = sampler.get_next_tokens(logits, jax.random.fold_in(key, i))
             out = out.at[:, i].set(jnp.where(running, nxt, 0))
             n_gen = n_gen + running
@@ -446,5 +460,25 @@ def _decode_loop(cfg, cs, nm, sampler, max_new: int, stops: tuple[int, ...]):
 
         c = jax.lax.while_loop(cond, body, (cache, tok0, pos0, running, out, jnp.int32(1), n_gen))
         return c[4], c[6], c[0]
+    return run
 
-    return jax.jit(run, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
+
+@functools.lru_cache(maxsize=None)
+def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, sampler, max_new: int,
+                stops: tuple[int, ...]):
+    """jit(while_loop over the module's decode steps) on its split state: (state, cache,
+    tok0 [R], active [R] bool, pos0 [R], table [R, MAXB], key) -> (tokens [R, max_new],
+    counts [R], cache), the cache donated."""
+    apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
+    return jax.jit(_loop_fn(apply, cs.max_requests, sampler, max_new, stops),
+                   donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_loop(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, max_new: int,
+                 stops: tuple[int, ...]):
+    """decode_loop on a flat parameter tree: (params, cache, ...) -> the same."""
+    def apply(params, *a):
+        return DeepSeekV4.from_params(cfg, params).step(*a, cs=cs, nm=nm)
+    return jax.jit(_loop_fn(apply, cs.max_requests, sampler, max_new, stops),
+                   donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)

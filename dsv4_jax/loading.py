@@ -2,7 +2,7 @@
 `dsv4 convert`, or a HF-layout safetensors directory read directly.
 
 Arrays go straight to their target shardings (one device, or the NamedShardings of
-`distributed.param_shardings(cfg, mesh)`, the layout the sharded model uses), built from
+`sharding.param_shardings(cfg, mesh)`, the layout the sharded model uses), built from
 abstract metadata: orbax restores each chunk with sharded targets, and the safetensors path
 builds every array with `jax.make_array_from_callback`, reading only the experts each device
 holds (other tensors: one tensor at a time). No copy of the whole model sits in host memory.
@@ -18,8 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints import convert as C
+from checkpoints import layout as CL
+from checkpoints.errors import (CheckpointError, DtypeMismatchError, IncompleteCheckpointError,
+                                MissingKeyError, ShapeMismatchError, UnknownKeyError)
+from checkpoints.source import open_source
+from pallas_kernels.quant_matmul.kernel import PLACE_MAX_SCALE_BYTE, fp4_swar_form
+
 from .config import Config
-from . import params as P
+from . import param_specs as P
 from . import sharding as S
 from .quant import Fp4Weight
 
@@ -28,13 +35,11 @@ def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: 
     """Restore the checkpoint at `path` -> (Config, params).
 
     `mesh`: a `jax.sharding.Mesh` with axes from ("data", "expert", "model") (rules:
-    `distributed.RULES`, or `rules`), or None for the first device. `numerics_check`: after
+    `sharding.RULES`, or `rules`), or None for the first device. `numerics_check`: after
     loading, verify on device that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite and
     `tid2eid` indexes real experts; a failure names the tensor.
     Raises `checkpoints.errors.CheckpointError` subclasses on any mismatch between the
     checkpoint and its config."""
-    from checkpoints import convert as C
-    from checkpoints.errors import CheckpointError
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint")
@@ -55,10 +60,6 @@ def _targets(cfg: Config, mesh, rules, include_mtp):
 
 
 def _load_orbax(path: Path, mesh, rules, include_mtp):
-    from checkpoints import convert as C
-    from checkpoints import layout as L
-    from checkpoints.errors import (DtypeMismatchError, IncompleteCheckpointError,
-                                    MissingKeyError, ShapeMismatchError, UnknownKeyError)
     mpath = path / C.MANIFEST
     if not mpath.exists():
         raise IncompleteCheckpointError(
@@ -90,7 +91,7 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
         meta = C.chunk_metadata(cdir)
         tgt = {}
         for k in keys:
-            want = L.from_leaf(targets[k])
+            want = CL.from_leaf(targets[k])
             have = meta[k] if isinstance(meta[k], dict) else {"value": meta[k]}
             if set(want) != set(have):
                 raise DtypeMismatchError(f"{cdir}: {k} is stored with fields {sorted(have)}, "
@@ -107,13 +108,11 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
         restored = C.restore_chunk(cdir, tgt)
         for k in keys:
             r = restored[k]
-            params[k] = L.to_leaf(specs[k].fmt, r if isinstance(r, dict) else {"value": r})
+            params[k] = CL.to_leaf(specs[k].fmt, r if isinstance(r, dict) else {"value": r})
     return cfg, params
 
 
 def _load_safetensors(path: Path, mesh, rules, include_mtp):
-    from checkpoints import layout as L
-    from checkpoints.source import open_source
     src = open_source(path)
     cfg = src.cfg
     specs = P.describe(cfg, include_mtp=True)
@@ -121,10 +120,10 @@ def _load_safetensors(path: Path, mesh, rules, include_mtp):
     params = {}
     for k, leaf in targets.items():
         fields = {}
-        stacked = L.is_expert_key(k)
-        for f, s in L.from_leaf(leaf).items():
+        stacked = CL.is_expert_key(k)
+        for f, s in CL.from_leaf(leaf).items():
             fields[f] = _make_array(src, k, f, s, stacked)
-        params[k] = L.to_leaf(specs[k].fmt, fields)
+        params[k] = CL.to_leaf(specs[k].fmt, fields)
     return cfg, params
 
 
@@ -160,7 +159,6 @@ def _numerics_counts(tree, n_experts: int):
     """-> ({name: count of NaN / non-finite / invalid entries},
            {FP4 weight name: count of scale bytes above what the Pallas matmul kernel's
             "place" FP4 program decodes (PLACE_MAX_SCALE_BYTE, 2^65)})."""
-    from pallas_kernels.quant_matmul.kernel import PLACE_MAX_SCALE_BYTE
     out, big = {}, {}
     is_fp4 = lambda x: isinstance(x, Fp4Weight)
     for k, leaf in tree.items():
@@ -183,8 +181,6 @@ def check_numerics(params: dict, cfg: Config):
     """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids.
     One jitted reduction over the whole tree (one compile per model shape; the arrays
     stay where they are)."""
-    from checkpoints.errors import CheckpointError
-    from pallas_kernels.quant_matmul.kernel import PLACE_MAX_SCALE_BYTE, fp4_swar_form
     bad, big = jax.device_get(_numerics_counts(params, cfg.n_routed_experts))
     for name, n in bad.items():
         if int(n):
