@@ -1,28 +1,16 @@
-"""Shared by the benchmark scripts: the HBM ceiling every result is judged against."""
+"""Shared by the benchmark scripts: the ceilings every result is judged against (HBM
+bandwidth, dense BF16 tensor throughput), a timing helper, and the kernel count of a
+compiled program (read from its optimised HLO)."""
 from __future__ import annotations
 
 import math
-import os
+import re
 import statistics
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
-
-
-def with_env(env: dict, call):
-    """call() with the environment variables in env set, then restored (the kernels read
-    their knobs when a call is traced: trace and compile inside)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return call()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def median_seconds(call, iters: int = 10) -> float:
@@ -37,57 +25,37 @@ def median_seconds(call, iters: int = 10) -> float:
     return statistics.median(ts)
 
 
-def hbm_bandwidth(nbytes: int = 1 << 30, calls: int = 10, rounds: int = 3,
-                  warm_s: float = 0.5) -> dict:
-    """The HBM ceiling, measured three ways on the default device -> {name: bytes/s}:
-    "copy" (jnp.copy, bytes read + written), "a+1" (elementwise f32 pass, read + written),
-    "read" (a max-reduction: bytes read). Each: `warm_s` of back-to-back calls first (clocks
-    ramp up: a cold first measurement read 2.2 TB/s on an H200 whose copies reach 3.2-4.3),
-    then `rounds` rounds of `calls` calls enqueued back to back and blocked once (the host's
-    dispatch hides behind the device); the best round counts. "ceiling" is the largest."""
-    x = jax.random.normal(jax.random.key(7), (nbytes // 4 // 4096, 4096), jnp.float32)
-    passes = (("copy", jnp.copy, 2), ("a+1", lambda a: a + 1.0, 2), ("read", jnp.max, 1))
-    out = {}
-    for name, fn, n_io in passes:
-        f = jax.jit(fn)
-        jax.block_until_ready(f(x))
-        t_end = time.perf_counter() + warm_s
-        while time.perf_counter() < t_end:
-            jax.block_until_ready([f(x) for _ in range(4)])
-        best = math.inf
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            y = None
-            for _ in range(calls):
-                y = f(x)
-            jax.block_until_ready(y)
-            best = min(best, (time.perf_counter() - t0) / calls)
-        out[name] = n_io * x.nbytes / best
-    out["ceiling"] = max(out.values())
-    return out
-
-
-def tensor_peak(n: int = 8192, calls: int = 10, rounds: int = 3, warm_s: float = 0.5) -> float:
-    """The dense BF16 tensor-core ceiling, measured (flop/s): an [n, n] @ [n, n] bf16 matmul
-    (f32 accumulation, as the kernels' wgmma) timed as hbm_bandwidth times its passes. An
-    H100 SXM's datasheet says 989 TFLOP/s; cuBLAS reaches less, and that is what counts."""
-    ka, kb = jax.random.split(jax.random.key(11))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
-    jax.block_until_ready(f(a, b))
+def _best_seconds(f, args, calls: int, rounds: int, warm_s: float) -> float:
+    """Seconds a call of f(*args): `warm_s` of back-to-back calls first (clocks ramp up: a
+    cold first measurement read 2.2 TB/s on an H200 whose copies reach 4.1-4.4), then the
+    best of `rounds` rounds of `calls` calls enqueued back to back and blocked once (the
+    host's dispatch hides behind the device)."""
+    jax.block_until_ready(f(*args))
     t_end = time.perf_counter() + warm_s
     while time.perf_counter() < t_end:
-        jax.block_until_ready(f(a, b))
+        jax.block_until_ready([f(*args) for _ in range(4)])
     best = math.inf
     for _ in range(rounds):
         t0 = time.perf_counter()
         y = None
         for _ in range(calls):
-            y = f(a, b)
+            y = f(*args)
         jax.block_until_ready(y)
         best = min(best, (time.perf_counter() - t0) / calls)
-    return 2.0 * n ** 3 / best
+    return best
+
+
+def hbm_bandwidth(nbytes: int = 1 << 30, calls: int = 10, rounds: int = 3,
+                  warm_s: float = 0.5) -> dict:
+    """The HBM ceiling, measured three ways on the default device -> {name: bytes/s}:
+    "copy" (jnp.copy, bytes read + written), "a+1" (elementwise f32 pass, read + written),
+    "read" (a max-reduction: bytes read); "ceiling" is the largest."""
+    x = jax.random.normal(jax.random.key(7), (nbytes // 4 // 4096, 4096), jnp.float32)
+    passes = (("copy", jnp.copy, 2), ("a+1", lambda a: a + 1.0, 2), ("read", jnp.max, 1))
+    out = {name: n_io * x.nbytes / _best_seconds(jax.jit(fn), (x,), calls, rounds, warm_s)
+           for name, fn, n_io in passes}
+    out["ceiling"] = max(out.values())
+    return out
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -95,9 +63,60 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return hbm_bandwidth(nbytes)["ceiling"]
 
 
-def legacy_copy_bandwidth(nbytes: int = 1 << 30, iters: int = 10) -> float:
-    """The measurement used up to 2026-11-25 (median of 10 synchronised `a + 1` calls after
-    one warm-up): kept only to compare against hbm_bandwidth in benchmarks/bandwidth.py."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    return 2 * x.nbytes / median_seconds(lambda: f(x), iters)
+def tensor_peak(n: int = 8192, calls: int = 10, rounds: int = 3, warm_s: float = 0.5) -> float:
+    """The dense BF16 tensor-core ceiling, measured (flop/s): an [n, n] @ [n, n] bf16 matmul
+    (f32 accumulation, as the kernels' wgmma) timed as hbm_bandwidth times its passes.
+    cuBLAS reaches 676-706 TFLOP/s on an H100 / H200, not the datasheet's 989: that is
+    what counts."""
+    ka, kb = jax.random.split(jax.random.key(11))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
+    return 2.0 * n ** 3 / _best_seconds(f, (a, b), calls, rounds, warm_s)
+
+
+# HLO opcodes that launch a kernel of their own: fusions, custom calls (the Pallas kernels,
+# library GEMMs) and the few ops XLA leaves unfused
+KERNEL_OPS = ("fusion", "custom-call", "dot", "scatter", "gather", "copy", "sort")
+
+
+def op_sources(hlo_text: str) -> dict[str, tuple[str, str, str]]:
+    """HLO instruction name -> (opcode, label, op_name) for every ENTRY instruction of an
+    optimised HLO module. label = 'opcode: last two op_name parts' (custom calls add their
+    result type: the kernels share one op name); without op_name metadata, the
+    instruction's name in brackets (it says what it fuses)."""
+    entry = hlo_text[hlo_text.index("ENTRY"):]
+    out = {}
+    for line in entry.splitlines():
+        # result type: one word, or a tuple (a multi-output fusion: a kernel too)
+        m = re.search(r"%?([\w.-]+) = (?:\(.*?\)|\S+) ([\w-]+)\(", line)
+        if not m:
+            continue
+        name = re.search(r'op_name="([^"]+)"', line)
+        if name is None:
+            base = re.sub(r"[.]\d+$", "", m.group(1))
+            out[m.group(1)] = (m.group(2), f"{m.group(2)}: <{base}>", "")
+            continue
+        parts = [p for p in name.group(1).split("/") if not p.startswith("jit(")]
+        label = f"{m.group(2)}: " + "/".join(parts[-2:])[:80]
+        if m.group(2) == "custom-call":
+            label += " -> " + re.search(r" = (\(.*?\)|\S+) ", line).group(1)[:60]
+        out[m.group(1)] = (m.group(2), label, name.group(1))
+    return out
+
+
+def kernels_by_source(hlo_text: str) -> tuple[int, Counter]:
+    """(number of kernel-launching ENTRY instructions, Counter of their labels)."""
+    src = Counter(label for op, label, _ in op_sources(hlo_text).values() if op in KERNEL_OPS)
+    return sum(src.values()), src
+
+
+def kernels_by_layer(hlo_text: str) -> Counter:
+    """Counter: layer index -> kernels whose op_name names that layer (`layer3_csa/...`);
+    key None for the rest (embedding, head, the step's own bookkeeping)."""
+    out = Counter()
+    for op, _, op_name in op_sources(hlo_text).values():
+        if op in KERNEL_OPS:
+            m = re.search(r"(?:^|/)layer(\d+)_", op_name)
+            out[int(m.group(1)) if m else None] += 1
+    return out

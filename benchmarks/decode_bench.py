@@ -1,7 +1,7 @@
-"""Decode-step benchmark against the HBM-bandwidth floor.
+"""Decode-step benchmark against the HBM-bandwidth floor (the engine of `dsv4 bench decode`).
 
-    dsv4 bench decode --preset flash --layers 4 --batch 1 8 --context 4096 [--kernels on|off]
-    (or: PYTHONPATH=. python -m benchmarks.decode_bench ...)
+    dsv4 bench decode --preset flash --layers 4 --batch 1 8 --context 4096 --kernels on --matmul pallas
+    (or: PYTHONPATH=. python -m benchmarks.decode_bench decode ...)
 
 Synthetic weights in the real formats are drawn on the device; the cache of every request
 is filled with random FP8/FP4 contents at the given context (the step's cost does not
@@ -16,18 +16,23 @@ pipelined (steps enqueued back to back: what Engine.stream / Engine.generate get
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
+from benchmarks.common import copy_bandwidth
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step
+from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
+from dsv4_jax.distributed import (init_processes_from_env, make_mesh, sharded_step,
+                                  sharded_stream_step)
+from dsv4_jax.generate import Greedy, _decode_loop
 from dsv4_jax.quant import Numerics
-from benchmarks.common import copy_bandwidth
+from dsv4_jax.sharding import param_shardings, shard_cache
 
 ENTRY_BYTES = 448 + 8 + 128  # FP8 nope + e8m0 scales + bf16 rope
 IDX_KEY_BYTES = 64 + 4  # fp4 codes + e8m0 per 32
@@ -43,7 +48,6 @@ def floor_bytes(cfg, B: int, ctx: int, mesh=None) -> dict:
     replicated unless split over "data")."""
     structs = P.abstract_params(cfg, include_mtp=False)
     if mesh is not None:
-        from dsv4_jax.distributed import param_shardings
         sh = param_shardings(cfg, mesh, include_mtp=False)
         structs = {k: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(s.shard_shape(a.shape),
                                                                      a.dtype), v, sh[k])
@@ -131,7 +135,6 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     if mesh is not None:
-        from dsv4_jax.distributed import shard_cache, sharded_step
         cache = shard_cache(cache, cfg, cs, mesh)
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
@@ -162,13 +165,9 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         lg.block_until_ready()
         out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
     if "stream" in what:
-        # imported here: --what step also runs against older trees (bisecting on the GPU)
-        from dsv4_jax.decode import compiled_stream_step, init_stream_state, read_tokens
-        from dsv4_jax.generate import Greedy
         if mesh is None:
             prog = compiled_stream_step(cfg, cs, nm, Greedy())
         else:
-            from dsv4_jax.distributed import sharded_stream_step
             prog = sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False)
         st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed),
                                sharding=None if mesh is None else
@@ -191,7 +190,6 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         np.asarray(prev)
         out["ms_stream"] = 1e3 * (time.perf_counter() - t0) / steps
     if loop and mesh is None:
-        from dsv4_jax.generate import _decode_loop
         run = _decode_loop(cfg, cs, nm, Greedy(), steps + 1, ())
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
         args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed))
@@ -211,11 +209,7 @@ def _layers_cfg(cfg, ratios):
 
 
 def main(args):
-    try:
-        from dsv4_jax.distributed import init_processes_from_env
-    except ImportError:   # an older tree (bisecting): single process only
-        init_processes_from_env = lambda: False  # noqa: E731
-    multi = init_processes_from_env()  # one process per GPU (benchmarks/launch_local.sh)
+    multi = init_processes_from_env()  # one process per GPU (docs/SHARDING.md)
     base = C.get_preset(args.preset)
     n = args.layers or base.num_hidden_layers
     cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
@@ -224,7 +218,6 @@ def main(args):
     bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     mesh = None
     if args.devices:
-        from dsv4_jax.distributed import make_mesh, param_shardings
         mesh = make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
     print(f"device {dev.device_kind} x {args.devices or 1}"
           f"{f' in {jax.process_count()} processes' if multi else ''}"
@@ -234,13 +227,12 @@ def main(args):
     t0 = time.perf_counter()
     params = P.init_params_device(
         cfg, args.seed, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else None)
-    if not args.unmerged and hasattr(P, "merge_x_proj"):   # decode form, as Engine / CLI
+    if not args.unmerged:   # the decode form, as the Engine and the CLI run it
         params = P.merge_x_proj(params, cfg, consume=True)
     jax.block_until_ready(params)
     print(f"synthetic weights drawn on device in {time.perf_counter() - t0:.0f} s "
           f"({P.nbytes(cfg, include_mtp=False) / 1e9:.1f} GB)", flush=True)
     rows = []
-    from tqdm.auto import tqdm
     sweep = [(mm, B, ctx) for mm in args.matmul for B in args.batch for ctx in args.context]
     for mm, B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
         fl = floor_bytes(cfg, B, ctx, mesh)
@@ -264,7 +256,7 @@ def main(args):
             # one layer of a kind = time([SWA, kind]) - time([SWA]) (embedding + head cancel)
             kinds = {"swa": 0, "csa": 4, "hca": 128}
             one_cfg = _layers_cfg(base, [0])
-            form = (lambda p, c: p) if args.unmerged or not hasattr(P, "merge_x_proj") else \
+            form = (lambda p, c: p) if args.unmerged else \
                 (lambda p, c: P.merge_x_proj(p, c, consume=True))
             t_one = bench(one_cfg, form(P.init_params_device(one_cfg, args.seed), one_cfg), B, ctx,
                           args.kernels, args.steps, matmul=mm, what=("step",))["ms"]
@@ -319,5 +311,5 @@ def register(sub):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     register(p.add_subparsers(dest="cmd", required=True))
-    a = p.parse_args(["bench"] + __import__("sys").argv[1:])
+    a = p.parse_args(["bench"] + sys.argv[1:])
     a.fn(a)
