@@ -1,5 +1,6 @@
-"""The key splits' merge as one Mosaic-GPU kernel (the XLA merge, kernel.merge_splits, is its
-reference and the path interpreted / CPU calls keep).
+"""The merge of the key splits (flash-decoding): in XLA (merge_splits) or as one Mosaic-GPU
+kernel (merge_splits_kernel), chosen by __init__: the kernel from MERGE_KERNEL_MIN_BATCH
+requests up to MAX_SPLITS splits, XLA's merge otherwise.
 
 XLA makes two fusions of merge_splits: the weights [B, HP] (exp of each split's lse against
 the running max, the sink in the denominator) and the weighted sum over the splits' bf16
@@ -19,20 +20,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# Shared with kernel.py (which imports this module, so they live here): heads a CTA (the
-# WGMMA layout's rows), the layouts, a bf16 tile's 64-column, 128-byte swizzled transform.
-HT = 64
-CW = 64          # output columns a merge CTA: one 128-byte swizzled tile of bf16
-TILED = (plgpu.TilingTransform((8, CW)), plgpu.SwizzleTransform(128))
-WG = plgpu.Layout.WGMMA
-ROW, COL = WG.reduce(1), WG.reduce(0)
-SMEM_BYTES = 227 * 1024   # what a Hopper CTA may take
+from pallas_kernels.sparse_decode_attention.layout import HT, ROW, SMEM_BYTES, TILED, WG
+
+CW = 64          # output columns a merge CTA: one 128-byte swizzled tile of bf16 (TILED)
 # Every split's [64, 64] bf16 tile and its 64 lse are staged at once (+ the sink's 64):
 # 27 splits fill the SMEM. default_splits stays far below (<= ~10 measured).
 MAX_SPLITS = (SMEM_BYTES - HT * 4) // (HT * CW * 2 + HT * 4)
+# The merge kernel from this batch on, instead of XLA's two fusions (the weights [B, HP],
+# then the weighted sum, at the HBM ceiling already: the first is a whole launch for a few
+# KB). H100, 128K, op GPU us, xla -> kernel: Flash CSA B=64 33.6 -> 32.0, Pro CSA B=32
+# 47.9 -> 46.4, Flash HCA B=64 46.0 -> 44.6, Flash CSA B=8 13.2 -> 13.0; but Flash CSA B=1
+# at 32K 9.9 -> 11.7 (XLA fuses the whole merge into one 1.8 us kernel there; the merge
+# kernel's floor is ~3.5 us).
+MERGE_KERNEL_MIN_BATCH = 8
 
 
-def merge_splits_kernel(o, lse, sink, *, interpret=None):
+def merge_splits(o, lse, sink):
+    """Flash-decoding merge of the splits' normalised outputs o [NS, B, HP, 512] and
+    log-sum-exps lse [NS, B, HP], with the sink in the denominator -> [B, HP, 512] bf16.
+    Written as a sum over the (few) splits so XLA makes two fusions of it, not three."""
+    ls = [lse[s] for s in range(lse.shape[0])]
+    m = functools.reduce(jnp.maximum, ls, sink[None, :])                       # [B, HP]
+    ws = [jnp.exp(x - m) for x in ls]
+    den = functools.reduce(jnp.add, ws, jnp.exp(sink[None, :] - m))
+    acc = functools.reduce(jnp.add, [w[..., None] * o[s].astype(jnp.float32)
+                                     for s, w in enumerate(ws)])
+    return (acc / den[..., None]).astype(jnp.bfloat16)
+
+
+def merge_splits_kernel(o, lse, sink, *, interpret=False):
     """o [NS, B, HP, 512] bf16 (each split's normalised partial), lse [NS, B, HP] f32 (its
     log-sum-exp, -inf where it saw no key), sink [HP] f32 -> [B, HP, 512] bf16.
     HP a multiple of 64 (the attention kernels pad heads to their 64-head tiles)."""
@@ -44,7 +60,7 @@ def merge_splits_kernel(o, lse, sink, *, interpret=None):
         raise ValueError(f"merge: heads {HP} must be a multiple of {HT} and width {D} of {CW}")
     if NS > MAX_SPLITS:
         raise ValueError(f"merge: {NS} splits exceed the kernel's {MAX_SPLITS} (every split's "
-                         f"tile is staged in SMEM at once); merge them in XLA (merge='xla')")
+                         f"tile is staged in SMEM at once); merge them in XLA (merge_splits)")
     if o.dtype != jnp.bfloat16:
         raise ValueError(f"merge: partials must be bf16, got {o.dtype}")
     lse = lse.astype(jnp.float32)
