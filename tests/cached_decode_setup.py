@@ -8,12 +8,12 @@ from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine
 
 
-def two_prefilled_requests(cfg, params, nm, **cache_kw):
-    """-> (eng, cs, x [2, 1, D] bf16 random, args (tok_pos, valid, slots, pos, nvalid,
+def two_prefilled_requests(cfg, params, nm, seed: int = 601, **cache_kw):
+    """-> (eng, cs, x [2, 1, D] bf16 random (seeded), args (tok_pos, valid, slots, pos, nvalid,
     block_table)). cache_kw: more CacheSpec fields (e.g. index_format)."""
     cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2, **cache_kw)
     eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     lens = [int(rng.integers(130, 200)), int(rng.integers(5, 128))]
     for n in lens:
         eng.prefill(eng.bm.admit(n), rng.integers(0, cfg.vocab_size, n))

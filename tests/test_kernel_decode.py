@@ -20,22 +20,17 @@ def _bits(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a
 
 
-# the default (Triton attention, top-k kernel) and the other backend with the other top-k:
-# both of each are covered; ("triton", "xla") added ~150 s of CI for no new path. The other
-# indexer key formats (their scoring kernels) run in the CSA layers with the defaults, one
-# of them with the Triton attention's joined form.
-@pytest.mark.parametrize("backend,select,index_format,joined", [
-    ("triton", "kernel", "fp4", False), ("mosaic", "xla", "fp4", False),
-    ("triton", "kernel", "nvfp4", False), ("triton", "kernel", "fp8", True)])
-def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index_format,
-                                             joined):
-    monkeypatch.setattr(D, "ATTN_BACKEND", backend)   # the attention kernel's backend
-    monkeypatch.setattr(D, "ATTN_JOINED", joined)
-    monkeypatch.setattr(D, "TOPK_SELECT", select)     # the indexer's top-k
+# Both attention backends; the indexer key formats' scoring kernels run in the CSA layers
+# with the Triton attention (cheaper to interpret). The Mosaic case runs every layer kind.
+@pytest.mark.parametrize("backend,index_format,every_layer", [
+    ("mosaic", "fp4", True), ("triton", "fp4", False), ("triton", "nvfp4", False),
+    ("triton", "fp8", False)])
+def test_kernel_decode_layers_match_pure_jax(backend, index_format, every_layer):
     cfg = config.tiny()
-    params = P.init_params(cfg, int(np.random.default_rng().integers(1 << 30)))
+    params = P.init_params(cfg, 701)
     nm = Numerics(True, "bfloat16")
-    eng, cs, x, args = two_prefilled_requests(cfg, params, nm, index_format=index_format)
+    eng, cs, x, args = two_prefilled_requests(cfg, params, nm, index_format=index_format,
+                                              attention_backend=backend)
     programs = {}
 
     def attend(i, kernels):
@@ -45,7 +40,7 @@ def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index
         parameters are an argument, so layers of one kind (the tiny preset's second CSA and
         HCA layers) run the program compiled for the first: every layer is still checked,
         with its own weights and cache, without compiling its kind again."""
-        key = (kernels, cfg.layer_ratio(i), D.DEDUP_SCATTER)  # DEDUP_SCATTER: read in tracing
+        key = (kernels, cfg.layer_ratio(i))
         if key not in programs:
             csk = dataclasses.replace(cs, kernels=kernels)
             programs[key] = jax.jit(lambda ap, lc, x, *a, r=key[1]: D.attention_cached(
@@ -54,8 +49,8 @@ def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index
         return jax.block_until_ready(programs[key](ap, eng.cache[f"L{i}"], x, *args))
 
     for i in range(cfg.num_hidden_layers):
-        if select == "kernel" and cfg.layer_ratio(i) != 4:
-            continue   # the top-k kernel runs in the CSA layers only
+        if not every_layer and cfg.layer_ratio(i) != 4:
+            continue   # the indexer kernels run in the CSA layers only
         res = [attend(i, k) for k in ("off", "interpret")]
         (a, ca), (b, cb) = res
         for (pa, va), (pb, vb) in zip(jax.tree_util.tree_flatten_with_path(ca)[0],
@@ -66,31 +61,24 @@ def test_kernel_decode_layers_match_pure_jax(monkeypatch, backend, select, index
         err = np.linalg.norm(a - b) / np.linalg.norm(a)
         # attention core agrees to ~0.3% (bf16 P); wo_b's FP8 input rounding amplifies it
         assert err < 0.05, (i, err)
-        if i < 3 and select == "xla":  # SWA, CSA, HCA: the jitted scatters write the same bits
-            monkeypatch.setattr(D, "DEDUP_SCATTER", True)   # read while tracing
-            c, cc = attend(i, "interpret")
-            monkeypatch.setattr(D, "DEDUP_SCATTER", False)
-            for va, vc in zip(jax.tree.leaves(cb), jax.tree.leaves(cc)):
-                assert np.array_equal(_bits(va), _bits(vc)), f"layer {i}: jitted scatter differs"
-            assert np.array_equal(np.asarray(c, np.float32), b)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic"])
-def test_read_only_kernels_lowered_once_per_shape(monkeypatch, backend):
+def test_read_only_kernels_lowered_once_per_shape(backend):
     """The indexer top-k and sparse attention kernels sit behind one jit each, so a model's
     layers share one lowered (and one compiled) copy per shape: the CUDA lowering of the
     5-layer tiny step (SWA, 2 CSA, 2 HCA) defines attention once per layer kind and calls
     it from every layer. Without it the 43-layer Flash step compiled ~5x slower."""
     import re
     from jax._src.mesh import AbstractDevice, AbstractMesh
-    monkeypatch.setattr(D, "ATTN_BACKEND", backend)
     # the Triton lowerings (attention's default backend, and the top-k kernel with either
     # backend) ask for the GPU's model: an abstract H100
     dev = AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
     ctx = jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev))
     cfg = config.tiny()
     nm = Numerics(True, "bfloat16")
-    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2, kernels="on")
+    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=4, max_blocks=2, kernels="on",
+                                attention_backend=backend)
     S = jax.ShapeDtypeStruct
     args = (S((2, 1), jnp.int32), S((2,), jnp.int32), S((2,), jnp.int32), S((2,), jnp.int32),
             S((2, 2), jnp.int32))
@@ -108,15 +96,6 @@ def test_read_only_kernels_lowered_once_per_shape(monkeypatch, backend):
     assert len(re.findall(r"call @_sparse_attention_jit(?:_\d+)?\b", txt)) == cfg.num_hidden_layers
     assert len(re.findall(r"call @_indexer_topk_jit(?:_\d+)?\b", txt)) == sum(
         cfg.layer_ratio(i) == 4 for i in range(cfg.num_hidden_layers))
-    # the experimental knob puts the scatters behind one jit too (one per layer kind)
-    monkeypatch.setattr(D, "DEDUP_SCATTER", True)
-    f = jax.jit(functools.partial(D.step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
-    with ctx:
-        defs = re.findall(r"func\.func (?:private|public) @(\w+)", f.trace(
-            P.abstract_params(cfg), cache_structs(cfg, cs), *args).lower(
-            lowering_platforms=("cuda",)).as_text())
-    assert count("_append_window_jit") == 1, defs  # the ring has one shape in every layer
-    assert count("_flush_compressed_jit") == 2, defs  # CSA (with indexer keys), HCA
 
 
 def test_kernel_cache_spec_formats():
@@ -126,3 +105,6 @@ def test_kernel_cache_spec_formats():
     for bad in (dict(kv_format="raw"), dict(index_format="raw")):
         with pytest.raises(ValueError, match="kv_format='fp8' and index_format one of"):
             CacheSpec(kernels="on", **bad)
+    assert CacheSpec().attention_backend == "mosaic"   # the shipped kernel
+    with pytest.raises(ValueError, match="attention_backend"):
+        CacheSpec(attention_backend="cuda")

@@ -103,7 +103,7 @@ def worker(out_path):
            "moe": {}, "shard_rows": {}, "allgathers": {}}
     cfg = _cfg(config)
     nm = Numerics(act_quant=False, dtype="float32")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(303)
     meshes = {n: DI.make_mesh(n, data=d, expert=e, model=m) for n, (d, e, m) in MESHES.items()}
 
     def ref_fwd(p, t):
@@ -411,7 +411,7 @@ print(json.dumps({"single": a, "mesh": b, "read": [host.memory_kind, len(host.de
 def test_engine_on_a_mesh_generates_the_same_tokens(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    seed = str(int(np.random.default_rng().integers(1 << 30)))
+    seed = str(301)
     proc = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, seed], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -546,7 +546,7 @@ def test_kernel_decode_step_on_an_expert_mesh():
     kernel step. Meshes that split data or heads are refused with a clear error."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT)
-    seed = str(int(np.random.default_rng().integers(1 << 30)))
+    seed = str(302)
     proc = subprocess.run([sys.executable, "-c", _KERNEL_MESH_SCRIPT, seed], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
