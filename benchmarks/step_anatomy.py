@@ -53,9 +53,13 @@ def event_label(kernel: str, hlo_op: str, src: dict) -> str | None:
     return src[hlo][1] if hlo in src else src.get(kernel, (None, None))[1]
 
 
+STEP_MARK = "step_anatomy_step"
+
+
 def _trace_events(path: str):
     """-> (device events [(start_ns, end_ns, name, hlo_op)] of the first GPU, or of the
-    CPU's thunks; host time per event name)."""
+    CPU's thunks; the marked steps' host intervals [(start_ns, end_ns)]; host time per
+    event name)."""
     prof = jax.profiler.ProfileData.from_file(path)
     evs = []
     gpus = sorted(p.name for p in prof.planes if p.name.startswith("/device:GPU"))
@@ -71,34 +75,31 @@ def _trace_events(path: str):
                 if not gpu and "hlo_op" not in stats:  # CPU: only the thunks count
                     continue
                 evs.append((ev.start_ns, ev.end_ns, ev.name, str(stats.get("hlo_op", ""))))
-    host = Counter()  # host work per event name (python frames excluded)
+    host, marks = Counter(), []  # host work per event name (python frames excluded)
     for plane in prof.planes:
         if plane.name.startswith("/host"):
             for line in plane.lines:
                 for ev in line.events:
-                    if not ev.name.startswith("$"):
+                    if ev.name == STEP_MARK:
+                        marks.append((ev.start_ns, ev.end_ns))
+                    elif not ev.name.startswith("$"):
                         host[ev.name[:70]] += ev.duration_ns
-    return sorted(evs), host
+    return sorted(evs), sorted(marks), host
 
 
 def profile_kernels(run, n_steps: int, hlo_text: str, top: int = 30):
-    """Trace n_steps calls of run() (a pause between them tells the steps apart) and print
-    the GPU kernel time per source op, the GPU span, the idle gaps by size, and the host
-    events by time."""
+    """Trace n_steps calls of run() (each blocks until its step is done, inside a marked
+    host interval that holds its device events) and print the GPU kernel time per source
+    op, the GPU span, the idle gaps by size, and the host events by time."""
     d = tempfile.mkdtemp()
     run()
     with jax.profiler.trace(d):
         for _ in range(n_steps):
-            run()
-            time.sleep(0.01)
-    evs, host = _trace_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    steps, cur = [], [evs[0]] if evs else []
-    for e in evs[1:]:
-        if e[0] - max(x[1] for x in cur[-4:]) > 5e6:  # the 10 ms pause
-            steps.append(cur)
-            cur = []
-        cur.append(e)
-    steps.append(cur)
+            with jax.profiler.TraceAnnotation(STEP_MARK):
+                run()
+    evs, marks, host = _trace_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    steps = [[e for e in evs if lo <= e[0] <= hi] for lo, hi in marks]
+    steps = [st for st in steps if st]
     src = op_sources(hlo_text)
     per_src, per_name, gaps, labels = Counter(), Counter(), [], {}
     span = busy = 0

@@ -34,11 +34,10 @@
 # The sequence has T = 300 tokens so that everything shows: the 128-token window, CSA
 # (one entry per 4 tokens: 75 entries, of which the indexer keeps the top 16 per query) and
 # HCA (one entry per 128 tokens: 2 entries). Each figure is also written as a PNG under
-# `$DSV4_NOTEBOOK_OUT/layer_explorer/` (default `_out/layer_explorer/` next to the notebook).
+# `_out/layer_explorer/` in the working directory (next to the notebook in Jupyter).
 
 # %%
 import functools
-import os
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ import dsv4_jax.params
 import dsv4_jax.tokenizer
 from dsv4_jax.quant import Numerics
 
-OUT = Path(os.environ.get("DSV4_NOTEBOOK_OUT", "_out")) / "layer_explorer"
+OUT = Path("_out") / "layer_explorer"  # under the working directory
 OUT.mkdir(parents=True, exist_ok=True)
 plt.rcParams.update({"figure.dpi": 90, "font.size": 9})
 

@@ -22,11 +22,10 @@
 # is noise. With a real checkpoint only the first cell changes (config and params from the
 # checkpoint, the tokenizer from its `tokenizer.json`).
 #
-# Figures are shown inline and written to `$DSV4_NOTEBOOK_OUT/quickstart/` (default
-# `_out/quickstart/` next to the notebook).
+# Figures are shown inline and written to `_out/quickstart/` in the working directory (next
+# to the notebook in Jupyter).
 
 # %%
-import os
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Greedy, MinP, Temperature, TopK, TopP
 from dsv4_jax.quant import Numerics
 
-OUT = Path(os.environ.get("DSV4_NOTEBOOK_OUT", "_out")) / "quickstart"
+OUT = Path("_out") / "quickstart"  # under the working directory
 OUT.mkdir(parents=True, exist_ok=True)
 plt.rcParams.update({"figure.dpi": 90, "font.size": 9})
 

@@ -1,8 +1,9 @@
 """Execute the notebooks top to bottom (tiny preset, CPU) and check the figures they make.
 
 Each notebook runs in a fresh `python3` kernel (ipykernel; jupyter_client starts it with the
-interpreter running pytest), with PYTHONPATH set to the repo root and its figures written to
-a temporary DSV4_NOTEBOOK_OUT. Skipped when the `notebooks` extra is not installed.
+interpreter running pytest) whose working directory is a temporary folder (the notebooks
+write their figures under `_out/<notebook>/` there), with PYTHONPATH set to the repo root.
+Skipped when the `notebooks` extra is not installed.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytest.importorskip("matplotlib")
 ROOT = Path(__file__).resolve().parents[1]
 NB_DIR = ROOT / "notebooks"
 
-# notebook -> the figures (PNG files under DSV4_NOTEBOOK_OUT/<notebook>/) it must produce
+# notebook -> the figures (PNG files under _out/<notebook>/ in its working directory) it must
+# produce
 FIGURES = {
     "layer_explorer": ["attention_head", "attention_mass", "indexer_selection",
                        "compressor_gates", "router_load", "mhc_comb", "mhc_pre_post",
@@ -38,17 +40,17 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def execute(name: str, out_dir: Path, monkeypatch):
-    """Run notebooks/<name>.ipynb in a fresh kernel; returns the executed notebook."""
+def execute(name: str, work_dir: Path, monkeypatch):
+    """Run notebooks/<name>.ipynb in a fresh kernel whose working directory is work_dir;
+    returns the executed notebook."""
     path = NB_DIR / f"{name}.ipynb"
     nb = nbformat.read(path, as_version=4)
     pp = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + (os.pathsep + pp if pp else ""))
-    monkeypatch.setenv("DSV4_NOTEBOOK_OUT", str(out_dir))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend shows figures
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NB_DIR)}})
+                                     resources={"metadata": {"path": str(work_dir)}})
     t0 = time.perf_counter()
     client.execute()
     print(f"{name}: executed in {time.perf_counter() - t0:.1f} s")
@@ -64,11 +66,12 @@ def test_notebook_runs_and_draws(name, tmp_path, monkeypatch):
     outputs = [o for c in code for o in c.get("outputs", [])]
     errors = [o for o in outputs if o.output_type == "error"]
     assert not errors, f"{name}: {errors[0].ename}: {errors[0].evalue}"
-    # every figure is saved under DSV4_NOTEBOOK_OUT/<name>/ ...
-    saved = sorted(p.stem for p in (tmp_path / name).glob("*.png"))
+    # every figure is saved under _out/<name>/ ...
+    out = tmp_path / "_out" / name
+    saved = sorted(p.stem for p in out.glob("*.png"))
     assert saved == sorted(FIGURES[name]), f"{name}: figures written {saved}"
     for stem in FIGURES[name]:
-        w, h = png_size((tmp_path / name / f"{stem}.png").read_bytes())
+        w, h = png_size((out / f"{stem}.png").read_bytes())
         assert w >= 300 and h >= 200, f"{name}/{stem}.png is only {w}x{h} px"
     # ... and shown inline as an image output
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.data]
