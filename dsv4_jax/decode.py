@@ -178,8 +178,6 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
     the window row and of completed compressed entries / indexer keys, the lightning indexer
     top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
-    if DEDUP_SCATTER:
-        append_window, flush_compressed = _append_window_jit, _flush_compressed_jit
     interp = cs.kernels == "interpret"   # the Mosaic GPU interpreter (CPU tests)
     B = x.shape[0]
     t, ok = tok_pos[:, 0], valid[:, 0]
