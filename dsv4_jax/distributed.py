@@ -43,8 +43,7 @@ def init_processes_from_env() -> bool:
     """Join a multi-process run when DSV4_COORDINATOR ("host:port"), DSV4_NUM_PROCESSES and
     DSV4_PROCESS_ID are set (one process per GPU on a host, or per host): calls
     `jax.distributed.initialize` before any other JAX work; on CPU the cross-process
-    collectives use gloo. Returns whether it did. `benchmarks/launch_local.sh` starts such
-    processes on one machine."""
+    collectives use gloo. Returns whether it did."""
     addr = os.environ.get("DSV4_COORDINATOR")
     if not addr or jax.distributed.is_initialized():
         return bool(addr)
