@@ -1,94 +1,133 @@
-"""The benchmark tools that run on the CPU machine too: the launch-cost chain and the
-compile-only kernel count."""
+"""The benchmark tools' parts that run without a GPU: the HBM ceiling measurement, the
+kernel count of an optimised HLO module, the CUDA-graph summary of XLA's thunk sequence,
+the profiler's kernel labels, and the trace / report readers of the kernel benches."""
+import csv
 import importlib.util
 import json
-import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import graph_launch
+from benchmarks import common
+from benchmarks.step_anatomy import event_label
+
+SEED = 41
+
+HLO = "\n".join([
+    "HloModule m",
+    "%fused_scatter.3 {",
+    '  %inner = f32[8]{0} add(%p, %q), metadata={op_name="jit(step)/layer9_csa/add"}',
+    "}",
+    "ENTRY %main {",
+    '  %input_scatter_fusion.3 = f32[64,4096]{1,0} fusion(%a, %b), kind=kInput, '
+    'calls=%fused_scatter.3, metadata={op_name="jit(step)/layer0_swa/attn/scatter-add"}',
+    '  %mpmd_map.7 = f32[1,305,4096,8]{3,2,1,0} custom-call(%x, %w), '
+    'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/layer1_csa/kernel/mpmd_map"}',
+    '  %multi.2 = (bf16[8]{0}, f32[8]{0}) fusion(%c), kind=kLoop, calls=%f2, '
+    'metadata={op_name="jit(step)/layer1_csa/ffn/reduce"}',
+    '  %head_fusion = f32[1,129280]{1,0} fusion(%h), kind=kOutput, calls=%f3, '
+    'metadata={op_name="jit(step)/head/dot_general"}',
+    "  %copy.2 = f32[8]{0} copy(%c)",
+    '  %p.1 = s32[1]{0} parameter(0), metadata={op_name="jit(step)/layer1_csa/pos"}',
+    "}"])
 
 
-def test_graph_launch_chain_runs_and_donates(capsys):
-    graph_launch.main(["--n", "3", "--calls", "4"])
-    lines = [json.loads(s) for s in capsys.readouterr().out.strip().splitlines()]
-    assert lines[0]["platform"] == jax.devices()[0].platform
-    rows = {r["mode"]: r for r in lines[1:]}
-    assert set(rows) == {"fresh", "donated"}
-    for r in rows.values():
-        assert r["n"] == 3 and r["kernels"] >= 1 and r["sync_us"] > 0
+def test_hbm_bandwidth_reports_each_pass_and_the_largest():
+    bw = common.hbm_bandwidth(1 << 20, calls=2, rounds=1, warm_s=0.0)
+    assert set(bw) == {"copy", "a+1", "read", "ceiling"}
+    assert all(v > 0 for v in bw.values())
+    assert bw["ceiling"] == max(bw["copy"], bw["a+1"], bw["read"])
 
 
-def test_graph_launch_mosaic_chain_computes_its_chain(capsys):
-    """The Mosaic-GPU chain (interpreted here) applies its n kernels, and main reports it."""
-    import jax.numpy as jnp
-    import numpy as np
-    x = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 30))),
-                          (64, 256), jnp.float32)
-    got = np.asarray(jax.block_until_ready(jax.jit(lambda x: graph_launch.chain_mosaic(x, 3))(x)))
-    want = np.asarray(x)
-    for _ in range(3):
-        want = want * np.float32(0.999) + np.float32(1e-4)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    graph_launch.main(["--n", "1", "--calls", "3", "--kinds", "mosaic", "--modes", "donated"])
-    rows = [json.loads(s) for s in capsys.readouterr().out.strip().splitlines()][1:]
-    assert [(r["kind"], r["mode"], r["n"]) for r in rows] == [("mosaic", "donated", 1)]
+def test_median_seconds_times_the_call():
+    calls = []
+    t = common.median_seconds(lambda: calls.append(1) or jnp.ones(4), iters=3)
+    assert t >= 0 and len(calls) == 4   # one warm-up + 3 timed
 
 
-def test_graph_launch_donated_mode_aliases_its_output():
-    import jax.numpy as jnp
-    f = jax.jit(lambda x, out: graph_launch.chain(x, 2) + 0.0 * out, donate_argnums=(1,))
-    x = jnp.ones((8, 16))
-    hlo = f.lower(x, x + 1).compile().as_text()
-    assert "input_output_alias={ {}: (1, {}" in hlo
-
-
-def test_aot_anatomy_names_the_missing_plugin():
-    """Without the CUDA plugin the compile-only topology fails with a message that says
-    what to install (with it, the tool compiles; that needs the plugin, not a GPU)."""
-    try:
-        installed = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:   # no jax_plugins namespace at all
-        installed = False
-    if installed:
-        pytest.skip("the CUDA plugin is installed here")
-    from benchmarks import aot_anatomy
-    with pytest.raises(SystemExit, match="CUDA plugin"):
-        aot_anatomy.gpu_devices()
-
-
-def test_step_anatomy_labels_kernels_by_op_and_by_name():
-    """op_sources labels ENTRY instructions by op_name (custom calls with their result type);
-    event_label maps a profiled kernel back by hlo_op, or by name inside a CUDA graph."""
-    from benchmarks.step_anatomy import event_label, op_sources
-    hlo = "\n".join([
-        "HloModule m",
-        "ENTRY %main {",
-        '  %input_scatter_fusion.3 = f32[64,4096]{1,0} fusion(%a, %b), kind=kInput, '
-        'calls=%fused_scatter.3, metadata={op_name="jit(step)/layer0_swa/scatter-add"}',
-        '  %mpmd_map.7 = f32[1,305,4096,8]{3,2,1,0} custom-call(%x, %w), '
-        'custom_call_target="mosaic_gpu", metadata={op_name="jit(step)/kernel/mpmd_map"}',
-        "  %copy.2 = f32[8]{0} copy(%c)",
-        "}"])
-    src = op_sources(hlo)
-    assert src["input_scatter_fusion.3"] == ("fusion", "fusion: layer0_swa/scatter-add")
+def test_op_sources_labels_entry_instructions():
+    """ENTRY instructions only (not the fused computation's), labelled by the last two
+    op_name parts; custom calls add their result type; tuples (multi-output fusions) are
+    kernels too; without op_name the instruction's name stands in."""
+    src = common.op_sources(HLO)
+    assert "inner" not in src
+    assert src["input_scatter_fusion.3"][:2] == ("fusion", "fusion: attn/scatter-add")
     assert src["mpmd_map.7"][1] == "custom-call: kernel/mpmd_map -> f32[1,305,4096,8]{3,2,1,0}"
-    assert src["copy.2"] == ("copy", "copy: <copy>")
-    # by hlo_op outside graphs, by kernel name inside one, None when unknown
-    assert event_label("whatever", "input_scatter_fusion.3", src) == "fusion: layer0_swa/scatter-add"
+    assert src["multi.2"][:2] == ("fusion", "fusion: ffn/reduce")
+    assert src["copy.2"] == ("copy", "copy: <copy>", "")
+
+
+def test_kernel_counts_by_source_and_by_layer():
+    n, by_src = common.kernels_by_source(HLO)
+    assert n == 5   # 3 fusions, the custom call, the copy; not the parameter
+    assert by_src["fusion: attn/scatter-add"] == 1 and sum(by_src.values()) == n
+    by_layer = common.kernels_by_layer(HLO)
+    assert by_layer == {0: 1, 1: 2, None: 2}
+
+
+def test_graph_summary_counts_graphs_commands_and_thunks_outside():
+    from benchmarks.kernel_count import graph_summary
+    rng = np.random.default_rng(SEED)
+    sizes = rng.integers(1, 6, 3)
+    lines, i = [], 0
+    for k, size in enumerate(sizes):
+        lines.append(f"{i:03d}: kCommandBuffer [source | sink] ")
+        i += 1
+        for _ in range(size):
+            lines.append(f"    {i:03d}: kCustomKernel [source | next=000 (1)] fusion_{i} grid: [1, 1, 1]")
+            i += 1
+        if k < 2:
+            lines.append(f"{i:03d}: kAllReduceStart [source | sink] ")
+            i += 1
+    got = graph_summary("\n".join(lines))
+    assert got["graphs"] == 3 and got["commands"] == int(sizes.sum())
+    assert dict(got["outside"]) == {"kAllReduceStart": 2}
+
+
+def test_kernel_count_names_the_missing_plugin():
+    """Without the CUDA plugin the compile-only topology fails with a message that says
+    what to install (with it the tool compiles; that needs the plugin, not a GPU)."""
+    for mod in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                pytest.skip(f"the CUDA plugin {mod} is installed here")
+        except ModuleNotFoundError:   # no jax_plugins namespace at all
+            pass
+    from benchmarks.kernel_count import gpu_devices
+    with pytest.raises(SystemExit, match="CUDA plugin"):
+        gpu_devices("h200")
+
+
+def test_gpu_specs_carry_the_cuda_versions():
+    """Without the CUDA versions XLA reads a compile-only target as CUDA 0.0 and leaves the
+    custom calls out of the CUDA graphs."""
+    import glob
+    import os
+    specs = glob.glob(os.path.join(os.path.dirname(common.__file__), "gpu_specs", "*.txtpb"))
+    assert specs
+    for path in specs:
+        text = open(path).read()
+        for field in ('driver_version: "13.0.0"', 'runtime_version: "13.0.0"',
+                      'compile_time_toolkit_version: "13.0.0"', "runtime_version { major: 13 }"):
+            assert field in text, (path, field)
+
+
+def test_event_label_maps_profiled_kernels_back():
+    """By hlo_op outside graphs, by kernel name inside one, None when unknown."""
+    src = common.op_sources(HLO)
+    assert event_label("whatever", "input_scatter_fusion.3", src) == "fusion: attn/scatter-add"
     assert event_label("input_scatter_fusion_3", "command_buffer_1", src) == \
-        "fusion: layer0_swa/scatter-add"
+        "fusion: attn/scatter-add"
     assert event_label("nvjet_sm90_tss", "command_buffer_1", src) is None
 
 
 def test_attn_timeline_summarize_sums_top_level_scopes(tmp_path):
     """A synthetic Mosaic profiler trace (2 CTAs x 3 warpgroups): per-role means of the
     top-level scopes, nested scopes not double-counted, CTA start offsets and span."""
-    import json
     from benchmarks import attn_timeline
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(SEED)
     ev, want = [], {"deq": [], "pv": [], "issue": []}
     for cta in range(2):
         t0 = float(cta) * 0.5
@@ -121,12 +160,11 @@ def test_attention_op_cost_counts_the_attended_entries():
     random, the same count made in numpy from the ids and window positions."""
     from benchmarks.attention_decode import make_case, op_cost
     B, H, k = 3, 64, 64
-    args = make_case(jax.random.key(int(np.random.default_rng().integers(1 << 30))), B, H,
-                     4096, k, "csa")
+    args = make_case(jax.random.key(SEED), B, H, 4096, k, "csa")
     n, nbytes, flops = op_cost(args)
     assert n == B * (k + 128)
     assert nbytes == n * 584 + 2 * B * H * 512 * 2 and flops == 2 * H * n * 1024
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     idx = np.where(rng.random((B, k)) < 0.3, -1, np.asarray(args[4]))
     pos, t = np.asarray(args[1][3]).copy(), np.asarray(args[5])
     pos[0, rng.choice(128, 40, replace=False)] = -1       # empty ring slots
@@ -135,35 +173,12 @@ def test_attention_op_cost_counts_the_attended_entries():
     assert op_cost(holed)[0] == int((idx >= 0).sum()) + win < B * (k + 128)
 
 
-def test_with_env_sets_and_restores(monkeypatch):
-    from benchmarks.common import with_env
-    monkeypatch.setenv("DSV4_T_SET", "old")
-    monkeypatch.delenv("DSV4_T_NEW", raising=False)
-    seen = with_env({"DSV4_T_SET": "a", "DSV4_T_NEW": "b"},
-                    lambda: (os.environ["DSV4_T_SET"], os.environ["DSV4_T_NEW"]))
-    assert seen == ("a", "b")
-    assert os.environ["DSV4_T_SET"] == "old" and "DSV4_T_NEW" not in os.environ
-    with pytest.raises(KeyError):   # restored when the call raises too
-        with_env({"DSV4_T_NEW": "b"}, lambda: {}["missing"])
-    assert "DSV4_T_NEW" not in os.environ
-
-
-def test_indexer_probe_variant_knobs():
-    from benchmarks.indexer_probe import parse_variant
-    v = parse_variant("nvfp4:place:16:3:0:1:w:0:2+DSV4_IDX_ABLATE=nodeq+X=a=b")
-    assert (v["fmt"], v["chunks_per_cta"], v["stages"], v["barriers"], v["chunks_per_step"]) == \
-        ("nvfp4", 16, 3, "warp", 2)
-    assert v["env"] == {"DSV4_IDX_ABLATE": "nodeq", "X": "a=b"}
-    assert parse_variant("fp4:place:0:2:0")["env"] == {}
-
-
 def test_ncu_top_stalls_orders_by_samples(tmp_path):
     """ncu_top_stalls reads an Nsight Compute source-page CSV (a preamble line, then the
     header) and lists the instructions by their share of all warp-state samples, with
     each one's non-zero stall-reason columns."""
-    import csv
     from benchmarks.ncu_top_stalls import top_stalls
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     n = 12
     samples = rng.permutation(np.arange(1, n + 1) * 7)
     barrier = rng.integers(0, 3, n)
