@@ -4,10 +4,11 @@ For each --layers N: writes a synthetic checkpoint of the preset (official FP8/F
 experts drawn directly in stored format), then converts it once per --budgets entry, each in
 a fresh process (`python -m checkpoints convert`). Peak RSS is measured twice: the child's
 own getrusage (in the manifest) and the parent polling /proc/<pid>/status every 50 ms.
-Writes a markdown table (--out) and deletes the multi-GB files afterwards.
+Prints a markdown table (also written to --out if given) and deletes the multi-GB files
+afterwards.
 
-  python benchmarks/convert_memory.py --preset flash --layers 1 3 --budgets 3.5G 8G \
-      --workdir /work/bench_convert --out benchmarks/results/convert_memory.md
+  python benchmarks/convert_memory.py --preset flash --layers 1 3 --budgets 2.5G 8G \
+      --workdir /tmp/bench_convert
 """
 from __future__ import annotations
 
@@ -69,12 +70,11 @@ def main():
     ap.add_argument("--preset", default="flash")
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--budgets", nargs="+", default=["3.5G", "8G"])
-    ap.add_argument("--workdir", default="/work/bench_convert")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/convert_memory.md"))
+    ap.add_argument("--workdir", default="/tmp/bench_convert")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic sources")
     ap.add_argument("--reuse", action="store_true", help="reuse kept sources")
     ap.add_argument("--convert-args", default="", help="extra convert flags, e.g. '--expert-dtype fp8'")
-    ap.add_argument("--append-log", default=None, help="also tabulate rows from this earlier log")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -105,16 +105,10 @@ def main():
             shutil.rmtree(dst)
         if not a.keep:
             shutil.rmtree(src)
-    if a.append_log:
-        rows = _rows_from_log(a.append_log) + rows
-    write_table(rows, a, Path(a.out))
+    write_table(rows, a, Path(a.out) if a.out else None)
 
 
-def _rows_from_log(log: str) -> list[dict]:
-    return [json.loads(line) for line in Path(log).read_text().splitlines() if line.startswith("{")]
-
-
-def write_table(rows, a, out: Path):
+def write_table(rows, a, out: Path | None):
     G = 2 ** 30
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lines = [
@@ -123,7 +117,7 @@ def write_table(rows, a, out: Path):
         f"`dsv4 convert` (safetensors official FP8/FP4 layout -> orbax, stored precision kept) on "
         f"synthetic `{a.preset}` checkpoints at full width, `make-checkpoint --preset {a.preset} "
         f"--layers N --fast-experts` (N main blocks + the MTP block + embedding/head).",
-        f"Host: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), "
+        f"Host: {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{mem / G:.0f} GiB RAM, no GPU; CPU jax. Command: `python benchmarks/convert_memory.py "
         f"--preset {a.preset} --layers {' '.join(map(str, a.layers))} --budgets {' '.join(a.budgets)}` "
         f"(+ `--convert-args '--expert-dtype fp8'` rows where listed). GB = 1e9 bytes, GiB = 2^30.",
@@ -150,16 +144,18 @@ def write_table(rows, a, out: Path):
         "1.07 GB packed + 0.13 GB scales; Pro: 4.7 GB): below it `convert` refuses with a "
         "`MemoryBudgetError` naming the array and the minimum budget.",
         "",
-        "Throughput is source bytes / conversion time (validation of every header included) on "
-        "a 2-core machine shared with other jobs, so the spread between rows is mostly noise. "
+        "Throughput is source bytes / conversion time (validation of every header included); "
+        "on a small machine shared with other jobs the spread between rows is mostly noise. "
         "The source was written just before, so reads largely come from the page cache; a cold "
         "read is bounded by the disk instead. Page cache is not counted in RSS (reads use "
         "positional file reads into preallocated arrays, not mmap). Output is uncompressed orbax "
         "(FP8/FP4 bytes compress by only ~9% and zstd doubled a save's memory and time).",
     ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(out.read_text())
+    text = "\n".join(lines) + "\n"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
