@@ -252,7 +252,19 @@ def tiny() -> Config:
                   compress_ratios=(0, 4, 128, 4, 128, 0))
 
 
-PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
+def test() -> Config:
+    """The smallest model with every layer kind, for model-math tests: an SWA layer with
+    hash routing, a CSA layer (indexer) and an HCA layer with score routing, and the MTP
+    block; widths at the formats' minimum (hidden 128, 2 heads in 2 output groups, 128-row
+    FP8 blocks), head_dim 512 and index_head_dim 128 as the cache formats store them."""
+    return Config(name="test", vocab_size=256, hidden_size=128, num_hidden_layers=3,
+                  num_attention_heads=2, q_lora_rank=128, o_groups=2, o_lora_rank=128,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                  num_hash_layers=1, index_n_heads=4, index_topk=8,
+                  compress_ratios=(0, 4, 128, 0))
+
+
+PRESETS = {"flash": flash, "pro": pro, "tiny": tiny, "test": test}
 
 
 def get_preset(name: str) -> Config:

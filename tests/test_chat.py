@@ -11,6 +11,8 @@ import pytest
 
 from dsv4_jax import chat
 
+SEED = 46
+
 def _data_dir():
     """Conformance data: $DSV4_SHARED/testdata/encoding, else ../shared beside the checkout."""
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -109,7 +111,7 @@ def test_fixture_assistant_turns_parse_back(n):
 
 
 def test_generation_prompt_endings():
-    rng = random.Random()
+    rng = random.Random(SEED)
     msgs = [{"role": "system", "content": rand_text(rng, 1)}, {"role": "user", "content": rand_text(rng, 1)}]
     chat_p = chat.encode_messages(msgs, thinking_mode="chat")
     think_p = chat.encode_messages(msgs, thinking_mode="thinking")
@@ -123,7 +125,7 @@ def test_generation_prompt_endings():
 
 
 def test_drop_thinking_multi_turn():
-    rng = random.Random()
+    rng = random.Random(SEED)
     n_turns = rng.randint(2, 4)
     msgs = [{"role": "system", "content": rand_text(rng, 1)}]
     for t in range(n_turns):
@@ -158,7 +160,7 @@ def test_drop_thinking_multi_turn():
 
 
 def test_max_reasoning_effort_preamble():
-    rng = random.Random()
+    rng = random.Random(SEED)
     msgs = [{"role": "system", "content": rand_text(rng, 1)}, {"role": "user", "content": rand_text(rng, 1)}]
     base = chat.encode_messages(msgs, "thinking")
     maxed = chat.encode_messages(msgs, "thinking", reasoning_effort="max")
@@ -170,7 +172,7 @@ def test_max_reasoning_effort_preamble():
 
 
 def test_tool_results_merge_and_follow_call_order():
-    rng = random.Random()
+    rng = random.Random(SEED)
     calls = [rand_tool_call(rng, i) for i in range(3)]
     results = {c["id"]: rand_text(rng, 1) for c in calls}
     order = [c["id"] for c in calls]
@@ -196,7 +198,7 @@ def test_latest_reminder_and_system_after_user():
 
 @pytest.mark.parametrize("mode", ["chat", "thinking"])
 def test_assistant_round_trip_random(mode):
-    rng = random.Random()
+    rng = random.Random(SEED)
     for trial in range(30):
         user = [{"role": "user", "content": rand_text(rng, 1)}]
         msg = {"role": "assistant", "content": rand_text(rng),

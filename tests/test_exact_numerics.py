@@ -2,7 +2,7 @@
 
 XLA-GPU's default (xla_allow_excess_precision=True) deletes f32 -> f8 -> f32 and
 f32 -> bf16 -> f32 convert chains, which turns the FP8 activation simulation into a no-op
-on the GPU (found 2026-11-25 by the norm_fp8 GPU test). The programs that compute the model
+on the GPU. The programs that compute the model
 compile with quant.EXACT_COMPILER_OPTIONS; these tests check that wiring, the compiled HLO
 for an H100 (when the CUDA PJRT plugin is importable, no GPU needed), and the values on a
 GPU against an independent numpy / ml_dtypes simulation."""
@@ -18,6 +18,8 @@ from dsv4_jax import EXACT_COMPILER_OPTIONS
 from dsv4_jax.decode import STEP_COMPILER_OPTIONS
 from pallas_kernels.formats import fp8_block_sim
 
+SEED = 45
+
 
 def _np_fp8_block_sim(x_f32, block=128):
     """numpy: e4m3 with a power-of-two scale 2^ceil(log2(amax / 448)) per block (amax floor
@@ -30,7 +32,7 @@ def _np_fp8_block_sim(x_f32, block=128):
 
 
 def _random_rows(shape):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     return (rng.standard_normal(shape) * rng.uniform(0.01, 30, (shape[0], 1))).astype(np.float32)
 
 
@@ -80,7 +82,7 @@ def test_gpu_fp8_simulation_is_real():
 @pytest.mark.gpu
 def test_gpu_bf16_rounding_points_are_kept():
     """An f32 value rounded to bf16 mid-computation (as the reference does between ops)."""
-    x = jnp.asarray(np.random.default_rng().standard_normal((64, 256)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(SEED).standard_normal((64, 256)), jnp.float32)
     f = lambda v: (v * 1.7).astype(jnp.bfloat16).astype(jnp.float32) * 1.3
     got = np.asarray(jax.jit(f, compiler_options=STEP_COMPILER_OPTIONS)(x))
     xn = np.asarray(x)

@@ -19,15 +19,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "hf_reference"))
 import harness  # noqa: E402
 
 F32 = Numerics(act_quant=False, dtype="float32")
+SEED = 41
 needs_ref = pytest.mark.skipif(not harness.have_reference(),
                                reason="transformers reference env (.venv-ref) not installed")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = config.tiny()
-    seed = int(np.random.default_rng().integers(1 << 30))  # fresh weights every run
-    return cfg, P.init_params(cfg, seed)
+def small(test_preset_model):
+    """(cfg, params) of the `test` preset (conftest): every layer kind, smallest widths."""
+    return test_preset_model
 
 
 def dense_weights(params):
@@ -43,14 +43,16 @@ def rel(a, b):
 # Against the transformers port
 # ---------------------------------------------------------------------------------------
 @needs_ref
-def test_full_model_logits_match_port(tiny):
-    cfg, params = tiny
-    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
+def test_full_model_logits_match_port(tiny_model):
+    """On `tiny` (conftest): the tolerances below are its measured level; narrower models
+    (the `test` preset) flip more near-tied routing and indexer picks."""
+    cfg, params = tiny_model
+    tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), tokens, mode="full")
     ours = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg, F32))(params, tokens))
     want = ref["logits"]
     per_pos = np.linalg.norm(ours - want, axis=-1) / np.linalg.norm(want, axis=-1)
-    print(f"full tiny logits vs port: max rel err {per_pos.max():.2e}, median "
+    print(f"full model logits vs port: max rel err {per_pos.max():.2e}, median "
           f"{np.median(per_pos):.2e}, max abs {np.abs(ours - want).max():.2e}")
     assert np.median(per_pos) < 1e-4
     assert np.mean(per_pos < 1e-3) > 0.99  # isolated top-k ties may flip (ARCHITECTURE 10)
@@ -69,9 +71,11 @@ def test_full_model_logits_match_port(tiny):
 
 @needs_ref
 @pytest.mark.parametrize("layer", [0, 1, 2])  # SWA, CSA, HCA
-def test_attention_matches_port(tiny, layer):
-    cfg, params = tiny
-    x = np.random.default_rng().standard_normal((1, 260, cfg.hidden_size)).astype(np.float32)
+def test_attention_matches_port(tiny_model, layer):
+    """On `tiny`: with the `test` preset's 4 indexer heads near-tied picks flip (1.9% on
+    the CSA layer)."""
+    cfg, params = tiny_model
+    x = np.random.default_rng(SEED).standard_normal((1, 260, cfg.hidden_size)).astype(np.float32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), mode="attn",
                                 layer=layer, x=x)
     ap = P.block_params(params, f"layers.{layer}.attn.")
@@ -80,10 +84,10 @@ def test_attention_matches_port(tiny, layer):
 
 
 @needs_ref
-@pytest.mark.parametrize("layer", [0, 3])  # hash-routed, score-routed
-def test_moe_matches_port(tiny, layer):
-    cfg, params = tiny
-    rng = np.random.default_rng()
+@pytest.mark.parametrize("layer", [0, 1])  # hash-routed, score-routed
+def test_moe_matches_port(small, layer):
+    cfg, params = small
+    rng = np.random.default_rng(SEED)
     x = rng.standard_normal((2, 20, cfg.hidden_size)).astype(np.float32)
     tokens = rng.integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), tokens, mode="moe",
@@ -99,9 +103,9 @@ def test_moe_matches_port(tiny, layer):
 
 
 @needs_ref
-def test_mhc_and_head_match_port(tiny):
-    cfg, params = tiny
-    X = np.random.default_rng().standard_normal((1, 7, 4, cfg.hidden_size)).astype(np.float32)
+def test_mhc_and_head_match_port(small):
+    cfg, params = small
+    X = np.random.default_rng(SEED).standard_normal((1, 7, 4, cfg.hidden_size)).astype(np.float32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), mode="mhc", layer=2,
                                 which="ffn", X=X)
     bp = P.block_params(params, "layers.2.")
@@ -115,10 +119,10 @@ def test_mhc_and_head_match_port(tiny):
 
 
 @needs_ref
-def test_simulation_on_stays_close_to_port(tiny):
+def test_simulation_on_stays_close_to_port(small):
     """With the FP8/FP4 simulation on, logits move by a few percent (ARCHITECTURE 10)."""
-    cfg, params = tiny
-    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (1, 200)).astype(np.int32)
+    cfg, params = small
+    tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (1, 200)).astype(np.int32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), tokens, mode="full")
     ours = np.asarray(model.forward(params, jnp.asarray(tokens), cfg, Numerics(True, "bfloat16")))
     per_pos = (np.linalg.norm(ours - ref["logits"], axis=-1)
@@ -132,7 +136,7 @@ def test_simulation_on_stays_close_to_port(tiny):
 # ---------------------------------------------------------------------------------------
 def test_hc_collapse_expand_equal_float64_einsum():
     """The explicit N-term forms (written so XLA fuses them) are the mHC mixes."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     X = rng.standard_normal((2, 3, 4, 64)).astype(np.float32)
     f = rng.standard_normal((2, 3, 64)).astype(np.float32)
     pre, post = (rng.uniform(0, 2, (2, 3, 4)).astype(np.float32) for _ in range(2))
@@ -172,9 +176,9 @@ def test_sinkhorn_doubly_stochastic():
     at an input-dependent rate (after 60 iterations a draw was still 8.7e-5 off), so the row
     property asserted is Sinkhorn's: the L1 row error (summed over a matrix's rows; the max
     row error can grow) does not grow with more iterations."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     scale = np.asarray([0.5, 0.5, 2.0], np.float32)  # skewed C: slow Sinkhorn
-    cfg = config.tiny()
+    cfg = config.test()
     X = rng.standard_normal((3, 5, 4, cfg.hidden_size)).astype(np.float32)
     fn = (rng.standard_normal((24, 4 * cfg.hidden_size))
           / np.sqrt(4 * cfg.hidden_size)).astype(np.float32)
@@ -211,7 +215,7 @@ def test_rope_tables(ratio):
 
 
 def test_rope_interleaved_and_inverse():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     x = rng.standard_normal((2, 9, 3, 512)).astype(np.float32)
     pos = rng.integers(0, 5000, (2, 9))
     freqs = L.rope_freqs(config.tiny(), 4)
@@ -239,7 +243,7 @@ def _np_pow2(amax, qmax, floor):
 
 @pytest.mark.parametrize("block", [128, 64])
 def test_fp8_simulation_bit_exact(block):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     x = (rng.standard_normal((6, 512)) * np.exp(rng.uniform(-12, 8, (6, 1)))).astype(np.float32)
     x[0, :block] = 0  # the amax floor
     b = x.reshape(6, -1, block)
@@ -251,7 +255,7 @@ def test_fp8_simulation_bit_exact(block):
 
 
 def test_fp4_simulation_bit_exact():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     x = (rng.standard_normal((6, 128)) * np.exp(rng.uniform(-10, 6, (6, 1)))).astype(np.float32)
     b = x.reshape(6, -1, 32)
     s = _np_pow2(np.abs(b).max(-1, keepdims=True), 6.0, 6 * 2.0 ** -126)
@@ -262,7 +266,7 @@ def test_fp4_simulation_bit_exact():
 
 
 def test_weight_formats_encode_decode():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     W = (rng.standard_normal((3, 200, 256)) * 0.05).astype(np.float32)
     q, s = Q.encode_fp8_np(W)
     got = np.asarray(Q.Fp8Weight(jnp.asarray(q), jnp.asarray(s)).dequant())
@@ -289,11 +293,10 @@ def test_weight_formats_encode_decode():
     assert rel(got, W) < 0.15
 
 
-def test_hash_routing_is_a_table_lookup():
-    cfg = config.tiny()
-    params = P.init_params(cfg, int(np.random.default_rng().integers(1000)))
+def test_hash_routing_is_a_table_lookup(small):
+    cfg, params = small
     fp = P.block_params(params, "layers.0.ffn.")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     tokens = rng.integers(0, cfg.vocab_size, (2, 11))
     x = jnp.asarray(rng.standard_normal((2, 11, cfg.hidden_size)), jnp.float32)
     idx, w = L.route(fp, x, jnp.asarray(tokens), cfg, hash_layer=True)
@@ -301,9 +304,9 @@ def test_hash_routing_is_a_table_lookup():
     np.testing.assert_allclose(np.asarray(w).sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
 
 
-def test_indexer_and_model_are_causal(tiny):
-    cfg, params = tiny
-    rng = np.random.default_rng()
+def test_indexer_and_model_are_causal(small):
+    cfg, params = small
+    rng = np.random.default_rng(SEED)
     a = rng.integers(0, cfg.vocab_size, (1, 160)).astype(np.int32)
     b = a.copy()
     b[0, 100:] = rng.integers(0, cfg.vocab_size, 60)
@@ -321,9 +324,9 @@ def test_indexer_and_model_are_causal(tiny):
             assert (n_valid == np.minimum(cfg.index_topk, (np.arange(160) + 1) // 4)).all()
 
 
-def test_mtp_block_runs(tiny):
-    cfg, params = tiny
-    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (1, 40)).astype(np.int32)
+def test_mtp_block_runs(small):
+    cfg, params = small
+    tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (1, 40)).astype(np.int32)
     X = model.forward_hidden(params, jnp.asarray(tokens), cfg, F32)
     lg = model.mtp_forward(params, X[:, :-1], jnp.asarray(tokens[:, 1:]), cfg, F32)
     assert lg.shape == (1, 39, cfg.vocab_size) and bool(jnp.isfinite(lg).all())
@@ -343,14 +346,54 @@ def test_presets_build_abstractly_with_published_sizes():
     assert len(jax.tree.leaves(tree)) > 1000
 
 
-def test_tiny_keeps_every_feature():
-    cfg = config.tiny()
+@pytest.mark.parametrize("preset", ["tiny", "test"])
+def test_small_presets_keep_every_feature(preset):
+    """SWA, CSA and HCA layers, hash- and score-routed MoE layers, the MTP block, and the
+    widths the cache formats store (head_dim 512, indexer keys 128)."""
+    cfg = config.get_preset(preset)
     kinds = {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}
     assert kinds == {"swa", "csa", "hca"}
     assert 0 < cfg.num_hash_layers < cfg.num_hidden_layers
-    assert cfg.head_dim == 512 and cfg.sliding_window == 128
+    assert cfg.head_dim == 512 and cfg.index_head_dim == 128 and cfg.sliding_window == 128
     assert set(cfg.compress_ratios) == {0, 4, 128}
     assert len(cfg.compress_ratios) == cfg.num_hidden_layers + 1
+    assert cfg.num_nextn_predict_layers == 1 and cfg.o_groups > 1
+
+
+def test_layers_package_names_are_read_only():
+    """dsv4_jax.layers re-exports its modules' names: assigning one there would change
+    nothing the model runs, so it raises; the expert-parallel hook reaches its module."""
+    from dsv4_jax.layers import experts
+    with pytest.raises(AttributeError, match="cannot be assigned"):
+        L.HC_FUSED_ROWS = 0
+    with pytest.raises(AttributeError, match="cannot be assigned"):
+        L.moe = None
+    hook = lambda *a, **k: None  # noqa: E731
+    L.ROUTED_EXPERTS_HOOK = hook
+    try:
+        assert experts.ROUTED_EXPERTS_HOOK is hook
+    finally:
+        L.ROUTED_EXPERTS_HOOK = None
+    assert experts.ROUTED_EXPERTS_HOOK is None
+
+
+def test_numerics_gpu_selects_the_traced_paths():
+    """Numerics.gpu: None follows jax's backend; False keeps the XLA forms (here: the
+    Sinkhorn loop); True traces the GPU kernels (a Triton pallas_call in the jaxpr)."""
+    cfg = config.test()
+    rng = np.random.default_rng(SEED)
+    n = 2 * cfg.hc_mult + cfg.hc_mult ** 2
+    X = jnp.asarray(rng.standard_normal((1, 2, cfg.hc_mult, cfg.hidden_size)), jnp.bfloat16)
+    fn = jnp.asarray(rng.standard_normal((n, cfg.hc_mult * cfg.hidden_size)) * 0.05, jnp.float32)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, 3), jnp.float32)
+    base = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    assert Numerics().on_gpu == (jax.default_backend() == "gpu")
+    assert Numerics(gpu=True).on_gpu and not Numerics(gpu=False).on_gpu
+    for gpu in (False, True):
+        jaxpr = str(jax.make_jaxpr(lambda X: L.hc_weights(X, fn, scale, base, cfg,
+                                                          Numerics(gpu=gpu)))(X))
+        assert ("pallas_call" in jaxpr) == gpu, gpu
+    assert Numerics(gpu=True) != Numerics() and hash(Numerics(gpu=True)) != hash(Numerics())
 
 
 def test_config_roundtrip_and_errors():
@@ -368,14 +411,14 @@ def test_config_roundtrip_and_errors():
 
 
 @pytest.mark.parametrize("nm", [F32, Numerics(True, "bfloat16")], ids=["f32", "bf16-sim"])
-def test_moe_gathered_path_equals_dense_loop(tiny, nm):
+def test_moe_gathered_path_equals_dense_loop(small, nm):
     """Few tokens read only their experts (decode path); it must equal the dense loop."""
-    cfg, params = tiny
-    fp = P.block_params(params, "layers.3.ffn.")
-    rng = np.random.default_rng()
-    x = jnp.asarray(rng.standard_normal((1, 3, cfg.hidden_size)), nm.jdtype)
-    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 3)))
-    a = L.moe(fp, x, tok, cfg, nm, False)  # 3 tokens x 2 experts < 8 experts: gathered
-    b = L.moe(fp, jnp.tile(x, (1, 3, 1)), jnp.tile(tok, (1, 3)), cfg, nm, False)[:, :3]
+    cfg, params = small
+    fp = P.block_params(params, "layers.1.ffn.")
+    rng = np.random.default_rng(SEED)
+    x = jnp.asarray(rng.standard_normal((1, 1, cfg.hidden_size)), nm.jdtype)
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 1)))
+    a = L.moe(fp, x, tok, cfg, nm, False)  # 1 token x 2 experts < 4 experts: gathered
+    b = L.moe(fp, jnp.tile(x, (1, 3, 1)), jnp.tile(tok, (1, 3)), cfg, nm, False)[:, :1]
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=0, atol=1e-5 * float(jnp.abs(b).max()))

@@ -7,6 +7,8 @@ import pytest
 from dsv4_jax import chat
 from dsv4_jax import tokenizer as tk
 
+SEED = 47
+
 
 def rand_unicode(rng, n):
     # Code points from every plane in use (skip surrogates, which are not valid text).
@@ -35,7 +37,7 @@ def rand_text_with_specials(rng, n_pieces=12):
 # ---- byte-level fallback -------------------------------------------------------------
 @pytest.mark.parametrize("vocab_size", [tk.MIN_BYTE_VOCAB, 1024, 4096, 129280])
 def test_byte_round_trip_random_unicode(vocab_size):
-    rng = random.Random()
+    rng = random.Random(SEED)
     tok = tk.load_tokenizer(None, vocab_size)
     assert isinstance(tok, tk.ByteTokenizer) and tok.vocab_size == vocab_size
     for _ in range(50):
@@ -72,7 +74,7 @@ def test_byte_special_tokens_single_ids():
 
 
 def test_byte_decode_any_id_and_errors():
-    rng = random.Random()
+    rng = random.Random(SEED)
     tok = tk.load_tokenizer(None, 1024)
     ids = [rng.randrange(1024) for _ in range(2000)]
     text = tok.decode(ids)  # random model output: must not crash
@@ -114,7 +116,7 @@ def train_bpe(rng, specials, vocab_target=400):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_tok")
-    tok = train_bpe(random.Random(), chat.SPECIAL_TOKENS)
+    tok = train_bpe(random.Random(SEED), chat.SPECIAL_TOKENS)
     tok.save(str(d / "tokenizer.json"))
     return d, tok
 
@@ -128,7 +130,7 @@ def test_hf_tokenizer_loads_and_round_trips(hf_dir):
     assert tok.stop_ids == [tok.eos_id, ref.token_to_id(chat.USER)]
     for s in chat.SPECIAL_TOKENS:
         assert tok.encode(s) == [ref.token_to_id(s)]
-    rng = random.Random()
+    rng = random.Random(SEED)
     for _ in range(30):
         text = rand_text_with_specials(rng)
         ids = tok.encode(text)
@@ -149,7 +151,7 @@ def test_hf_tokenizer_errors(hf_dir, tmp_path):
     n = ref.get_vocab_size(with_added_tokens=True)
     with pytest.raises(ValueError, match="vocab_size"):
         tk.load_tokenizer(d, n - 1)
-    no_user = train_bpe(random.Random(), [chat.BOS, chat.EOS, chat.ASSISTANT], vocab_target=300)
+    no_user = train_bpe(random.Random(SEED), [chat.BOS, chat.EOS, chat.ASSISTANT], vocab_target=300)
     no_user.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="missing chat special tokens"):
         tk.load_tokenizer(tmp_path, 10_000)
