@@ -17,6 +17,7 @@ from pallas_kernels.formats import (E2M1_TABLE, QUANT_TYPES, Fp4Weight, Fp8Weigh
                                      encode_fp4_np, encode_fp8_np, encode_nvfp4_np,
                                      fp4_block_sim, fp8_block_sim, is_quantized,
                                      pack_e2m1_np, unpack_e2m1)
+from pallas_kernels.quant_matmul import grouped_matmul
 
 MATMUL_IMPLS = ("xla", "pallas", "interpret")
 
@@ -44,6 +45,9 @@ class Numerics:
     dtype: str = "bfloat16"
     matmul: str = "xla"  # quantised linears/experts: "xla" | "pallas" | "interpret"
     gpu: bool | None = None
+    # The Pallas matmul's FP4 decode exact for every e8m0 scale byte (slower); by default it
+    # is exact for scale bytes 59..192, which every trained weight meets (loading checks).
+    exact_fp4: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
@@ -82,13 +86,12 @@ def _kernel_ok(w, nm: Numerics) -> bool:
     return w.shape[-2] % 128 == 0 and w.shape[-1] % kstep == 0
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "rows"))
-def _grouped_matmul_jit(x_GMK, expert_G, w, impl, rows):
+@functools.partial(jax.jit, static_argnames=("impl", "rows", "exact_fp4"))
+def _grouped_matmul_jit(x_GMK, expert_G, w, impl, rows, exact_fp4=False):
     """The kernel behind one jit: layers with equal shapes then share one lowered kernel
     in the step's module (43 Flash layers would otherwise lower ~500 copies). Only the
     first `rows` (real) rows of each group come back."""
-    from pallas_kernels.quant_matmul import grouped_matmul
-    return grouped_matmul(x_GMK, expert_G, w, impl=impl, rows=rows)
+    return grouped_matmul(x_GMK, expert_G, w, impl=impl, rows=rows, exact_fp4=exact_fp4)
 
 
 def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
@@ -108,7 +111,8 @@ def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
         Mp = -(-M // 8) * 8
         xp = jnp.pad(x_GMK.astype(jnp.bfloat16), ((0, 0), (0, Mp - M), (0, 0)))
         ids = None if expert_G is None else expert_G.astype(jnp.int32)
-        return _grouped_matmul_jit(xp, ids, w, impl=nm.matmul, rows=M)
+        return _grouped_matmul_jit(xp, ids, w, impl=nm.matmul, rows=M,
+                                   exact_fp4=nm.exact_fp4)
     E = w.shape[0]
     if expert_G is None:
         expert_G = jnp.arange(x_GMK.shape[0], dtype=jnp.int32)
