@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import config, layers as L, params as P, quant as Q
+from dsv4_jax.layers import experts as LE
 from dsv4_jax.quant import Numerics
 
 F32 = Numerics(act_quant=False, dtype="float32")
@@ -86,10 +87,9 @@ def test_expert_schedule_places_every_pair_once(tile):
 
 
 @pytest.mark.parametrize("tile", [1, 8, "pairs"])
-def test_scheduled_moe_equals_dense_loop(tile):
+def test_scheduled_moe_equals_dense_loop(tiny_model, tile):
     """Expert tiles of 1 or 8 rows, and one group per (token, expert) pair."""
-    cfg = config.tiny()
-    params = P.init_params(cfg, SEED)
+    cfg, params = tiny_model
     fp = P.block_params(params, "layers.3.ffn.")
     rng = np.random.default_rng(SEED)
     E, k, N = cfg.n_routed_experts, cfg.num_experts_per_tok, 11
@@ -98,9 +98,9 @@ def test_scheduled_moe_equals_dense_loop(tile):
     idx[:5, 0] = -1  # another device's experts (expert parallelism): combine nothing
     w = jnp.asarray(rng.uniform(0.1, 1, (N, k)), jnp.float32)
     if tile == "pairs":
-        got = L._moe_pairs(fp, x, jnp.asarray(idx), w, cfg, F32)
+        got = LE._moe_pairs(fp, x, jnp.asarray(idx), w, cfg, F32)
     else:
-        got = L._moe_scheduled(fp, x, jnp.asarray(idx), w, cfg, F32, tile)
+        got = LE._moe_scheduled(fp, x, jnp.asarray(idx), w, cfg, F32, tile)
     comb = np.zeros((N, E), np.float32)
     for n in range(N):
         for j in range(k):
@@ -181,8 +181,8 @@ def test_model_layers_through_the_kernel():
     idx = jnp.asarray(rng.integers(0, E, (3, k)))
     w = jnp.asarray(rng.uniform(0.1, 1, (3, k)), jnp.float32)
     assert Q._kernel_ok(fp["experts.w1"], ker)  # FP4, K = 512: the kernel takes it
-    close(lambda nm: L._moe_scheduled(fp, x[0], idx, w, cfg, nm, 8), 1e-2)
-    close(lambda nm: L._moe_pairs(fp, x[0], idx.at[1, 2].set(-1), w, cfg, nm), 1e-2)
+    close(lambda nm: LE._moe_scheduled(fp, x[0], idx, w, cfg, nm, 8), 1e-2)
+    close(lambda nm: LE._moe_pairs(fp, x[0], idx.at[1, 2].set(-1), w, cfg, nm), 1e-2)
 
 
 def test_many_rows_stay_in_xla():
