@@ -4,8 +4,7 @@ sums are shuffles).
 
 Why a kernel: XLA-GPU either splits the loop into ~11 reduction kernels per mHC site, or,
 written as 16 scalar arrays, fuses it into one kernel in which a single thread evaluates
-the whole 20-round division chain: 50-100 us per site on the H100 (profile of a Flash step,
-benchmarks/step_anatomy.py --profile). Here each round is a few shuffles and one division
+the whole 20-round division chain: 50-100 us per site on the H100 (profile of a Flash step). Here each round is a few shuffles and one division
 per lane: one launch of a few microseconds.
 
 Numerics: the same operations in the same order as the reference; exp and division may
@@ -18,10 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-
-
-def _kernel(x_ref, o_ref, *, iters, eps):
-    o_ref[...] = _sinkhorn(x_ref[...].astype(jnp.float32), iters, eps)   # [R, N, N]
 
 
 def _sinkhorn(x, iters, eps):
@@ -44,39 +39,13 @@ def _proj_kernel(s_ref, q_ref, scale_ref, base_ref, o_ref, *, N, nd, iters, eps,
     o_ref[...] = _sinkhorn(x.reshape(R, N, N), iters, eps)
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "eps", "interpret"))
-def sinkhorn_softmax(logits_MNN, iters: int, eps: float, interpret: bool = False):
-    """f32 [M, N, N] logits -> f32 [M, N, N] doubly-stochastic-ish mixing matrices
-    (see reference.sinkhorn_softmax_reference). N must be a power of two (mHC: 4)."""
-    M, N, N2 = logits_MNN.shape
-    if N != N2 or N & (N - 1):
-        raise ValueError(f"sinkhorn_softmax needs square power-of-two matrices, got {N}x{N2}")
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    R = min(8, pl.next_power_of_2(M))  # matrices per program (Triton blocks are powers of 2)
-    Mp = pl.cdiv(M, R) * R
-    x = logits_MNN.astype(jnp.float32)
-    if Mp != M:  # zero logits are harmless (softmax of zeros), sliced off below
-        x = jnp.pad(x, ((0, Mp - M), (0, 0), (0, 0)))
-    out = pl.pallas_call(
-        functools.partial(_kernel, iters=iters, eps=eps),
-        out_shape=jax.ShapeDtypeStruct((Mp, N, N), jnp.float32),
-        grid=(Mp // R,),
-        in_specs=[pl.BlockSpec((R, N, N), lambda i: (i, 0, 0))],
-        out_specs=pl.BlockSpec((R, N, N), lambda i: (i, 0, 0)),
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-    )(x)
-    return out[:M]
-
-
 @functools.partial(jax.jit, static_argnames=("N", "nd", "iters", "eps", "rms_eps", "interpret"))
 def mhc_comb(s_MK, q_MK, scale, base, *, N: int, nd: int, iters: int, eps: float,
              rms_eps: float, interpret: bool = False):
     """The mHC mixing matrices straight from the site's raw sums (layers.hc_sums), so that
     no XLA kernel sits between that reduction and this one:
         m = s * rsqrt(q[:, 0] / nd + rms_eps);  logits = m[:, 2N:] * scale[2] + base[2N:]
-        C = sinkhorn_softmax(logits as [M, N, N])
+        C = sinkhorn_softmax_reference(logits as [M, N, N])   (the same ops)
     s_MK f32 [M, 2N + N*N] (flat . fn^T), q_MK f32 [M, >= 1] (column 0: sum of flat^2),
     scale f32 [3], base f32 [2N + N*N] -> C f32 [M, N, N] (reference.mhc_comb_reference)."""
     M, K = s_MK.shape

@@ -82,6 +82,13 @@ def _quantize_tile(x):
     return jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn), e
 
 
+def _interpret_params(interpret):
+    """interpret: a bool, or plgpu.InterpretGPUParams -> plgpu.kernel's argument."""
+    if interpret is None or interpret is False:
+        return None
+    return plgpu.InterpretGPUParams() if interpret is True else interpret
+
+
 def _scatter_call(kv_BD, scalars, dst_fn, refs, key_BK=None, fmt=None, *, interpret):
     """Quantise rows of kv_BD and write row b to (major, minor) = dst_fn(...) of the cache
     refs (nope_rows, scale, rope[, pos][, idx fields...]) when valid."""
@@ -158,7 +165,7 @@ def _scatter_call(kv_BD, scalars, dst_fn, refs, key_BK=None, fmt=None, *, interp
         grid_names=("c",),
         scratch_types=tuple(scratch),
         compiler_params=LANE,
-        interpret=interpret,
+        interpret=_interpret_params(interpret),
     )(*inputs, *refs)
 
 
@@ -271,7 +278,7 @@ def _check_rows(x, n, what):
         raise ValueError(f"{what}: expected [B, {n}], got shape {x.shape}")
 
 
-def append_window(win, kv_BD, pos_B, *, interpret=None):
+def append_window(win, kv_BD, pos_B, *, interpret=False):
     """Write kv rows (bf16 [B, 512]) of requests b = 0..B-1 into their window ring at slot
     pos_B[b] % 128, quantised; pos_B[b] = -1 writes nothing. Returns the updated `win`
     ({win_nope, win_scale, win_rope, win_pos}); in place when the caller donates it."""
@@ -297,7 +304,7 @@ def append_window(win, kv_BD, pos_B, *, interpret=None):
 
 
 def flush_compressed(pool, idx_pool, entry_BD, key_BK, flush_B, entry_idx_B, block_table_RM,
-                     *, fmt="fp4", interpret=None):
+                     *, fmt="fp4", interpret=False):
     """Quantise and write compressed entries (bf16 [B, 512]) and, when `idx_pool` is given,
     indexer keys (f32 [B, 128], format `fmt`) of rows with flush_B[b] != 0 to entry
     entry_idx_B[b] of request b: pool[block_table[b, i // EPB], i % EPB]. Rows without

@@ -22,17 +22,13 @@ ids through, until one program holds a whole row. Candidates ascend with the ids
 still go to the lower id. Output contract (ascending ids, -1 padded):
 reference.topk_select_reference.
 
-On the H100 (2026-11-25, benchmarks/topk_select.py, exact at every shape): 7 / 17 / 26 /
-57 us GPU busy at B = 1 N = 1056 / B = 1 N = 8224 / B = 1 N = 32800 / B = 64 N = 32800,
-against lax.top_k's 14 / 56 / 47 / 242 us. It is the decode step's default
-(decode.TOPK_SELECT; DSV4_TOPK=xla for XLA's sort).
-
-History: the first version kept per-lane digit counts and re-read the row from L1/L2 every
-pass (8 passes of 4 bits over 512-key tiles). It was exact but latency-bound: 77 us GPU
-busy at B = 1, N = 32800 against the XLA sort's 47 us (BENCHMARKS.md, session 17).
+On the H100 (benchmarks/small_kernels.py, exact at every shape): 7 / 17 / 26 / 57 us GPU
+busy at B = 1 N = 1056 / B = 1 N = 8224 / B = 1 N = 32800 / B = 64 N = 32800, against
+lax.top_k's 14 / 56 / 47 / 242 us. Per-lane digit counts re-reading the row every pass
+were latency-bound (77 us at B = 1, N = 32800); a search step's counts as one [2^bits, S]
+reduction cost more than the separate block reductions (B = 64: 56.6 -> 87.6 us).
 """
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +40,6 @@ INT_MIN = -(1 << 31)
 # the order key of -inf: f32 bits 0xFF800000 with the magnitude bits flipped
 NEG_INF_KEY = -2139095041
 MAX_KEYS = 16384     # keys one program holds: 32 a thread at 16 warps
-# Default of topk_select's `fused` (a search step's counts in one reduction): off, it is
-# slower (session 26, H100, k = 512, N = 32800, GPU busy: B = 1 26.4 -> 30.5 us, B = 8
-# 27.2 -> 32.1, B = 64 56.6 -> 87.6; the [2^bits, S] reduction costs more than three
-# block reductions); DSV4_TOPK_FUSED=1 turns it on.
-FUSED_COUNTS = os.environ.get("DSV4_TOPK_FUSED", "0") == "1"
 
 
 def _order_key(x):
@@ -64,7 +55,7 @@ def _i32(v):
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def _kernel(s_ref, *refs, N, K, S, SEG, BITS, has_ids, values, fused=False):
+def _kernel(s_ref, *refs, N, K, S, SEG, BITS, has_ids, values):
     """Program (b, g): the top K of row b's columns [g * SEG, min(N, g * SEG + SEG)) (SEG <=
     S keys, S a power of two >= K) -> o_ref[b, g*K : g*K + K]: their ids (ids_ref's entries
     at those columns when given), ascending, -1 padded [, v_ref: their scores, -inf
@@ -83,25 +74,13 @@ def _kernel(s_ref, *refs, N, K, S, SEG, BITS, has_ids, values, fused=False):
     # signed INT_MIN, where count(key >= T) = S >= K. Adding j << shift in int32 wraps as
     # the unsigned sum would (no unsigned overflow: the low bits are still 0).
     t = jnp.int32(INT_MIN)
-    # fused: the 2^BITS - 1 counts of a step as ONE reduction of a [J, S] tensor (rows
-    # padded to a power of two; pad rows never count), instead of one block reduction
-    # (warp shuffles, a shared-memory round and its barriers) per count.
     J = 1 << BITS
-    if fused:
-        jv = lax.broadcasted_iota(jnp.int32, (J, S), 0) + 1      # j = 1 .. 2^BITS, per key
-        j1 = lax.broadcasted_iota(jnp.int32, (J,), 0) + 1
     for p in range(32 // BITS):
         shift = 32 - BITS * (p + 1)
-        if fused:
-            # j << shift wraps in int32 as the Python constants below do (_i32)
-            keys = lax.broadcast_in_dim(key, (J, S), (1,))
-            cnt = jnp.sum((keys >= t + (jv << shift)).astype(jnp.int32), axis=1)     # [J]
-            d = jnp.sum(((cnt >= K) & (j1 < J)).astype(jnp.int32))
-        else:
-            d = jnp.int32(0)
-            for j in range(1, J):   # counts fall with j: d = #{j : count_j >= K}
-                cnt = jnp.sum((key >= t + jnp.int32(_i32(j << shift))).astype(jnp.int32))
-                d = d + (cnt >= K).astype(jnp.int32)
+        d = jnp.int32(0)
+        for j in range(1, J):   # counts fall with j: d = #{j : count_j >= K}
+            cnt = jnp.sum((key >= t + jnp.int32(_i32(j << shift))).astype(jnp.int32))
+            d = d + (cnt >= K).astype(jnp.int32)
         t = t + (d << shift)
     need = K - jnp.sum((key > t).astype(jnp.int32))
 
@@ -148,7 +127,7 @@ def default_segments(N, k, tile=None):
     return 1 if N <= tile else -(-N // tile)
 
 
-def _call(level, ids, k, *, N, seg, P, bits, num_warps, values, interpret, fused=False):
+def _call(level, ids, k, *, N, seg, P, bits, num_warps, values, interpret):
     B, W = level.shape
     S = _pow2(max(seg, k))
     nw = num_warps or min(16, max(4, S // 512))
@@ -159,7 +138,7 @@ def _call(level, ids, k, *, N, seg, P, bits, num_warps, values, interpret, fused
     ins = [level] + ([ids] if ids is not None else [])
     return pl.pallas_call(
         functools.partial(_kernel, N=N, K=k, S=S, SEG=seg, BITS=bits,
-                          has_ids=ids is not None, values=values, fused=fused),
+                          has_ids=ids is not None, values=values),
         out_shape=out_shape,
         grid=(B, P),
         in_specs=[whole(a) for a in ins],
@@ -170,7 +149,7 @@ def _call(level, ids, k, *, N, seg, P, bits, num_warps, values, interpret, fused
 
 
 def topk_select(scores_BN, k, *, n=None, segments=None, tile=None, bits=2, num_warps=None,
-                fused=None, interpret=False):
+                interpret=False):
     """ids [B, k] int32 of the k largest scores per row, ascending, -1 padded (ties: lower
     id; -inf never selected). scores_BN [B, W] f32, of which the first n columns (all by
     default) are the scores: a wider buffer is read in place, with no slice copy before
@@ -181,8 +160,6 @@ def topk_select(scores_BN, k, *, n=None, segments=None, tile=None, bits=2, num_w
       program holds a row (<= MAX_KEYS keys).
     bits: digit width of the search (1, 2 or 4: 32 / bits steps of 2^bits - 1 counts).
     num_warps: default S / 512 keys-per-program, clamped to [4, 16].
-    fused: a search step's 2^bits - 1 counts as one 2-D reduction instead of one reduction
-      each (None: FUSED_COUNTS; the same ids either way).
     See reference.topk_select_reference."""
     if scores_BN.ndim != 2:
         raise ValueError(f"scores must be [B, N], got shape {scores_BN.shape}")
@@ -204,8 +181,7 @@ def topk_select(scores_BN, k, *, n=None, segments=None, tile=None, bits=2, num_w
     if not 0 < P <= N or _pow2(max(-(-N // P), k)) > MAX_KEYS:
         raise ValueError(f"segments must be in [1, {N}] with at most {MAX_KEYS} keys each "
                          f"(N = {N}), got {segments}")
-    kw = dict(bits=bits, num_warps=num_warps, interpret=interpret,
-              fused=FUSED_COUNTS if fused is None else fused)
+    kw = dict(bits=bits, num_warps=num_warps, interpret=interpret)
     level, ids = scores_BN, None
     while True:
         if P == 1:
