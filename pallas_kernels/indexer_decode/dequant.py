@@ -28,7 +28,7 @@ per two chunks (fp4), 1-4% less time on an H100.
 The Mosaic GPU interpreter runs no inline PTX and XLA on CPU flushes subnormal inputs, so
 interpreted kernels take the jnp forms here (`interpret=True`): the nibbles' exact e2m1
 values, and the block factor * 2^-126 applied in f32 (place_scale): the same keys, bit for
-bit, for factors * 2^-126 that are f32 normals (fp4 scale bytes >= 65; every nvfp4 scale).
+bit, while the keys are f32 normals (fp4 scale bytes >= 66; every nvfp4 scale).
 """
 import numpy as np
 
