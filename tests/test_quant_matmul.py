@@ -1,6 +1,8 @@
-"""Grouped quantised matmul: the Mosaic-GPU kernel (GPU interpreter on CPU) vs the XLA
-reference, the reference vs an independent numpy dequantisation, input validation, and
-the CUDA lowering at DeepSeek-V4-Flash shapes."""
+"""Grouped quantised matmul: the shipped Mosaic-GPU kernel on the GPU interpreter (its
+inline-PTX FP4 decode swapped for the jnp form and its register-A wgmma for SMEM staging:
+the test names say so) vs the XLA reference, the reference vs an independent numpy
+dequantisation, the FP4 PTX programs on a numpy model of their instructions, input
+validation, and the CUDA lowering (compile-only sm_90a) at DeepSeek-V4-Flash shapes."""
 import functools
 import re
 
@@ -11,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4_jax.quant import Fp4Weight, Fp8Weight
-from pallas_kernels.quant_matmul import grouped_matmul
+from pallas_kernels.formats import Fp4Weight, Fp8Weight
+from pallas_kernels.quant_matmul import Tuning, grouped_matmul
+from pallas_kernels.quant_matmul import decode as D
 from pallas_kernels.quant_matmul import kernel as K
 
 
@@ -86,61 +89,59 @@ def test_reference_matches_numpy():
         check(grouped_matmul(x, ex, w, impl="xla"), ref, ex, 3)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(splits=1, stages=2), dict(splits=2, stages=1)])
-def test_interpret_fp8(kw):
-    # repeated, out-of-order and empty (-1 and E) groups; stages < steps exercises refills
+@pytest.mark.parametrize("tuning", [Tuning(splits=1, stages=2), Tuning(splits=2, stages=1)])
+def test_fp8_interpreted_with_smem_operand(tuning):
+    """Repeated, out-of-order and empty (-1 and E) groups; stages < steps refills slots."""
     rng = np.random.default_rng(1)
     E, N, Kd = 3, 256, 512
     w = rand_fp8(rng, E, N, Kd)
     ex = jnp.asarray([2, -1, 0, 2, 3], jnp.int32)
     x = rand_x(rng, 5, 8, Kd)
-    check(interpret(x, ex, w, **kw), ref_np(x, ex, w), ex, E)
+    check(interpret(x, ex, w, tuning=tuning), ref_np(x, ex, w), ex, E)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(splits=2, stages=1), dict(tn=128, tkp=128, stages=3)])
-def test_interpret_fp4(kw):
+@pytest.mark.parametrize("exact_fp4,tuning", [(False, None),
+                                              (True, Tuning(splits=2, stages=1, tn=128))])
+def test_fp4_interpreted_with_jnp_decode(exact_fp4, tuning):
+    """The default "place" program (weights * 2^-64, the accumulator * 2^64) at the
+    default tiles (64 rows at M = 16), and the exact program with 128-row tiles and a
+    refilled one-slot ring; empty groups."""
     rng = np.random.default_rng(2)
     E, N, Kd = 2, 128, 1024
     w = rand_fp4(rng, E, N, Kd)
     ex = jnp.asarray([1, 5, 0, 1], jnp.int32)
     x = rand_x(rng, 4, 16, Kd)
-    check(interpret(x, ex, w, **kw), ref_np(x, ex, w), ex, E)
+    check(interpret(x, ex, w, exact_fp4=exact_fp4, tuning=tuning), ref_np(x, ex, w), ex, E)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_interpret_identity_groups_and_real_rows(fmt):
+def test_interpreted_identity_groups_and_real_rows(fmt):
     """expert_G=None (group g uses expert g, no id operand) and rows=r (only the first r
     rows of each group come back, sliced before the split sum)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     E, N, Kd = 3, 128, 1024
     w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
     x = rand_x(rng, 2, 8, Kd)
     ex = jnp.arange(2, dtype=jnp.int32)
+    y = np.asarray(interpret(x, None, w, tuning=Tuning(splits=2)))
+    check(y, ref_np(x, ex, w), ex, E)
     for rows in (1, 3, 8):
-        y = interpret(x, None, w, rows=rows, splits=2)
-        assert y.shape == (2, rows, N)
-        check(y, ref_np(x, ex, w)[:, :rows], ex, E)
         np.testing.assert_array_equal(
             grouped_matmul(x, None, w, impl="xla", rows=rows),
             grouped_matmul(x, ex, w, impl="xla")[:, :rows])
+    y3 = interpret(x, None, w, rows=3, tuning=Tuning(splits=2))
+    assert y3.shape == (2, 3, N)
+    np.testing.assert_array_equal(np.asarray(y3), y[:, :3])
     with pytest.raises(ValueError, match="rows must be"):
         interpret(x, None, w, rows=9)
     with pytest.raises(ValueError, match="G <= E"):
         interpret(rand_x(rng, 4, 8, Kd), None, w)
 
 
-def test_cuda_lowering_identity_groups():
-    S = jax.ShapeDtypeStruct
-    w = Fp8Weight(S((8, 1024, 4096), jnp.float8_e4m3fn), S((8, 8, 32), jnp.float8_e8m0fnu))
-    f = lambda x, w: grouped_matmul(x, None, w, rows=1)
-    lowered = jax.jit(f).trace(S((8, 8, 4096), jnp.bfloat16), w).lower(
-        lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-
-
-def test_interpret_races_and_wide_m():
-    # M > 128 switches to 64-row weight tiles (the f32 accumulator must fit in registers)
-    rng = np.random.default_rng(3)
+def test_interpreted_races_and_wide_m():
+    """M > 128 switches to 64-row weight tiles (the f32 accumulator must fit in
+    registers); the interpreter's race detector finds none."""
+    rng = np.random.default_rng(4)
     w = rand_fp8(rng, 1, 128, 256)
     ex = jnp.asarray([0], jnp.int32)
     x = rand_x(rng, 1, 136, 256)
@@ -170,6 +171,10 @@ def test_bad_inputs_raise():
         grouped_matmul(x, ex, rand_fp4(rng, 2, 128, 256))
     with pytest.raises(ValueError, match="impl"):
         grouped_matmul(x, ex, w, impl="cuda")
+    with pytest.raises(ValueError, match="tn must be"):
+        grouped_matmul(x, ex, w, tuning=Tuning(tn=32))
+    with pytest.raises(ValueError, match="splits=3"):
+        grouped_matmul(x, ex, w, tuning=Tuning(splits=3))
     with pytest.raises(TypeError, match="Fp8Weight"):
         grouped_matmul(x, ex, jnp.zeros((2, 256, 256), jnp.bfloat16))
     # the XLA path takes any N (no tiling constraint)
@@ -178,30 +183,7 @@ def test_bad_inputs_raise():
     check(grouped_matmul(x1, ex[:1], w3, impl="xla"), ref_np(x1, ex[:1], w3), ex[:1], 1)
 
 
-FLASH = [  # (fmt, E, G, N, K)
-    ("fp8", 1, 1, 1024, 4096), ("fp8", 1, 1, 32768, 1024), ("fp8", 1, 1, 512, 4096),
-    ("fp8", 1, 1, 4096, 8192), ("fp8", 1, 1, 2048, 4096), ("fp8", 1, 1, 4096, 2048),
-    ("fp8", 1, 1, 8192, 1024), ("fp8", 8, 8, 1024, 4096),
-    ("fp4", 256, 6, 2048, 4096), ("fp4", 256, 64, 4096, 2048),
-]
-
-
-@pytest.mark.parametrize("fmt,E,G,N,Kd", FLASH)
-def test_cuda_lowering_flash_shapes(fmt, E, G, N, Kd):
-    S = jax.ShapeDtypeStruct
-    if fmt == "fp8":
-        w = Fp8Weight(S((E, N, Kd), jnp.float8_e4m3fn),
-                      S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
-    else:
-        w = Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
-    for M in (8, 64, 256):
-        lowered = jax.jit(grouped_matmul).trace(
-            S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32), w).lower(
-            lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
-
-
-# ---- the "swar" decode's inline PTX, executed on a numpy model of its instructions ----
+# ---- the FP4 programs' PTX, executed on a numpy model of its instructions ----
 
 def _bf16x2_mul(a, b):
     """PTX mul.rn.bf16x2 on uint32 words: per 16-bit lane, exact product rounded to
@@ -265,225 +247,178 @@ def run_ptx(ptx, outs, ins):
     return [regs[f"${i}"] for i in range(len(outs))]
 
 
-def _bf16_words(fmt, e):
-    sa, sb = K.swar_scale_words(fmt, jnp.asarray(e, jnp.int32))
-    return np.asarray(sa).astype(np.uint32), np.asarray(sb).astype(np.uint32)
-
-
 def _lanes(w):
     """uint32 bf16x2 words -> float64 (lane 0, lane 1)."""
     f = lambda u: u.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
     return f(w & 0xFFFF), f(w >> 16)
 
 
-@pytest.mark.parametrize("ptx", ["FP4_SWAR_PTX", "FP4_SWAR_PTX_PRMT"])
-def test_fp4_swar_ptx_exact_all_codes_and_scales(ptx):
-    """Every pair of packed bytes' nibbles x every e8m0 scale byte 0..254: the PTX gives
-    exactly bf16(e2m1 * 2^(e-127)) (rounding only where that overflows bf16); both
-    programs (the mad form and the prmt sign-replicate form)."""
-    ptx = getattr(K, ptx)
-    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 37), np.arange(255), indexing="ij")
-    b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
-    sa, sb = _bf16_words("fp4", e)
-    lo, hi = run_ptx(ptx, ["lo", "hi"], [b0 | (b1 << 8), sa, sb])
-    dec = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    scale = 2.0 ** (e.astype(np.float64) - 127)
-    want = lambda n: (dec(n) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
+def _dec_fp4(n):
+    return n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+
+
+def _fp4_want(n, e):
+    return (_dec_fp4(n) * 2.0 ** (e.astype(np.float64) - 127)).astype(
+        ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _pairs_and_scales(e_range):
+    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 37), e_range, indexing="ij")
+    return (a.ravel().astype(np.uint32) for a in (b0, b1, e))
+
+
+def test_fp4_mad_ptx_exact_all_codes_and_scales():
+    """The exact program (exact_fp4): every pair of packed bytes' nibbles x every e8m0
+    scale byte 0..254 gives exactly bf16(e2m1 * 2^(e-127)) (rounding only where that
+    overflows bf16); the SA / SB words are normal bf16x2 splats for every byte."""
+    b0, b1, e = _pairs_and_scales(np.arange(255))
+    sa, sb = (np.asarray(v).astype(np.uint32) for v in D.swar_scale_words(jnp.asarray(e, jnp.int32)))
+    lo, hi = run_ptx(D.FP4_MAD_PTX, ["lo", "hi"], [b0 | (b1 << 8), sa, sb])
     for got, (n0, n1) in ((lo, (b0 & 15, b1 & 15)), (hi, (b0 >> 4, b1 >> 4))):
         g0, g1 = _lanes(got)
-        np.testing.assert_array_equal(g0, want(n0))
-        np.testing.assert_array_equal(g1, want(n1))
-    # the interesting corner: the e2m1 subnormal (0.5) at the smallest scales
-    assert _lanes(run_ptx(ptx, ["lo", "hi"], [np.uint32(1), *_bf16_words("fp4", 0)])[0])[0] == 2.0 ** -128
+        np.testing.assert_array_equal(g0, _fp4_want(n0, e))
+        np.testing.assert_array_equal(g1, _fp4_want(n1, e))
+    # the e2m1 subnormal (0.5) at the smallest scale
+    sa0, sb0 = (np.asarray(v).astype(np.uint32) for v in D.swar_scale_words(jnp.int32(0)))
+    assert _lanes(run_ptx(D.FP4_MAD_PTX, ["lo", "hi"], [np.uint32(1), sa0, sb0])[0])[0] == 2.0 ** -128
+    for w in (sa, sb):
+        assert (w & 0xFFFF == w >> 16).all()
+        f = (w >> 7) & 0xFF                     # biased exponent of each half
+        assert ((f >= 1) & (f <= 254)).all() and (w & 0x7F == 0).all()
 
 
 def test_fp4_place_ptx_exact_in_its_scale_range():
-    """The one-multiply "place" program with its SA word (place_scale_word): every pair of
+    """The default "place" program with its SA word (place_scale_word): every pair of
     packed bytes' nibbles x every e8m0 byte in [59, 192] gives exactly bf16(e2m1 *
-    2^(e-127)) * 2^-PLACE_LOG2, which the kernel's accumulator takes back by 2^PLACE_LOG2;
-    from 193 on the nonzero codes read as inf (documented, no trained weight's scale)."""
-    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 37), np.arange(59, 193),
-                            indexing="ij")
-    b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
-    sa = np.asarray(K.place_scale_word(jnp.asarray(e, jnp.int32))).astype(np.uint32)
-    lo, hi = run_ptx(K.FP4_SWAR_PTX_PLACE, ["lo", "hi"], [b0 | (b1 << 8), sa])
-    dec = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    scale = 2.0 ** (e.astype(np.float64) - 127)
-    want = lambda n: (dec(n) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
+    2^(e-127)) * 2^-PLACE_LOG2, which the kernel's accumulator takes back; from 193
+    (PLACE_MAX_SCALE_BYTE + 1) on the nonzero codes read as inf."""
+    b0, b1, e = _pairs_and_scales(np.arange(59, 193))
+    sa = np.asarray(D.place_scale_word(jnp.asarray(e, jnp.int32))).astype(np.uint32)
+    lo, hi = run_ptx(D.FP4_PLACE_PTX, ["lo", "hi"], [b0 | (b1 << 8), sa])
     for got, (n0, n1) in ((lo, (b0 & 15, b1 & 15)), (hi, (b0 >> 4, b1 >> 4))):
         g0, g1 = _lanes(got)
-        np.testing.assert_array_equal(g0 * 2.0 ** K.PLACE_LOG2, want(n0))
-        np.testing.assert_array_equal(g1 * 2.0 ** K.PLACE_LOG2, want(n1))
+        np.testing.assert_array_equal(g0 * 2.0 ** D.PLACE_LOG2, _fp4_want(n0, e))
+        np.testing.assert_array_equal(g1 * 2.0 ** D.PLACE_LOG2, _fp4_want(n1, e))
     # the smallest code at the smallest exact scale: a bf16 subnormal, kept
-    lo, _ = run_ptx(K.FP4_SWAR_PTX_PLACE, ["lo", "hi"],
-                    [np.uint32(1), np.asarray(K.place_scale_word(jnp.int32(59))).astype(np.uint32)])
-    assert _lanes(lo)[0] == 2.0 ** (59 - 128 - K.PLACE_LOG2)
-    big = np.asarray(K.place_scale_word(jnp.arange(193, 255, dtype=jnp.int32))).astype(np.uint32)
-    lo, _ = run_ptx(K.FP4_SWAR_PTX_PLACE, ["lo", "hi"], [np.full(big.shape, 0x22, np.uint32), big])
+    lo, _ = run_ptx(D.FP4_PLACE_PTX, ["lo", "hi"],
+                    [np.uint32(1), np.asarray(D.place_scale_word(jnp.int32(59))).astype(np.uint32)])
+    assert _lanes(lo)[0] == 2.0 ** (59 - 128 - D.PLACE_LOG2)
+    assert D.PLACE_MAX_SCALE_BYTE == 192
+    big = np.asarray(D.place_scale_word(jnp.arange(193, 255, dtype=jnp.int32))).astype(np.uint32)
+    lo, _ = run_ptx(D.FP4_PLACE_PTX, ["lo", "hi"], [np.full(big.shape, 0x22, np.uint32), big])
     assert np.isinf(_lanes(lo)[0]).all()
 
 
-def test_fp8_swar_ptx_exact_all_codes_and_scales():
-    b0, b1, e = np.meshgrid(np.arange(256), np.arange(0, 256, 29), np.arange(255), indexing="ij")
-    b0, b1, e = (a.ravel().astype(np.uint32) for a in (b0, b1, e))
-    ok = ((b0 & 0x7F) != 0x7F) & ((b1 & 0x7F) != 0x7F)              # no NaN codes
-    b0, b1, e = b0[ok], b1[ok], e[ok]
-    sa, sb = _bf16_words("fp8", e)
-    [out] = run_ptx(K.FP8_SWAR_PTX, ["out"], [b0 | (b1 << 8), sa, sb])
-    dec = lambda b: b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    scale = 2.0 ** (e.astype(np.float64) - 127)
-    want = lambda b: (dec(b) * scale).astype(ml_dtypes.bfloat16).astype(np.float64)
-    g0, g1 = _lanes(out)
-    np.testing.assert_array_equal(g0, want(b0))
-    np.testing.assert_array_equal(g1, want(b1))
+@pytest.mark.parametrize("form,e_range", [("place", np.arange(66, 193)),
+                                          ("mad", np.arange(2, 255))])
+def test_fp4_jnp_decode_equals_ptx(form, e_range):
+    """The interpreter's decode (fp4_decode_jnp) gives the PTX program's bf16 values, bit
+    for bit, for every byte and every scale byte where its f32 scale is normal."""
+    b0, b1, e = _pairs_and_scales(e_range)
+    words = [np.asarray(v).astype(np.uint32) for v in D.scale_words(jnp.asarray(e, jnp.int32), form)
+             if v is not None]
+    lo, hi = run_ptx(D.FP4_PROGRAMS[form], ["lo", "hi"], [b0 | (b1 << 8), *words])
+    b = jnp.asarray(np.stack([b0, b1], 1).astype(np.uint8))
+    jlo, jhi = D.fp4_decode_jnp(b, jnp.asarray(e, jnp.int32), form=form)
+    for got, j in ((lo, jlo), (hi, jhi)):
+        g = np.stack(_lanes(got), 1)
+        np.testing.assert_array_equal(np.asarray(j, np.float64), g)
+        np.testing.assert_array_equal(np.signbit(np.asarray(j, np.float64)), np.signbit(g))
+    assert D.fp4_swar_form() == "place" and D.fp4_swar_form(exact_fp4=True) == "mad"
 
 
-def test_swar_scale_words_are_normal_bf16():
-    for fmt in ("fp4", "fp8"):
-        for w in _bf16_words(fmt, np.arange(255)):
-            assert (w & 0xFFFF == w >> 16).all()
-            f = (w >> 7) & 0xFF                     # biased exponent of each half
-            assert ((f >= 1) & (f <= 254)).all() and (w & 0x7F == 0).all()
+# ---- CUDA lowering (compile-only sm_90a) ----
+
+FLASH = [  # (fmt, E, G, N, K)
+    ("fp8", 1, 1, 1024, 4096), ("fp8", 1, 1, 32768, 1024), ("fp8", 1, 1, 4096, 8192),
+    ("fp8", 8, 8, 1024, 4096), ("fp4", 256, 6, 2048, 4096), ("fp4", 256, 64, 4096, 2048),
+]
 
 
-@pytest.mark.parametrize("M", [8, 64])
-def test_cuda_lowering_register_a(M):
-    """Both variants (reg_a: dequantised rows fed to the wgmma from registers, the default;
-    and the SMEM round trip) lower at Flash shapes. The Mosaic-GPU interpreter cannot run a
-    register lhs, so its numbers are checked on the GPU only (test below)."""
+def _weight(fmt, E, N, Kd):
     S = jax.ShapeDtypeStruct
-    for fmt, E, G, N, Kd in [("fp8", 1, 1, 32768, 1024), ("fp8", 1, 1, 4096, 8192),
-                             ("fp8", 8, 8, 1024, 4096), ("fp4", 256, 6, 2048, 4096),
-                             ("fp4", 256, 64, 4096, 2048)]:
-        if fmt == "fp8":
-            w = Fp8Weight(S((E, N, Kd), jnp.float8_e4m3fn),
-                          S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
-        else:
-            w = Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
-        for reg_a, decode in ((True, "cvt"), (False, "cvt"), (True, "swar"), (False, "swar"),
-                              (True, "swar-shfl")):
-            f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, reg_a=reg_a, decode=decode)
-            lowered = jax.jit(f).trace(S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32),
-                                       w).lower(lowering_platforms=("cuda",))
-            assert "mosaic_gpu" in lowered.as_text()
+    if fmt == "fp8":
+        return Fp8Weight(S((E, N, Kd), jnp.float8_e4m3fn),
+                         S((E, N // 128, Kd // 128), jnp.float8_e8m0fnu))
+    return Fp4Weight(S((E, N, Kd // 2), jnp.int8), S((E, N, Kd // 32), jnp.float8_e8m0fnu))
 
 
-@pytest.mark.parametrize("form", [None, "mad", "prmt", "place"])
-def test_cuda_lowering_fp4_programs(form, monkeypatch):
-    """Each FP4 decode program lowers through both swar paths (the "place" form without SB
-    words and with the accumulator's 2^64), "place" when $DSV4_QMM_FP4_PTX is unset; a bad
-    name is an error that names the variable."""
+def _lower_text(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fmt,E,G,N,Kd", FLASH)
+def test_cuda_lowering_flash_shapes(fmt, E, G, N, Kd):
+    """The shipped programs lower at Flash shapes (M = 8, 64, and 256 with 64-row tiles);
+    FP4 with the "place" program and the lane shuffle of the scale words."""
     S = jax.ShapeDtypeStruct
-    w = Fp4Weight(S((256, 2048, 2048), jnp.int8), S((256, 2048, 128), jnp.float8_e8m0fnu))
-    if form is None:
-        monkeypatch.delenv("DSV4_QMM_FP4_PTX", raising=False)
-    else:
-        monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
-    expect = form or "place"
-    assert K.fp4_swar_form() == expect
-    # each program's own marker: mad's sign lift, the others' mask and last multiply (by
-    # SB, $4, in prmt; by SA, $3, in place)
-    marks = {"mad": ["mad.lo.u32 n, s, 4032, n"],
-             "prmt": ["81C081C0", "mul.rn.bf16x2 $0, a, $4"],
-             "place": ["81C081C0", "mul.rn.bf16x2 $0, a, $3"]}[expect]
-    for decode in ("swar", "swar-shfl"):
-        f = lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode=decode)
-        text = jax.jit(f).trace(S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32),
-                                w).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text and all(m in text for m in marks)
-    monkeypatch.setenv("DSV4_QMM_FP4_PTX", "fast")
-    with pytest.raises(ValueError, match="DSV4_QMM_FP4_PTX"):
-        jax.jit(lambda x, e, w: K.grouped_matmul_pallas(x, e, w, decode="swar")).trace(
-            S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32), w).lower(
-            lowering_platforms=("cuda",))
+    w = _weight(fmt, E, N, Kd)
+    for M in (8, 64, 256):
+        text = _lower_text(grouped_matmul, S((G, M, Kd), jnp.bfloat16), S((G,), jnp.int32), w)
+        assert "mosaic_gpu" in text
+        if fmt == "fp4":
+            assert "mul.rn.bf16x2 $0, a, $3" in text and "shfl.sync.idx.b32" in text
 
+
+def test_cuda_lowering_exact_fp4_and_identity_groups():
+    """exact_fp4 lowers the "mad" program (its sign lift); expert_G=None lowers with no id
+    operand."""
+    S = jax.ShapeDtypeStruct
+    x, ex = S((6, 8, 4096), jnp.bfloat16), S((6,), jnp.int32)
+    text = _lower_text(functools.partial(grouped_matmul, exact_fp4=True), x, ex,
+                       _weight("fp4", 256, 2048, 4096))
+    assert "mad.lo.u32 n, s, 4032, n" in text and "mul.rn.bf16x2 $0, a, $3" not in text
+    w = _weight("fp8", 8, 1024, 4096)
+    text = _lower_text(lambda x, w: grouped_matmul(x, None, w, rows=1),
+                       S((8, 8, 4096), jnp.bfloat16), w)
+    assert "mosaic_gpu" in text
+
+
+# ---- GPU (H100 / H200) ----
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["cvt", "swar", "swar-shfl"])
-@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp8-smem", "fp4-smem"])
-def test_gpu_matches_reference(fmt, decode):
+@pytest.mark.parametrize("fmt,M", [("fp8", 16), ("fp4", 8), ("fp4", 16), ("fp4", 64)])
+def test_gpu_matches_reference(fmt, M):
+    """The shipped kernel (FP4 default tiles at M = 8 / 64: 128 rows, 16: 64 rows)."""
     rng = np.random.default_rng(5)
-    E, N, Kd = 4, 1024, 2048
-    w = (rand_fp4 if fmt.startswith("fp4") else rand_fp8)(rng, E, N, Kd)
-    ex = jnp.asarray([3, -1, 0, 3, 1, 7], jnp.int32)
-    x = rand_x(rng, 6, 16, Kd)
-    kw = dict(reg_a=False) if fmt.endswith("smem") else {}
-    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode=decode, **kw))
-    check(f(x, ex, w), ref_np(x, ex, w), ex, E)
+    E, N, Kd = 8, 1024, 2048
+    w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
+    ex = jnp.asarray([5, 0, -1, 7, 5, 2], jnp.int32)
+    x = rand_x(rng, 6, M, Kd)
+    check(jax.jit(grouped_matmul)(x, ex, w), ref_np(x, ex, w), ex, E)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_gpu_identity_groups_and_real_rows(fmt):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(8)
     E, N, Kd = 8, 1024, 4096
     w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
     x = rand_x(rng, 8, 8, Kd)
     ex = jnp.arange(8, dtype=jnp.int32)
-    y = jax.jit(lambda x, w: K.grouped_matmul_pallas(x, None, w, rows=1))(x, w)
+    y = jax.jit(lambda x, w: grouped_matmul(x, None, w, rows=1))(x, w)
     check(y, ref_np(x, ex, w)[:, :1], ex, E)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [8, 64])
-@pytest.mark.parametrize("decode", [None, "swar"])
-def test_gpu_fp4_default_tiles(M, decode):
-    """The FP4 default tiles at M = 8 and 64 (128-row tiles, 128 B steps)."""
-    rng = np.random.default_rng(7)
-    E, N, Kd = 8, 1024, 2048
-    w = rand_fp4(rng, E, N, Kd)
-    ex = jnp.asarray([5, 0, -1, 7, 5, 2], jnp.int32)
-    x = rand_x(rng, 6, M, Kd)
-    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode=decode))
-    check(f(x, ex, w), ref_np(x, ex, w), ex, E)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_gpu_swar_full_scale_range(fmt, monkeypatch):
-    """Scales 2^-117 .. 2^100 (far outside real checkpoints; the smallest scales are left
-    out only so that no product is an f32 subnormal in the tensor cores; the numpy model
-    of the PTX covers e = 0..254): every weight exactly as the numpy dequantisation,
-    read out through an identity-like x (one 1.0 per row picks single weights)."""
-    monkeypatch.setenv("DSV4_QMM_FP4_PTX", "mad")   # the default "place": 66..192 below
+@pytest.mark.parametrize("fmt,exact_fp4", [("fp8", False), ("fp4", False), ("fp4", True)])
+def test_gpu_single_weights_across_the_scale_range(fmt, exact_fp4):
+    """Random experts against the reference, then single weights read out through an
+    identity-like x (one 1.0 a row) at scale bytes 10 .. 227 (FP8, and FP4 with
+    exact_fp4) or 66 .. 192 (FP4 "place": the weights * 2^-64 and their products with
+    x = 1 stay normal): each exactly the numpy dequantisation."""
     rng = np.random.default_rng(6)
-    E, N, Kd = 1, 256, 512
-    w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, E, N, Kd)
-    sc = rng.integers(10, 228, w.scale.shape, dtype=np.uint8)
-    w = type(w)(*(jax.tree.leaves(w)[:-1] + [jnp.asarray(sc.view(ml_dtypes.float8_e8m0fnu))]))
-    cols = rng.choice(Kd, 16, replace=False)
-    x = np.zeros((1, 16, Kd), np.float32)
-    x[0, np.arange(16), cols] = 1.0
-    x = jnp.asarray(x, jnp.bfloat16)
-    ex = jnp.asarray([0], jnp.int32)
-    y = np.asarray(jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w, decode="swar"))(x, ex, w))
-    W = dequant_np(w)[0]                                        # f64 [N, K], exact
-    np.testing.assert_array_equal(y[0], W[:, cols].T.astype(np.float32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", ["mad", "prmt", "place"])
-def test_gpu_fp4_programs(form, monkeypatch):
-    """Each FP4 decode program ($DSV4_QMM_FP4_PTX, read at trace time): random experts
-    against the reference, then single weights read out through an identity-like x at
-    scales 2^-61 .. 2^65 ("place", the default: e8m0 bytes 66 .. 192, where the weights *
-    2^-64 and their products with x = 1 are normal; "mad" / "prmt": 10 .. 227, as
-    test_gpu_swar_full_scale_range), each exactly the numpy dequantisation."""
-    monkeypatch.setenv("DSV4_QMM_FP4_PTX", form)
-    rng = np.random.default_rng()
-    E, N, Kd = 8, 1024, 2048
-    w = rand_fp4(rng, E, N, Kd)
+    mm = jax.jit(functools.partial(grouped_matmul, exact_fp4=exact_fp4))
+    w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, 8, 1024, 2048)
     ex = jnp.asarray([5, 0, -1, 7, 5, 2], jnp.int32)
-    x = rand_x(rng, 6, 8, Kd)
-    f = jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w))
-    check(f(x, ex, w), ref_np(x, ex, w), ex, E)
-    lo, hi = (66, 193) if form == "place" else (10, 228)
-    w = rand_fp4(rng, 1, 256, 512)
+    x = rand_x(rng, 6, 8, 2048)
+    check(mm(x, ex, w), ref_np(x, ex, w), ex, 8)
+    lo, hi = (66, 193) if fmt == "fp4" and not exact_fp4 else (10, 228)
+    w = (rand_fp4 if fmt == "fp4" else rand_fp8)(rng, 1, 256, 512)
     sc = rng.integers(lo, hi, w.scale.shape, dtype=np.uint8)
-    w = Fp4Weight(w.packed, jnp.asarray(sc.view(ml_dtypes.float8_e8m0fnu)))
+    w = type(w)(*(jax.tree.leaves(w)[:-1] + [jnp.asarray(sc.view(ml_dtypes.float8_e8m0fnu))]))
     cols = rng.choice(512, 16, replace=False)
     xi = np.zeros((1, 16, 512), np.float32)
     xi[0, np.arange(16), cols] = 1.0
-    y = np.asarray(jax.jit(lambda x, ex, w: K.grouped_matmul_pallas(x, ex, w))(
-        jnp.asarray(xi, jnp.bfloat16), jnp.asarray([0], jnp.int32), w))
+    y = np.asarray(mm(jnp.asarray(xi, jnp.bfloat16), jnp.asarray([0], jnp.int32), w))
     np.testing.assert_array_equal(y[0], dequant_np(w)[0][:, cols].T.astype(np.float32))

@@ -8,7 +8,7 @@ here, the row held in registers as [D/128, 128] tiles: the sum of squares, then 
 normalised, stored as bf16 and quantised per 128-wide block (e4m3, power-of-two scale,
 amax floor 1e-4, exactly kvformat.fp8_block_sim) with whole-tile reductions. Rows past M
 are zero in the padded output. (The first version looped over 128-wide blocks, a small
-reduction each: ~20 us a call on the H100; gpu_session15 anatomy4.log.)
+reduction each: ~20 us a call on the H100.)
 
 Numerics: yq is fp8_block_sim of the kernel's own y, bit for bit; y is layers.rms_norm up
 to the order of the sum of squares (a last-bit difference in the scale can move a bf16

@@ -171,7 +171,7 @@ def fp4_decode_jnp(b_u8, e, *, form):
     """fp4_decode's values in jnp, for the interpreter: bytes uint8 [R, 16], their block's
     e8m0 bytes int32 [R] -> (even-k, odd-k) bf16 [R, 16]. The same bf16 values as the PTX
     while the scale 2^(e - 127) ("place": 2^(e - 191)) is an f32 normal (XLA on CPU
-    flushes subnormal inputs): bytes 1..254 ("place": 65..192)."""
+    flushes subnormals): bytes 2..254 ("place": 66..192)."""
     shift = 127 + (PLACE_LOG2 if form == "place" else 0)
     s = lax.bitcast_convert_type((e[:, None] + 127 - shift) << 23, jnp.float32)   # [R, 1]
     b = b_u8.astype(jnp.int32)

@@ -2,7 +2,7 @@
 
 Why: XLA-GPU lowers lax.top_k(scores [B, N], 512) to a full sort of every row. For the
 lightning indexer at 128K context (N = 32K entries a request) that sort took 290 us at
-B = 64 on the H100 (benchmarks/results/indexer_attention.md); every CSA layer pays it.
+B = 64 on the H100; every CSA layer pays it.
 Selecting the top k needs no sort: find the k-th largest value, then keep what is above it.
 
 One program per row segment of at most `tile` keys (request b, segment g), all of them held
