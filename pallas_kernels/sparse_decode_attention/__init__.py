@@ -15,11 +15,9 @@ consumer.py, double_k.py, seesaw.py, merge.py, triton.py, reference.py.
 """
 import dataclasses
 
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from pallas_kernels.sparse_decode_attention import double_k, seesaw, triton
 from pallas_kernels.sparse_decode_attention.inputs import default_splits, prepare_inputs
-from pallas_kernels.sparse_decode_attention.layout import BLOCK_TOKENS, HT
+from pallas_kernels.sparse_decode_attention.layout import BLOCK_TOKENS, HT, interpret_params
 from pallas_kernels.sparse_decode_attention.merge import (MAX_SPLITS, MERGE_KERNEL_MIN_BATCH,
                                                           merge_splits, merge_splits_kernel)
 from pallas_kernels.sparse_decode_attention.reference import (hca_indices,
@@ -77,8 +75,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     idx_BK=None with hca_entries=K: an HCA layer's ids, hca_indices(t, K, ratio); the Mosaic
     kernels derive them in-kernel from t (no id array).
     interpret: run in the interpreter (True, or a plgpu.InterpretGPUParams for mosaic):
-    the Mosaic kernels that ship, with the cp.async copies done by ref copies and the
-    register / in-place wgmma operands staged through SMEM (the interpreter runs neither).
+    double_k as it ships but for the cp.async copies (ref copies) and the register /
+    in-place wgmma operands (staged through SMEM), which the interpreter cannot run.
     tuning: AttentionTuning (static: pass it through functools.partial before jit)."""
     tuning = tuning or AttentionTuning()
     if backend not in BACKENDS:
@@ -100,12 +98,13 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                                   splits=tuning.splits)
         o, lse = triton.attention(*args, NS=NS, interpret=bool(interpret))
         return (o[0] if NS == 1 else merge_splits(o, lse, args[-1]))[:, :H]
-    params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-              else plgpu.InterpretGPUParams() if interpret else False)
+    params = interpret_params(interpret)
     args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                               splits=tuning.splits, ids_prefix=ids_prefix, implicit=implicit)
-    kernel = (seesaw if (use_seesaw(B, H) if tuning.seesaw is None else tuning.seesaw)
-              else double_k)
+    # Interpreted, the rule's seesaw gives way to double_k (the same output bit for bit on
+    # the GPU): the GPU interpreter (jax 0.11.2) deadlocks on the seesaw kernel.
+    kernel = (seesaw if (use_seesaw(B, H) and not interpret if tuning.seesaw is None
+                         else tuning.seesaw) else double_k)
     o, lse = kernel.attention(*args, NS=NS, epb=cmp[0].shape[1], used_from_t=ids_prefix,
                               implicit=implicit, interpret=params)
     sink = args[-1]

@@ -55,27 +55,28 @@ def init_carry():
     return a0, m0, l0
 
 
-def wgmma(acc_ref, a, b, interpret=False, a_regs=False):
-    """plgpu.wgmma(acc_ref, a, b); a_regs: a is an array in registers (what the GPU runs),
-    else an SMEM ref. The interpreter takes only SMEM operands: interpreted, a register
-    operand is stored to an SMEM tile first (the same values)."""
-    if not (interpret and a_regs):
-        plgpu.wgmma(acc_ref, a, b)
-        return
+def staging(interpret):
+    """The interpreter's SMEM tiles for register wgmma operands: [2 consumers, 64, 64] bf16
+    (nothing on the GPU). The interpreter's wgmma takes only SMEM operands."""
+    return (plgpu.SMEM((2, HT, 64), jnp.bfloat16, transforms=TILED),) if interpret else ()
 
-    def staged(a_s):
-        a_s[...] = a
+
+def wgmma(acc_ref, a, b, stage=None):
+    """plgpu.wgmma(acc_ref, a, b). stage (interpreted; a: an array in registers, as the GPU
+    runs it): a is stored to this SMEM tile first (the same values)."""
+    if stage is not None:
+        stage[...] = a
         plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, a_s, b)
-    pl.run_scoped(staged, plgpu.SMEM(a.shape, a.dtype, transforms=TILED))
+        a = stage
+    plgpu.wgmma(acc_ref, a, b)
 
 
-def mma_into(acc, a, b, under=lambda: None, interpret=False, a_regs=True):
+def mma_into(acc, a, b, under=lambda: None, interpret=False, stage=None):
     """acc + a @ b, the wgmma accumulating in place in acc's registers (a fresh
     accumulator added afterwards held two [64, 256] f32 tiles and spilled), with under()
-    issued while it runs; a_regs: wgmma's. The interpreter has no in-place accumulator
-    (run_state over ACC.init): interpreted, the product goes to a fresh accumulator and is
-    added (the interpreter computes acc + a @ b in f32 either way)."""
+    issued while it runs. The interpreter has no in-place accumulator (run_state over
+    ACC.init): interpreted, the product goes to a fresh accumulator and is added (the
+    interpreter computes acc + a @ b in f32 either way); stage: wgmma's."""
     if not interpret:
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
@@ -83,10 +84,26 @@ def mma_into(acc, a, b, under=lambda: None, interpret=False, a_regs=True):
         return pl.run_state(mma)(plgpu.ACC.init(acc))
 
     def fresh(acc_ref):
-        wgmma(acc_ref, a, b, interpret, a_regs)
+        wgmma(acc_ref, a, b, stage)
         under()
         return acc_ref[...]
     return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def observe_final_phases(n, singles=(), pair=None):
+    """Interpreted only: the interpreter requires a warpgroup that waits on a barrier to
+    observe every phase of it (on the GPU a phase nobody waits for costs nothing). The
+    kernels leave unobserved, of their n blocks, the last block's phase of each barrier in
+    `singles` (one phase a block) and the last two blocks' phases of `pair` (one barrier a
+    block parity): this waits for them."""
+    @pl.when(n >= 1)
+    def _():
+        for bar in singles:
+            plgpu.barrier_wait(bar)
+    for k in (2, 1):
+        @pl.when(n >= k)
+        def _():
+            plgpu.barrier_wait(pair.at[lax.rem(n - k, 2)])
 
 
 def store_half(out, q_s, o_g, s_id, b, ht, c):

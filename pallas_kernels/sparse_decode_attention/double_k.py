@@ -75,7 +75,8 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
         g0 = s_id * bps
         n_load = G.split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
 
-        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree):
+        def scoped(q_s, k_s, n_s, m_s, v_s, qbar, wbar, cbar, rbar, free, kfull, kfree,
+                   *stage_s):
             @pl.when(wg == 2)
             def _producer():
                 set_registers(consumer=False)
@@ -101,11 +102,14 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                     rope(g0 + j, s, rbar, rbar)
 
                 plgpu.barrier_wait(qbar)
+                if interpret:
+                    C.observe_final_phases(n_load, (free,), kfree)
 
             @pl.when(wg < 2)
             def _consumer():
                 set_registers(consumer=True)
                 c = wg
+                stage = stage_s[0].at[c] if interpret else None
 
                 def dequant(i):
                     """Half c of block i's FP8 rows -> K tile i % 2, with the scale
@@ -143,7 +147,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                     def half(h):
                         return lambda a: C.mma_into(
                             a, p, k_s.at[s, :, pl.ds(h * (D // 2), D // 2)], deq_next,
-                            interpret)
+                            interpret, stage)
                     acc = lax.cond(c == 0, half(0), half(1), acc)
                     plgpu.barrier_arrive(kfree.at[s])
 
@@ -175,6 +179,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
             plgpu.Barrier(num_arrivals=2),                    # free: the FP8 slot
             plgpu.Barrier(num_arrivals=2),                    # kfull
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree: K[s] read by P V
+            *C.staging(interpret),
             collective_axes="wg",
         )
 

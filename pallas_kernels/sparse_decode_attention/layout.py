@@ -59,6 +59,14 @@ def compiler_params():
                                 unsafe_no_auto_barriers=True, reduction_scratch_bytes=0)
 
 
+def interpret_params(interpret):
+    """interpret (False, True or a plgpu.InterpretGPUParams) -> what plgpu.kernel takes: the
+    GPU interpreter's parameters, or False."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else False
+
+
 def out_types(NS, B, HP):
     """The kernels' outputs: o [NS, B, HP, 512] bf16 (each split's output, normalised by its
     own softmax sum; final with the sink when NS == 1) and lse [NS, B, HP] f32."""

@@ -20,7 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sparse_decode_attention.layout import HT, ROW, SMEM_BYTES, TILED, WG
+from pallas_kernels.sparse_decode_attention.layout import (HT, ROW, SMEM_BYTES, TILED, WG,
+                                                           interpret_params)
 
 CW = 64          # output columns a merge CTA: one 128-byte swizzled tile of bf16 (TILED)
 # Every split's [64, 64] bf16 tile and its 64 lse are staged at once (+ the sink's 64):
@@ -51,7 +52,8 @@ def merge_splits(o, lse, sink):
 def merge_splits_kernel(o, lse, sink, *, interpret=False):
     """o [NS, B, HP, 512] bf16 (each split's normalised partial), lse [NS, B, HP] f32 (its
     log-sum-exp, -inf where it saw no key), sink [HP] f32 -> [B, HP, 512] bf16.
-    HP a multiple of 64 (the attention kernels pad heads to their 64-head tiles)."""
+    HP a multiple of 64 (the attention kernels pad heads to their 64-head tiles).
+    interpret: False, True or a plgpu.InterpretGPUParams (the GPU interpreter)."""
     NS, B, HP, D = o.shape
     if lse.shape != (NS, B, HP) or sink.shape != (HP,):
         raise ValueError(f"merge: o {o.shape}, lse {lse.shape} (want {(NS, B, HP)}), sink "
@@ -100,5 +102,5 @@ def merge_splits_kernel(o, lse, sink, *, interpret=False):
             bar=plgpu.Barrier(num_arrivals=2 * NS + 1)),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret,
+        interpret=interpret_params(interpret),
     )(o, lse, sink)

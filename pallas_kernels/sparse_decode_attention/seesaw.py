@@ -83,7 +83,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
         n = G.split_load(nb_g[b], g0, bps, kp, epb, used_from_t)
 
         def scoped(q_s, k_s, n_s, m_s, v_s, p_s, x_s, t_s, qbar, landA, landB, rbar, freeA,
-                   freeB, kfull, kfree, pub, done):
+                   freeB, kfull, kfree, pub, done, *stage_s):
             @pl.when(wg == 2)
             def _producer():
                 set_registers(consumer=False)
@@ -129,11 +129,14 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                     retire(0, fence=True)
                     plgpu.barrier_arrive(rbar.at[lax.rem(n - 1, 2)])
                 plgpu.barrier_wait(qbar)
+                if interpret:
+                    C.observe_final_phases(n, (freeA, freeB), kfree)
 
             def consumer(c):
                 o = 1 - c
                 cols = pl.ds(c * HALF, HALF)
                 set_registers(consumer=True)
+                stage = stage_s[0].at[c] if interpret else None
                 t_s[c] = jnp.int32(c)
 
                 def ids():   # (own tile, other tile), read back from SMEM every block
@@ -157,8 +160,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                     plgpu.barrier_wait(pub.at[o])
                     alpha = plgpu.load(x_s.at[1], (), layout=ROW)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    acc = C.mma_into(acc, p_s, k_s.at[to, :, cols], interpret=interpret,
-                                     a_regs=False)
+                    acc = C.mma_into(acc, p_s, k_s.at[to, :, cols], interpret=interpret)
                     plgpu.barrier_arrive(kfree.at[to])
                     return (acc, plgpu.load(x_s.at[0], (), layout=ROW),
                             plgpu.load(x_s.at[2], (), layout=ROW))
@@ -187,8 +189,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                     def qk(acc_ref):
                         # q_s's index read back too (0): its 28 descriptors stay in the loop
                         plgpu.wgmma(acc_ref, q_s.at[tc - c], k_s.at[tc, :, pl.ds(0, NOPE)].T)
-                        C.wgmma(acc_ref, q_rope, k_s.at[tc, :, pl.ds(NOPE, ROPE)].T,
-                                interpret, a_regs=True)
+                        C.wgmma(acc_ref, q_rope, k_s.at[tc, :, pl.ds(NOPE, ROPE)].T, stage)
                         return acc_ref[...]
                     sc = pl.run_scoped(qk, plgpu.ACC((HT, BLK), jnp.float32))
                     sc = sc * C.SCALE + lax.broadcast_in_dim(bias, sc.shape, [1])
@@ -203,7 +204,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                     x_s[2] = l
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(pub.at[c])
-                    acc = C.mma_into(acc, p, k_s.at[tc, :, cols], deq_next, interpret)
+                    acc = C.mma_into(acc, p, k_s.at[tc, :, cols], deq_next, interpret, stage)
                     plgpu.barrier_arrive(kfree.at[tc])
                     return acc, m_new, l
 
@@ -229,6 +230,8 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
                 # both consumers are past their last wgmma: tile 0 stages the output
                 plgpu.barrier_arrive(done)
                 plgpu.barrier_wait(done)
+                if interpret:
+                    C.observe_final_phases(n, (), kfree)
                 C.finish(acc, m, l, k_s.at[0], v_s, o_g, lse_g, s_id, b, ht, jnp.int32(c),
                          NS == 1)
 
@@ -250,6 +253,7 @@ def attention(q, wn, wr, cn, cr, *args, NS, epb, used_from_t=False, implicit=0,
             plgpu.Barrier(num_arrivals=2, num_barriers=2),    # kfree[s]: both P V
             plgpu.Barrier(num_arrivals=1, num_barriers=2),    # pub[c]: P, statistics
             plgpu.Barrier(num_arrivals=2),                    # done
+            *C.staging(interpret),
             collective_axes="wg",
         )
 
