@@ -44,7 +44,7 @@ def _leaf_bytes(leaf) -> int:
 
 def floor_bytes(cfg, B: int, ctx: int, mesh=None) -> dict:
     """Bytes one decode step must move, per layer kind and in total; with a mesh, per
-    device (each parameter's shard as placed by distributed.param_shardings; the cache is
+    device (each parameter's shard as placed by sharding.param_shardings; the cache is
     replicated unless split over "data")."""
     structs = P.abstract_params(cfg, include_mtp=False)
     if mesh is not None:

@@ -26,9 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from .cache import BlockManager, CacheSpec, PoolExhausted, blocks_needed, cache_structs
 from .config import Config
 from .quant import Numerics
-from .sharding import (AXES, REPLICATED, RULES, axis_size, cache_logical_axes,  # noqa: F401
-                       cache_shardings, expert_axes, logical_to_pspec, param_pspecs,
-                       param_shardings, shard_cache, shard_params)
+from .sharding import (AXES, cache_shardings, expert_axes, param_shardings)
 from . import decode as D
 from . import layers as L
 from . import model as M

@@ -27,6 +27,7 @@ from .param_specs import x_proj_is_merged
 from .params import merge_x_proj as merge_decode_form
 from .quant import Numerics
 from . import distributed as dist
+from . import sharding as SH
 
 
 # ---------------------------------------------------------------------------------------
@@ -160,8 +161,8 @@ class Engine:
             self.cache = jax.device_put(self.cache, jax.devices()[0])
             self.bm = BlockManager(cfg, self.cs)
         else:
-            params = dist.shard_params(params, cfg, mesh)
-            self.cache = dist.shard_cache(self.cache, cfg, self.cs, mesh)
+            params = SH.shard_params(params, cfg, mesh)
+            self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
             self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
         # the model as an NNX module; the compiled programs take its split state
         self.model = DeepSeekV4.from_params(cfg, params)

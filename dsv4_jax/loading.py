@@ -23,7 +23,7 @@ from checkpoints import layout as CL
 from checkpoints.errors import (CheckpointError, DtypeMismatchError, IncompleteCheckpointError,
                                 MissingKeyError, ShapeMismatchError, UnknownKeyError)
 from checkpoints.source import open_source
-from pallas_kernels.quant_matmul.kernel import PLACE_MAX_SCALE_BYTE, fp4_swar_form
+from pallas_kernels.quant_matmul import PLACE_MAX_SCALE_BYTE, fp4_swar_form
 
 from .config import Config
 from . import param_specs as P
@@ -193,5 +193,4 @@ def check_numerics(params: dict, cfg: Config):
             f"{len(big)} FP4 weight(s) have e8m0 scales above 2^65 (bytes > "
             f"{PLACE_MAX_SCALE_BYTE}; no trained weight has them), e.g. {first}. The "
             "Pallas matmul kernel's default FP4 program ('place') reads such blocks as "
-            "inf; with Numerics(matmul='pallas') set DSV4_QMM_FP4_PTX=mad (exact for every "
-            "scale byte) before the model is traced.", stacklevel=2)
+            "inf; run with Numerics(exact_fp4=True) (exact for every scale byte).", stacklevel=2)

@@ -1,9 +1,7 @@
 """The benchmark tools' parts that run without a GPU: the HBM ceiling measurement, the
 kernel count of an optimised HLO module, the CUDA-graph summary of XLA's thunk sequence,
 the profiler's kernel labels, and the trace / report readers of the kernel benches."""
-import csv
 import importlib.util
-import json
 
 import jax
 import jax.numpy as jnp
@@ -123,42 +121,11 @@ def test_event_label_maps_profiled_kernels_back():
     assert event_label("nvjet_sm90_tss", "command_buffer_1", src) is None
 
 
-def test_attn_timeline_summarize_sums_top_level_scopes(tmp_path):
-    """A synthetic Mosaic profiler trace (2 CTAs x 3 warpgroups): per-role means of the
-    top-level scopes, nested scopes not double-counted, CTA start offsets and span."""
-    from benchmarks import attn_timeline
-    rng = np.random.default_rng(SEED)
-    ev, want = [], {"deq": [], "pv": [], "issue": []}
-    for cta in range(2):
-        t0 = float(cta) * 0.5
-        for wg in range(3):
-            tid = 1 + wg + 3 * cta
-            t = t0
-            names = ("issue",) if wg == 2 else ("deq", "pv")
-            for name in names:
-                d = float(rng.uniform(1, 3))
-                ev += [dict(name=name, ph="B", ts=t, pid=1, tid=tid),
-                       dict(name="inner", ph="B", ts=t + 0.1, pid=1, tid=tid),
-                       dict(name="inner", ph="E", ts=t + 0.2, pid=1, tid=tid),
-                       dict(name=name, ph="E", ts=t + d, pid=1, tid=tid)]
-                want[name].append(d)
-                t += d
-    p = tmp_path / "k-trace.json"
-    p.write_text(json.dumps({"traceEvents": ev}))
-    lines = attn_timeline.summarize(str(p))
-    assert "2 CTAs" in lines[0] and "start offsets min/median/max 0.00/0.25/0.50" in lines[0]
-    cons = lines[1]
-    for name in ("deq", "pv"):
-        assert f"{name} {sum(want[name]) / 4:.2f} (1.0)" in cons
-    assert "inner" not in cons
-    assert f"issue {sum(want['issue']) / 2:.2f} (1.0)" in lines[2]
-
-
 def test_attention_op_cost_counts_the_attended_entries():
     """op_cost's entry count: every window slot of a long context plus every top-k id at
     4K (t >= 127 fills the window; 4096 // 4 visible entries > k), and, with ids holed at
     random, the same count made in numpy from the ids and window positions."""
-    from benchmarks.attention_decode import make_case, op_cost
+    from benchmarks.attention import make_case, op_cost
     B, H, k = 3, 64, 64
     args = make_case(jax.random.key(SEED), B, H, 4096, k, "csa")
     n, nbytes, flops = op_cost(args)
@@ -171,30 +138,3 @@ def test_attention_op_cost_counts_the_attended_entries():
     holed = (args[0], args[1][:3] + (pos,), args[2], args[3], idx, args[5], args[6])
     win = sum(int(((p >= 0) & (p <= tb) & (p > tb - 128)).sum()) for p, tb in zip(pos, t))
     assert op_cost(holed)[0] == int((idx >= 0).sum()) + win < B * (k + 128)
-
-
-def test_ncu_top_stalls_orders_by_samples(tmp_path):
-    """ncu_top_stalls reads an Nsight Compute source-page CSV (a preamble line, then the
-    header) and lists the instructions by their share of all warp-state samples, with
-    each one's non-zero stall-reason columns."""
-    from benchmarks.ncu_top_stalls import top_stalls
-    rng = np.random.default_rng(SEED)
-    n = 12
-    samples = rng.permutation(np.arange(1, n + 1) * 7)
-    barrier = rng.integers(0, 3, n)
-    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "# Samples",
-            "stall_barrier", "stall_long_sb"]
-    rows = [[f"0x{16 * i:x}", f"OP{i} R{i}", f"{s:,}", str(s), str(b), "0"]
-            for i, (s, b) in enumerate(zip(samples, barrier))]
-    p = tmp_path / "src.csv"
-    with open(p, "w", newline="") as f:
-        f.write("==PROF== a preamble line\n")
-        csv.writer(f).writerows([head] + rows)
-    lines = top_stalls(str(p), 4).splitlines()
-    assert lines[0].startswith(f"{n} instructions, {samples.sum()} samples")
-    order = np.argsort(-samples)[:4]
-    for line, i in zip(lines[1:], order):
-        assert f"OP{i} R{i}" in line
-        assert line.split("%")[0].strip() == f"{100 * samples[i] / samples.sum():.1f}"
-        assert ("stall_barrier=" in line) == (barrier[i] > 0)
-        assert "stall_long_sb" not in line

@@ -31,6 +31,7 @@ from checkpoints.errors import (CorruptHeaderError, DtypeMismatchError, ForeignC
                                 UnknownKeyError)
 from checkpoints.inspection import inspect, summarize
 from checkpoints.safetensors_io import SafetensorsFile, ShardWriter, dtype_name
+from dsv4_jax import sharding as SH
 from dsv4_jax import loading, model
 from dsv4_jax import params as P
 from dsv4_jax.config import get_preset
@@ -384,10 +385,9 @@ def test_orbax_config_mismatch_is_clear(converted, tmp_path):
 
 
 def test_load_onto_mesh(converted):
-    from dsv4_jax import distributed
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), distributed.AXES)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), SH.AXES)
     cfg, params = loading.load(converted["official"], mesh=mesh)
-    want = distributed.param_shardings(cfg, mesh)
+    want = SH.param_shardings(cfg, mesh)
     for k, v in params.items():
         for x, sh in zip(jax.tree.leaves(v), jax.tree.leaves(want[k])):
             assert x.sharding == sh, k
@@ -444,8 +444,8 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, numpy as np
-from dsv4_jax import distributed, loading, params as P
-mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 2), distributed.AXES)
+from dsv4_jax import loading, params as P, sharding as SH
+mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 2), SH.AXES)
 for path in sys.argv[2:]:
     cfg, p = loading.load(path, mesh=mesh)
     ref = P.init_params(cfg, int(sys.argv[1]))

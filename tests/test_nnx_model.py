@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv4_jax import sharding as SH
 from dsv4_jax import config, distributed as DI, model, params as P
 from dsv4_jax.cache import CacheSpec, init_cache
 from dsv4_jax.decode import compiled_step
@@ -59,7 +60,7 @@ def test_module_decode_step_equals_the_functional_step():
 
 def test_state_shardings_follow_the_parameter_description():
     mesh = DI.make_mesh(1)
-    want = DI.param_shardings(CFG, mesh)
+    want = SH.param_shardings(CFG, mesh)
     sh = DI.state_shardings(CFG, mesh)
     _, state = nnx.split(DeepSeekV4.from_params(CFG, PARAMS))
     assert jax.tree.structure(sh) == jax.tree.structure(state)

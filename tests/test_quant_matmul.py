@@ -4,7 +4,6 @@ the test names say so) vs the XLA reference, the reference vs an independent num
 dequantisation, the FP4 PTX programs on a numpy model of their instructions, input
 validation, and the CUDA lowering (compile-only sm_90a) at DeepSeek-V4-Flash shapes."""
 import functools
-import re
 
 import ml_dtypes
 import numpy as np

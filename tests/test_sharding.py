@@ -93,7 +93,7 @@ def _collectives(hlo: str) -> dict:
 def worker(out_path):
     import jax
     import jax.numpy as jnp
-    from dsv4_jax import config, distributed as DI, layers as L, model as M, params as P
+    from dsv4_jax import config, distributed as DI, sharding as SH, layers as L, model as M, params as P
     from dsv4_jax.cache import CacheSpec, init_cache
     from dsv4_jax.decode import compiled_step
     from dsv4_jax.quant import Numerics
@@ -124,7 +124,7 @@ def worker(out_path):
     res["forward_margin"], res["forward_draws"] = float(margin), draw + 1
     ref = np.asarray(ref)
     for n, mesh in meshes.items():
-        sp = DI.shard_params(params, cfg, mesh)
+        sp = SH.shard_params(params, cfg, mesh)
         w1 = sp["layers.2.ffn.experts.w1"].packed
         res["shard_rows"][n] = [int(w1.addressable_shards[0].data.shape[0]),
                                 int(sp["layers.2.attn.wq_b"].w.addressable_shards[0].data.shape[0])]
@@ -162,14 +162,14 @@ def worker(out_path):
         mesh = meshes[n]
         step = DI.sharded_step(cfg, cs, nm, mesh)
         res.setdefault("data_groups", {})[n] = step.groups
-        sp = DI.shard_params(params, cfg, mesh)
-        cache0 = DI.shard_cache(init_cache(cfg, cs), cfg, cs, mesh)
+        sp = SH.shard_params(params, cfg, mesh)
+        cache0 = SH.shard_cache(init_cache(cfg, cs), cfg, cs, mesh)
         lg, cache, sizes, donated = run(step, sp, cache0)
         res["decode"][n] = [_rel(lg[t], ref_lg[t]) for t in range(N_STEPS)]
         res["cache"][n] = cache_rel(cache, ref_cache)
         res.setdefault("cache_sharding_kept", {})[n] = all(
             a.sharding == s for a, s in zip(jax.tree.leaves(cache),
-                                            jax.tree.leaves(DI.cache_shardings(cfg, cs, mesh))))
+                                            jax.tree.leaves(SH.cache_shardings(cfg, cs, mesh))))
         res["compiles"][n] = sizes
         res["donated"][n] = donated
         hlo = step.lower(sp, cache, dtok[0], np.arange(2, dtype=np.int32), np.zeros(2, np.int32),
@@ -180,7 +180,7 @@ def worker(out_path):
               f"compiles {sizes}, collectives {res['collectives'][n]}", flush=True)
         if n == 8:  # one request (B=1 does not split over "data"): the plain GSPMD path
             a = run(ref_step, params, init_cache(cfg, cs), rows=1, steps=3)
-            b = run(step, sp, DI.shard_cache(init_cache(cfg, cs), cfg, cs, mesh), rows=1, steps=3)
+            b = run(step, sp, SH.shard_cache(init_cache(cfg, cs), cfg, cs, mesh), rows=1, steps=3)
             res["decode_b1"] = [_rel(x, y) for x, y in zip(b[0], a[0])] + [cache_rel(b[1], a[1])]
             print(f"decode 8 devices, one request: {res['decode_b1']}", flush=True)
             try:
@@ -202,8 +202,8 @@ def worker(out_path):
         want = np.asarray(jax.jit(fn)(bp, x, tk))
         for n in (2, 4, 8):
             mesh = meshes[n]
-            sh = P.block_params(DI.param_shardings(cfg, mesh), f"layers.{layer}.ffn.")
-            pb = P.block_params(DI.shard_params(params, cfg, mesh), f"layers.{layer}.ffn.")
+            sh = P.block_params(SH.param_shardings(cfg, mesh), f"layers.{layer}.ffn.")
+            pb = P.block_params(SH.shard_params(params, cfg, mesh), f"layers.{layer}.ffn.")
 
             def ep_fn(p, x, t, mesh=mesh):
                 with DI.expert_parallel(cfg, mesh):
@@ -297,24 +297,24 @@ def _fake_mesh(data=1, expert=1, model=1):
 
 
 def test_every_logical_axis_has_a_rule_or_is_replicated_on_purpose():
-    from dsv4_jax import config, distributed as DI, params as P
+    from dsv4_jax import config, sharding as SH, params as P
     from dsv4_jax.cache import CacheSpec
     import jax
     cfg = config.flash()
     names = {a for m in (False, True) for s in P.describe(cfg, x_proj_merged=m).values()
              for a in s.axes if a}
     for cs in (CacheSpec(), CacheSpec(kv_format="raw", index_format="raw")):
-        tree = DI.cache_logical_axes(cfg, cs)
+        tree = SH.cache_logical_axes(cfg, cs)
         names |= {a for t in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
                   for a in t if a}
-    assert names <= set(DI.RULES) | DI.REPLICATED, names - set(DI.RULES) - DI.REPLICATED
-    assert not set(DI.RULES) & DI.REPLICATED
+    assert names <= set(SH.RULES) | SH.REPLICATED, names - set(SH.RULES) - SH.REPLICATED
+    assert not set(SH.RULES) & SH.REPLICATED
 
 
 def test_rules_at_full_size_and_fallbacks():
     from jax.sharding import PartitionSpec as PS
-    from dsv4_jax import config, distributed as DI, params as P
-    spec = DI.logical_to_pspec
+    from dsv4_jax import config, sharding as SH, params as P
+    spec = SH.logical_to_pspec
     # Flash on 64 devices: 256 experts -> 4 whole experts per device; 64 heads over 8
     m = _fake_mesh(expert=8, model=8)
     assert (spec(("experts", "mlp", "embed"), (256, 2048, 4096), m)
@@ -327,14 +327,14 @@ def test_rules_at_full_size_and_fallbacks():
     # no split inside an expert (whole experts per device, packed and scale fields alike)
     cfg = config.tiny()
     w1 = P.describe(cfg)["layers.2.ffn.experts.w1"]
-    got = DI.param_pspecs(w1, _fake_mesh(expert=4, model=4))
+    got = SH.param_pspecs(w1, _fake_mesh(expert=4, model=4))
     assert (got.packed, got.scale) == (PS("expert", None, None),) * 2
-    assert DI.param_pspecs(w1, _fake_mesh(expert=3)).packed == PS(None, None, None)
+    assert SH.param_pspecs(w1, _fake_mesh(expert=3)).packed == PS(None, None, None)
     # 6 request slots over data 4: replicated
     assert spec(("requests", "window"), (6, 128), _fake_mesh(data=4)) == PS(None, None)
-    assert DI.expert_axes(cfg, _fake_mesh(expert=2, model=2)) == ("expert", "model")
-    assert DI.expert_axes(cfg, _fake_mesh(model=2)) == ("model",)
-    assert DI.expert_axes(cfg, _fake_mesh(data=8)) == ()
+    assert SH.expert_axes(cfg, _fake_mesh(expert=2, model=2)) == ("expert", "model")
+    assert SH.expert_axes(cfg, _fake_mesh(model=2)) == ("model",)
+    assert SH.expert_axes(cfg, _fake_mesh(data=8)) == ()
 
 
 def test_make_mesh_errors():
@@ -478,7 +478,7 @@ def test_step_anatomy_profiles_a_sharded_step():
 _KERNEL_MESH_SCRIPT = r'''
 import json, sys
 import numpy as np
-from dsv4_jax import config, distributed as DI, params as P
+from dsv4_jax import config, distributed as DI, sharding as SH, params as P
 from dsv4_jax.cache import CacheSpec, init_cache
 from dsv4_jax.decode import compiled_step
 from dsv4_jax.quant import Numerics
@@ -510,8 +510,8 @@ def run(step, params, cache):
     return np.stack(out), cache
 
 a, ca = run(compiled_step(cfg, cs, nm), params, init_cache(cfg, cs))
-b, cb = run(DI.sharded_step(cfg, cs, nm, mesh), DI.shard_params(params, cfg, mesh),
-            DI.shard_cache(init_cache(cfg, cs), cfg, cs, mesh))
+b, cb = run(DI.sharded_step(cfg, cs, nm, mesh), SH.shard_params(params, cfg, mesh),
+            SH.shard_cache(init_cache(cfg, cs), cfg, cs, mesh))
 import jax
 from dsv4_jax.quant import unpack_e2m1
 

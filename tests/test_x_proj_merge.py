@@ -224,7 +224,7 @@ _MESH_SCRIPT = r'''
 import json, sys
 import jax
 import numpy as np
-from dsv4_jax import config, params as P, distributed as DI
+from dsv4_jax import config, params as P, distributed as DI, sharding as SH
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
@@ -238,10 +238,10 @@ cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=6, max_blocks=3)
 mesh = DI.make_mesh(2, model=2)   # tensor parallel: indexer weights_proj rows are split
 tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
 i = [l for l in range(cfg.num_hidden_layers) if cfg.layer_ratio(l) == 4][0]
-sp = DI.shard_params(params, cfg, mesh)
+sp = SH.shard_params(params, cfg, mesh)
 mp = P.merge_x_proj(sp, cfg)                  # merged on the mesh
 key = f"layers.{i}.attn.{P.X_PROJ}"
-want_sh = DI.param_shardings(cfg, mesh, x_proj_merged=True)[key]
+want_sh = SH.param_shardings(cfg, mesh, x_proj_merged=True)[key]
 res = {"merged_sharding_ok": mp[key].sharding.is_equivalent_to(want_sh, 2),
        "merged_replicated": mp[key].sharding.is_fully_replicated,
        "weights_proj_split": not sp[f"layers.{i}.attn.indexer.weights_proj.weight"]

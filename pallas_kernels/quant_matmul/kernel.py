@@ -39,9 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.formats import Fp8Weight
-from pallas_kernels.quant_matmul.decode import (PLACE_LOG2, PLACE_MAX_SCALE_BYTE,  # noqa: F401
-                                                fp4_decode, fp4_decode_jnp, fp4_swar_form,
-                                                scale_words)
+from pallas_kernels.quant_matmul.decode import (PLACE_LOG2, fp4_decode, fp4_decode_jnp,
+                                                fp4_swar_form, scale_words)
 from pallas_kernels.quant_matmul.tiling import (STAGES, TK, TKP, TN, Tuning, check_inputs,
                                                 choose_stages, default_splits, fp4_rows,
                                                 steps, valid_split)

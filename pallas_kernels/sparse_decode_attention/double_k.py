@@ -23,7 +23,6 @@ The producer, for block j: wait free (block j-1 dequantised) -> FP8 rows + meta 
 j; wait kfree[j % 2] (block j-2's P V done by both) -> rope rows of block j into K[j % 2].
 Each lands a block ahead of its use.
 """
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -13,7 +13,6 @@ Request b uses row b of the window ring and of the block table.
 """
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
