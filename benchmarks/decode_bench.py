@@ -27,10 +27,13 @@ from tqdm.auto import tqdm
 from benchmarks.common import copy_bandwidth
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
-from dsv4_jax.distributed import (init_processes_from_env, make_mesh, sharded_step,
-                                  sharded_stream_step)
-from dsv4_jax.generate import Greedy, _decode_loop
+from flax import nnx
+
+from dsv4_jax.decode import init_stream_state, read_tokens
+from dsv4_jax.distributed import (init_processes_from_env, make_mesh, sharded_step_program,
+                                  sharded_stream_program)
+from dsv4_jax.generate import Greedy, decode_loop
+from dsv4_jax.nnx_model import DeepSeekV4, step_program, stream_program
 from dsv4_jax.quant import Numerics
 from dsv4_jax.sharding import param_shardings, shard_cache
 
@@ -139,50 +142,53 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
     poss = [jnp.full(B, ctx + i, jnp.int32) for i in range(2 * steps + 1)]
+    # the programs Engine runs: over the NNX module's split state, the cache donated
+    graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
+    prog_form = dict(include_mtp=False, x_proj_merged=P.x_proj_is_merged(params))
     out = {}
     if "step" in what:
-        step = (compiled_step(cfg, cs, nm) if mesh is None
-                else sharded_step(cfg, cs, nm, mesh, include_mtp=False))
+        step = (step_program(graphdef, cs, nm) if mesh is None
+                else sharded_step_program(cfg, graphdef, cs, nm, mesh, **prog_form))
         t0 = time.perf_counter()
-        lg, cache = step(params, cache, toks, slots, poss[0], one, table)
+        lg, cache = step(state, cache, toks, slots, poss[0], one, table)
         lg.block_until_ready()
         out["compile_s"] = time.perf_counter() - t0
         ts = []
         for i in range(steps):
             t0 = time.perf_counter()
-            lg, cache = step(params, cache, toks, slots, poss[1 + i], one, table)
+            lg, cache = step(state, cache, toks, slots, poss[1 + i], one, table)
             lg.block_until_ready()
             ts.append(time.perf_counter() - t0)
         out["ms"] = 1e3 * float(np.median(ts))
         t0 = time.perf_counter()
         for i in range(steps):
-            lg, cache = step(params, cache, toks, slots, poss[1 + steps + i], one, table)
+            lg, cache = step(state, cache, toks, slots, poss[1 + steps + i], one, table)
         lg.block_until_ready()
         out["ms_pipe"] = 1e3 * (time.perf_counter() - t0) / steps
         t0 = time.perf_counter()
         for i in range(steps):   # one pos array for all steps
-            lg, cache = step(params, cache, toks, slots, poss[0], one, table)
+            lg, cache = step(state, cache, toks, slots, poss[0], one, table)
         lg.block_until_ready()
         out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
     if "stream" in what:
         if mesh is None:
-            prog = compiled_stream_step(cfg, cs, nm, Greedy())
+            prog = stream_program(graphdef, cs, nm, Greedy())
         else:
-            prog = sharded_stream_step(cfg, cs, nm, mesh, Greedy(), include_mtp=False)
+            prog = sharded_stream_program(cfg, graphdef, cs, nm, mesh, Greedy(), **prog_form)
         st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed),
                                sharding=None if mesh is None else
                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         t0 = time.perf_counter()
         np.asarray(read_tokens(st))   # loaded before the step runs: loading an executable
-        cache, st = prog(params, cache, st)   # drops the CUDA graphs of those loaded before
+        cache, st = prog(state, cache, st)   # drops the CUDA graphs of those loaded before
         np.asarray(read_tokens(st))
         out["compile_stream_s"] = time.perf_counter() - t0
         for _ in range(2):   # warm: the graphs are recorded at a program's first runs
-            cache, st = prog(params, cache, st)
+            cache, st = prog(state, cache, st)
         np.asarray(read_tokens(st))
         t0, prev = time.perf_counter(), None
         for i in range(steps):
-            cache, st = prog(params, cache, st)
+            cache, st = prog(state, cache, st)
             nxt = read_tokens(st)   # as Engine.stream: into pinned host memory
             if prev is not None:
                 np.asarray(prev)   # the previous step's tokens, while this one runs
@@ -190,13 +196,13 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         np.asarray(prev)
         out["ms_stream"] = 1e3 * (time.perf_counter() - t0) / steps
     if loop and mesh is None:
-        run = _decode_loop(cfg, cs, nm, Greedy(), steps + 1, ())
+        run = decode_loop(graphdef, cs, nm, Greedy(), steps + 1, ())
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
         args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed))
-        comp = run.lower(params, cache, *args).compile()
-        _, n_gen, cache = comp(params, cache, *args)  # warm
+        comp = run.lower(state, cache, *args).compile()
+        _, n_gen, cache = comp(state, cache, *args)  # warm
         t0 = time.perf_counter()
-        _, n_gen, cache = comp(params, cache, *args)
+        _, n_gen, cache = comp(state, cache, *args)
         n = int(np.asarray(n_gen).max()) - 1  # decode steps taken (token 0 is given)
         out["ms_loop"] = 1e3 * (time.perf_counter() - t0) / max(n, 1)
     return out

@@ -473,13 +473,3 @@ def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, sampler, max_new: int,
     apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
     return jax.jit(_loop_fn(apply, cs.max_requests, sampler, max_new, stops),
                    donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_loop(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, max_new: int,
-                 stops: tuple[int, ...]):
-    """decode_loop on a flat parameter tree: (params, cache, ...) -> the same."""
-    def apply(params, *a):
-        return DeepSeekV4.from_params(cfg, params).step(*a, cs=cs, nm=nm)
-    return jax.jit(_loop_fn(apply, cs.max_requests, sampler, max_new, stops),
-                   donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
