@@ -32,5 +32,9 @@ demo: setup
 test: setup setup-ref
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+# the GPU tests (every test marked gpu), on a Hopper machine whose python3 has jax[cuda]
+gpu-test:
+	PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
+
 clean:
 	rm -rf $(VENV) $(REF)
