@@ -29,6 +29,7 @@ from .quant import Numerics
 from .sharding import (AXES, cache_shardings, expert_axes, param_shardings)
 from . import decode as D
 from . import layers as L
+from .layers import experts
 from . import model as M
 from . import nnx_model as NX
 from . import param_specs as PS
@@ -123,13 +124,13 @@ def expert_parallel(cfg: Config, mesh: Mesh, rules=None):
     over the mesh (a no-op when the experts are not split). Not thread-safe: trace one
     program at a time."""
     ep = expert_axes(cfg, mesh, rules)
-    old = L.ROUTED_EXPERTS_HOOK
+    old = experts.ROUTED_EXPERTS_HOOK
     if ep:
-        L.ROUTED_EXPERTS_HOOK = functools.partial(expert_parallel_moe, mesh=mesh, ep=ep)
+        experts.ROUTED_EXPERTS_HOOK = functools.partial(expert_parallel_moe, mesh=mesh, ep=ep)
     try:
         yield
     finally:
-        L.ROUTED_EXPERTS_HOOK = old
+        experts.ROUTED_EXPERTS_HOOK = old
 
 
 # ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from .quant import Numerics
 from . import decode as D
 from . import layers as L
 from . import model as M
+from . import params as P
 
 HEAD_KEYS = ("norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale", "head.weight")
 
@@ -37,8 +38,8 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: Config, layer: int, params: dict):
         self.cfg, self.layer = cfg, layer
-        self.attn = nnx.Param(L.block_params(params, "attn."))
-        self.ffn = nnx.Param(L.block_params(params, "ffn."))
+        self.attn = nnx.Param(P.block_params(params, "attn."))
+        self.ffn = nnx.Param(P.block_params(params, "ffn."))
         self.mix = nnx.Param({k: v for k, v in params.items()
                               if not k.startswith(("attn.", "ffn."))})
 
@@ -64,7 +65,7 @@ class DeepSeekV4(nnx.Module):
     def __init__(self, cfg: Config, params: dict):
         self.cfg = cfg
         self.embed = nnx.Param(params["embed.weight"])
-        self.layers = nnx.List([Block(cfg, i, L.block_params(params, f"layers.{i}."))
+        self.layers = nnx.List([Block(cfg, i, P.block_params(params, f"layers.{i}."))
                                 for i in range(cfg.num_hidden_layers)])
         self.head = nnx.Param({k: params[k] for k in HEAD_KEYS})
         self.mtp = nnx.Param({k: v for k, v in params.items() if k.startswith("mtp.")})

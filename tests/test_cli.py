@@ -79,13 +79,16 @@ def test_index_format_flag():
 def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
     """--compile-cache DIR: the generate program lands in DIR (jax's persistent cache)."""
     import jax
+    from jax._src import compilation_cache
     cache = tmp_path / "xla"
+    suite_dir = jax.config.jax_compilation_cache_dir   # the suite's own cache (conftest)
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()   # jax binds its cache directory once per process
     try:
         assert run(["generate", "--prompt", "hello", "--max-new-tokens", "3",
                     "--compile-cache", str(cache)]) in (0, None)
     finally:  # later tests in this process must not write into the deleted tmp dir
-        from jax._src import compilation_cache
-        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_compilation_cache_dir", suite_dir)
         compilation_cache.reset_cache()
     assert cache.is_dir() and any(cache.iterdir()), "no compiled program was written"
     capsys.readouterr()

@@ -15,14 +15,10 @@ D hidden, H heads, K head_dim (512), R rope dims (64), N hc streams (4), E exper
 """
 from __future__ import annotations
 
-import sys
-import types
-
 from . import experts
 from .attention import attend, attention_prefill, attn_output, q_and_kv
 from .compressor import compressor_project, finish_entries, pool_blocks
-from .experts import (ROUTED_EXPERTS_HOOK, expert_ffn, expert_schedule, moe, route,
-                      routed_experts)
+from .experts import expert_ffn, expert_schedule, moe, route, routed_experts
 from .indexer import indexer_query, indexer_scores, topk_mask
 from .mhc import (HC_FUSED_ROWS, hc_collapse, hc_expand, hc_head, hc_site, hc_sums,
                   hc_weights, sinkhorn_reduce)
@@ -33,7 +29,7 @@ from .weights import block_params, row_merge_views
 __all__ = [
     "attend", "attention_prefill", "attn_output", "q_and_kv",
     "compressor_project", "finish_entries", "pool_blocks",
-    "ROUTED_EXPERTS_HOOK", "expert_ffn", "expert_schedule", "moe", "route", "routed_experts",
+    "expert_ffn", "expert_schedule", "moe", "route", "routed_experts",
     "indexer_query", "indexer_scores", "topk_mask",
     "HC_FUSED_ROWS", "hc_collapse", "hc_expand", "hc_head", "hc_site", "hc_sums",
     "hc_weights", "sinkhorn_reduce",
@@ -41,21 +37,3 @@ __all__ = [
     "apply_rope", "rope_freqs",
     "block_params", "row_merge_views",
 ]
-
-
-class _Layers(types.ModuleType):
-    """The package's names are read-only views of its modules' names, so assigning one
-    here would change nothing the model runs. The one exception is the expert-parallel
-    hook (distributed.expert_parallel installs it while it traces a sharded program):
-    it is passed on to the module whose `moe` reads it."""
-
-    def __setattr__(self, name, value):
-        if name == "ROUTED_EXPERTS_HOOK":
-            experts.ROUTED_EXPERTS_HOOK = value
-        elif not (name.startswith("__") or isinstance(value, types.ModuleType)):
-            raise AttributeError(f"dsv4_jax.layers.{name} cannot be assigned: the layers "
-                                 "read their own modules' names (configuration is Numerics)")
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Layers
