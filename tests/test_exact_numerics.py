@@ -6,7 +6,6 @@ on the GPU. The programs that compute the model
 compile with quant.EXACT_COMPILER_OPTIONS; these tests check that wiring, the compiled HLO
 for an H100 (when the CUDA PJRT plugin is importable, no GPU needed), and the values on a
 GPU against an independent numpy / ml_dtypes simulation."""
-import os
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +47,15 @@ def test_numpy_simulation_matches_cpu():
 
 def test_step_programs_compile_exact():
     for k, v in EXACT_COMPILER_OPTIONS.items():
-        if os.environ.get("DSV4_EXCESS_PRECISION") == "1":
-            pytest.skip("DSV4_EXCESS_PRECISION=1 (an A/B switch) is set")
         assert STEP_COMPILER_OPTIONS.get(k) == v, (k, STEP_COMPILER_OPTIONS)
 
 
 def test_h100_hlo_keeps_the_fp8_round_trip():
-    """Compile-only for an H100 (benchmarks/aot_anatomy.py's topology): with the step's
+    """Compile-only for an H100 (benchmarks/kernel_count.py's described GPU): with the step's
     options the optimised HLO still converts to f8e4m3fn; the default drops it (if XLA ever
     stops doing that, the options are merely redundant and the second assert says so)."""
     try:
-        from benchmarks.aot_anatomy import gpu_devices
+        from benchmarks.kernel_count import gpu_devices
         dev = gpu_devices()[0]
     except (SystemExit, Exception) as e:  # noqa: BLE001
         pytest.skip(f"no compile-only CUDA topology here: {e}")

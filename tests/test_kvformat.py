@@ -1,4 +1,4 @@
-"""kvformat vs an independent numpy/ml_dtypes restatement of CACHE_LAYOUT.md."""
+"""pallas_kernels.formats vs an independent numpy/ml_dtypes restatement of docs/KV_CACHE.md."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes

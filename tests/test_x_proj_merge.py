@@ -286,7 +286,7 @@ def test_row_views_through_the_matmul_kernel(tiny):
     """The weight-streaming kernel (Mosaic GPU interpreter on CPU) with a view of a merged
     FP8 weight: the merged weight's product, sliced, gives each part's product, bit for
     bit. (That the two views' kernel calls are one after XLA's CSE shows in the GPU
-    program compiled without a GPU: `aot_anatomy.py --layers 4 --merge-x-proj`, 42 matmul
+    program compiled without a GPU: `python -m benchmarks.kernel_count --layers 4`, 42 matmul
     kernels instead of 50.)"""
     from dsv4_jax.quant import linear
     cfg, params, merged = tiny
@@ -310,7 +310,7 @@ def test_expert_row_views_through_the_grouped_kernel():
     "ffn.experts.w13"): the grouped weight-streaming kernel (Mosaic GPU interpreter on CPU)
     on each view gives that part's product, bit for bit, for any expert ids (one out of
     range: zero rows). (That the two views' calls are one kernel after XLA's CSE shows in
-    the GPU program compiled without a GPU: `aot_anatomy.py --layers 4 --merge-x-proj`.)"""
+    the GPU program compiled without a GPU: `python -m benchmarks.kernel_count --layers 4`.)"""
     from dsv4_jax.quant import Fp4Weight, encode_fp4_np, grouped_linear
     rng = np.random.default_rng(SEED)
     E, I, D, G = 3, 128, 512, 4     # the FP4 kernel's tiling: K % 512, rows % 128

@@ -2,7 +2,7 @@
 
 For each request b (one query token at position t_b):
     score[b, i] = sum_h w[b, h] * relu(qI[b, h] . K_i)     for i < (t_b + 1) // 4, else -inf
-K_i is read straight from the indexer key pool (pallas_kernels/CACHE_LAYOUT.md) and
+K_i is read straight from the indexer key pool (docs/KV_CACHE.md) and
 dequantised in registers (dequant.py).
 
 Per CTA (request b, a span of `cpc` chunks of 64 entries), per chunk:

@@ -2,7 +2,7 @@
 
 This is also the path the decode step uses when kernels are off. Shapes:
 q_BHD [B, 64, 128], w_BH [B, 64] f32, key pool fields [NB, 32, ...] (format per
-pallas_kernels/CACHE_LAYOUT.md), block_table [R >= B, MAXB] (row b for request b),
+docs/KV_CACHE.md), block_table [R >= B, MAXB] (row b for request b),
 t_B [B] -> scores [B, MAXB*32] f32 (-inf where i >= (t_b+1)//4), ids [B, topk] (-1 padded).
 """
 import jax.numpy as jnp

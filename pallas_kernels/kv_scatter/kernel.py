@@ -1,6 +1,6 @@
 """Mosaic-GPU (Hopper) quantise-and-scatter of new KV rows into the cache, in place.
 
-Cache layout: pallas_kernels/CACHE_LAYOUT.md. Numerics: pallas_kernels/formats.py (bit-exact).
+Cache layout: docs/KV_CACHE.md. Numerics: pallas_kernels/formats.py (bit-exact).
 
 Two entry points, both functional (arrays in, arrays out) and in place under
 `jax.jit(..., donate_argnums=...)`: the cache arrays become `jax.new_ref` refs that the

@@ -1,5 +1,5 @@
 """Pure-JAX (XLA) quantise-and-scatter into the KV cache: the reference and fallback path.
-Same contract as kernel.py (CACHE_LAYOUT.md); written with kvformat and `.at[].set`."""
+Same contract as kernel.py (docs/KV_CACHE.md); written with pallas_kernels.formats and `.at[].set`."""
 from __future__ import annotations
 
 import jax.numpy as jnp
