@@ -4,7 +4,7 @@ PY312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import 
 PY311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && python3.11 -c 'import sys' 2>/dev/null && echo python3.11 || ls -d $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | tail -1)
 VENV := .venv
 REF := .venv-ref
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n 2 --dist loadfile   # two workers (CI has 2 cores), one test file per worker at a time
 
 .PHONY: demo test setup setup-ref gpu-test clean
 

@@ -23,7 +23,7 @@ from checkpoints import layout as CL
 from checkpoints.errors import (CheckpointError, DtypeMismatchError, IncompleteCheckpointError,
                                 MissingKeyError, ShapeMismatchError, UnknownKeyError)
 from checkpoints.source import open_source
-from pallas_kernels.quant_matmul import PLACE_MAX_SCALE_BYTE, fp4_swar_form
+from pallas_kernels.quant_matmul import PLACE_MAX_SCALE_BYTE
 
 from .config import Config
 from . import param_specs as P
@@ -177,8 +177,10 @@ def _numerics_counts(tree, n_experts: int):
     return out, big
 
 
-def check_numerics(params: dict, cfg: Config):
-    """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids.
+def check_numerics(params: dict, cfg: Config, exact_fp4: bool = False):
+    """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids;
+    warn about FP4 scales the default FP4 matmul program cannot decode, unless the model
+    will run with Numerics(exact_fp4=True) (`exact_fp4`).
     One jitted reduction over the whole tree (one compile per model shape; the arrays
     stay where they are)."""
     bad, big = jax.device_get(_numerics_counts(params, cfg.n_routed_experts))
@@ -187,7 +189,7 @@ def check_numerics(params: dict, cfg: Config):
             raise CheckpointError(f"numerics check: {name} has {int(n)} NaN/non-finite or "
                                   "invalid entries")
     big = {name: int(n) for name, n in big.items() if int(n)}
-    if big and fp4_swar_form() == "place":
+    if big and not exact_fp4:
         first = ", ".join(f"{name} ({n})" for name, n in list(big.items())[:3])
         warnings.warn(
             f"{len(big)} FP4 weight(s) have e8m0 scales above 2^65 (bytes > "

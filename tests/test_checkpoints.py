@@ -474,17 +474,16 @@ def test_load_sharded_over_four_devices(ckpts, converted):
     assert r.returncode == 0 and "MESH OK" in r.stdout, r.stderr[-3000:]
 
 
-def test_numerics_check_names_bad_tensors(monkeypatch):
+def test_numerics_check_names_bad_tensors():
     """load()'s numerics check: a NaN e8m0 scale (0xFF) is an error naming the tensor; FP4
     scales above 2^65 (the Pallas FP4 "place" program's range) are a warning naming the
-    tensor and the way out (DSV4_QMM_FP4_PTX=mad), silent once that is set."""
+    tensor and the way out (Numerics(exact_fp4=True)), silent when the model runs with it."""
     import dataclasses
     import warnings
     from checkpoints.errors import CheckpointError
     cfg = tiny3()
     rng = np.random.default_rng(105)
     params = P.init_params(cfg, int(rng.integers(1 << 30)))
-    monkeypatch.delenv("DSV4_QMM_FP4_PTX", raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loading.check_numerics(params, cfg)                      # a clean model: silent
@@ -495,12 +494,11 @@ def test_numerics_check_names_bad_tensors(monkeypatch):
     with pytest.raises(CheckpointError, match=r"layers\.2\.ffn\.experts\.w2\.scale has 1 NaN"):
         loading.check_numerics(bad, cfg)
     big = {**params, key: dataclasses.replace(w, scale=with_scale_byte_arr(w.scale, 193, rng))}
-    with pytest.warns(UserWarning, match=r"1 FP4 weight\(s\) .*layers\.2\.ffn\.experts\.w2 \(1\).*DSV4_QMM_FP4_PTX=mad"):
+    with pytest.warns(UserWarning, match=r"1 FP4 weight\(s\) .*layers\.2\.ffn\.experts\.w2 \(1\).*Numerics\(exact_fp4=True\)"):
         loading.check_numerics(big, cfg)
-    monkeypatch.setenv("DSV4_QMM_FP4_PTX", "mad")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loading.check_numerics(big, cfg)
+        loading.check_numerics(big, cfg, exact_fp4=True)
 
 
 def with_scale_byte_arr(scale, byte, rng):
