@@ -16,17 +16,14 @@ triton (the portable kernel) or xla.
 """
 import argparse
 import functools
-import glob
 import statistics
-import tempfile
-import time
-from collections import Counter
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
 from benchmarks.common import hbm_bandwidth, tensor_peak
+from benchmarks.common import profile_times
 from pallas_kernels.sparse_decode_attention import (AttentionTuning, hca_indices,
                                                     sparse_decode_attention,
                                                     sparse_decode_attention_reference)
@@ -34,56 +31,6 @@ from pallas_kernels.sparse_decode_attention import (AttentionTuning, hca_indices
 MODELS = {"flash": (64, 512), "pro": (128, 1024)}     # heads, CSA top-k
 DEFAULT_CASES = ("flash:csa:1:131072,flash:csa:8:131072,flash:csa:64:131072,"
                  "pro:csa:32:131072,flash:hca:64:131072,pro:hca:32:131072")
-
-
-def profile_times(progs, n=3):
-    """progs: [(name, compiled program, its argument)], each already run once. Traces n
-    calls of each (10 ms pause between calls) -> {name: dict(busy, span, top, events)} per
-    call: busy = sum of the GPU stream events' durations (kernels + copies), span = first
-    start to last end, top = the 3 longest event names with their time, per = every event
-    name with its time, in seconds."""
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        for _, f, arg in progs:
-            for _ in range(n):
-                jax.block_until_ready(f(arg))
-                time.sleep(0.01)   # calls are told apart by this pause
-    path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
-    prof = jax.profiler.ProfileData.from_file(path)
-    gpu = any(pl_.name.startswith("/device:GPU") for pl_ in prof.planes)
-    evs = []
-    for plane in prof.planes:
-        if gpu and not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if gpu and "stream" not in line.name.lower():
-                continue
-            for ev in line.events:
-                if not gpu and "hlo_op" not in dict(ev.stats):   # CPU: the thunks only
-                    continue
-                evs.append((ev.start_ns, ev.end_ns, ev.name))
-    evs.sort()
-    calls, end = [], -1e30
-    for e in evs:
-        if e[0] - end > 5e6:
-            calls.append([])
-        calls[-1].append(e)
-        end = max(end, e[1])
-    if len(calls) != n * len(progs):
-        raise RuntimeError(f"profile: {len(calls)} event groups for {n * len(progs)} calls")
-    out = {}
-    for i, (name, _, _) in enumerate(progs):
-        group = calls[i * n:(i + 1) * n]
-        per = Counter()
-        for c in group:
-            for e in c:
-                per[e[2]] += e[1] - e[0]
-        out[name] = dict(busy=sum(per.values()) / n * 1e-9,
-                         span=sum(max(e[1] for e in c) - c[0][0] for c in group) / n * 1e-9,
-                         per=[(k[:80], v / n * 1e-9) for k, v in per.most_common()],
-                         events=sum(len(c) for c in group) / n)
-        out[name]["top"] = out[name]["per"][:3]
-    return out
 
 
 def random_e4m3(key, shape):

@@ -3,9 +3,11 @@ bandwidth, dense BF16 tensor throughput), a timing helper, and the kernel count 
 compiled program (read from its optimised HLO)."""
 from __future__ import annotations
 
+import glob
 import math
 import re
 import statistics
+import tempfile
 import time
 from collections import Counter
 
@@ -25,6 +27,67 @@ def median_seconds(call, iters: int = 10) -> float:
     return statistics.median(ts)
 
 
+def profile_times(progs, n=3):
+    """progs: [(name, compiled program, its argument)], each already run once. Traces n
+    calls of each (10 ms pause between calls) -> {name: dict(busy, span, top, events)} per
+    call: busy = sum of the GPU stream events' durations (kernels + copies), span = first
+    start to last end, top = the 3 longest event names with their time, per = every event
+    name with its time, in seconds."""
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        for _, f, arg in progs:
+            for _ in range(n):
+                jax.block_until_ready(f(arg))
+                time.sleep(0.01)   # calls are told apart by this pause
+    path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+    prof = jax.profiler.ProfileData.from_file(path)
+    gpu = any(pl_.name.startswith("/device:GPU") for pl_ in prof.planes)
+    evs = []
+    for plane in prof.planes:
+        if gpu and not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if gpu and "stream" not in line.name.lower():
+                continue
+            for ev in line.events:
+                if not gpu and "hlo_op" not in dict(ev.stats):   # CPU: the thunks only
+                    continue
+                evs.append((ev.start_ns, ev.end_ns, ev.name))
+    evs.sort()
+    calls, end = [], -1e30
+    for e in evs:
+        if e[0] - end > 5e6:
+            calls.append([])
+        calls[-1].append(e)
+        end = max(end, e[1])
+    if len(calls) != n * len(progs):
+        raise RuntimeError(f"profile: {len(calls)} event groups for {n * len(progs)} calls")
+    out = {}
+    for i, (name, _, _) in enumerate(progs):
+        group = calls[i * n:(i + 1) * n]
+        per = Counter()
+        for c in group:
+            for e in c:
+                per[e[2]] += e[1] - e[0]
+        out[name] = dict(busy=sum(per.values()) / n * 1e-9,
+                         span=sum(max(e[1] for e in c) - c[0][0] for c in group) / n * 1e-9,
+                         per=[(k[:80], v / n * 1e-9) for k, v in per.most_common()],
+                         events=sum(len(c) for c in group) / n)
+        out[name]["top"] = out[name]["per"][:3]
+    return out
+
+
+def gpu_seconds(f, args, n: int = 5) -> float:
+    """GPU time of one call of f(*args) (already compiled or jittable): the mean over n
+    traced calls of the summed GPU stream events (kernels + copies), so the host's dispatch
+    (tens of microseconds a call) does not count, as it does not inside a step's CUDA graph."""
+    for _ in range(3):
+        y = f(*args)
+    jax.block_until_ready(y)
+    r = profile_times([("f", lambda a: f(*a), args)], n=n)
+    return r["f"]["busy"]
+
+
 def _best_seconds(f, args, calls: int, rounds: int, warm_s: float) -> float:
     """Seconds a call of f(*args): `warm_s` of back-to-back calls first (clocks ramp up: a
     cold first measurement read 2.2 TB/s on an H200 whose copies reach 4.1-4.4), then the
@@ -33,7 +96,9 @@ def _best_seconds(f, args, calls: int, rounds: int, warm_s: float) -> float:
     jax.block_until_ready(f(*args))
     t_end = time.perf_counter() + warm_s
     while time.perf_counter() < t_end:
-        jax.block_until_ready([f(*args) for _ in range(4)])
+        for _ in range(4):
+            y = f(*args)
+        jax.block_until_ready(y)   # the last result only: f may donate the earlier ones
     best = math.inf
     for _ in range(rounds):
         t0 = time.perf_counter()

@@ -4,7 +4,8 @@ pure-JAX path (gather + dequantise + einsum + lax.top_k), on one GPU.
     PYTHONPATH=. python benchmarks/indexer.py [--fmt fp4 nvfp4 fp8] [--batch 1 8 64]
                                               [--context 131072] [--topk 512]
 
-Per (format, batch): wall time a call (best of rounds of back-to-back calls after a
+Per (format, batch): GPU time a call (profiler traces: the kernels and copies
+of a call, not the host's dispatch; the mean of calls after a
 warm-up), the bytes the kernel must read (every eligible entry's key + scale, q, head
 weights, block table) and their share of the HBM ceiling measured in the same run
 (benchmarks/common.hbm_bandwidth), and the XLA path's time. Requests are full (t = context
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import _best_seconds, copy_bandwidth
+from benchmarks.common import copy_bandwidth, gpu_seconds
 from pallas_kernels import formats as kf
 from pallas_kernels.indexer_decode import indexer_topk_reference, topk_keys
 
@@ -51,8 +52,8 @@ def main():
             args, nbytes = case(fmt, B, a.context)
             kern = jax.jit(functools.partial(topk_keys, topk=a.topk, fmt=fmt))
             xla = jax.jit(functools.partial(indexer_topk_reference, topk=a.topk, fmt=fmt))
-            tk = _best_seconds(kern, args, calls=20, rounds=5, warm_s=0.5)
-            tx = _best_seconds(xla, args, calls=5, rounds=3, warm_s=0.5)
+            tk = gpu_seconds(kern, args)
+            tx = gpu_seconds(xla, args, n=3)
             print(f"{fmt:6s} {B:3d} {a.context:8d} {tk * 1e6:10.1f} "
                   f"{nbytes / tk / ceiling:6.1%} {tx * 1e6:7.1f} {tx / tk:7.2f}x")
 

@@ -3,8 +3,9 @@ path (gather + exact bf16 dequantisation + einsum), on one GPU.
 
     PYTHONPATH=. python benchmarks/quant_matmul.py [--rows 8 64] [--exact-fp4]
 
-Per weight (FP8 dense linears, FP4 experts with G groups of M token rows): wall time a
-call (best of rounds of back-to-back calls after a warm-up; the expert calls rotate over
+Per weight (FP8 dense linears, FP4 experts with G groups of M token rows): GPU time a
+call (profiler traces: the call's kernels and copies, not the host's dispatch, after a
+warm-up; the expert calls rotate over
 enough expert sets, >= 200 MB, that the 50 MB L2 cannot serve repeats), the stored bytes
 of the used experts (FP8: 1 B a weight + scales; FP4: 0.5 B + 1 B per 32) and their share
 of the HBM ceiling measured in the same run, and the XLA path's time.
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import _best_seconds, copy_bandwidth
+from benchmarks.common import copy_bandwidth, gpu_seconds
 from pallas_kernels.formats import Fp4Weight, Fp8Weight
 from pallas_kernels.quant_matmul import grouped_matmul
 
@@ -61,8 +62,8 @@ def main():
             kern = jax.jit(functools.partial(grouped_matmul, exact_fp4=a.exact_fp4))
             xla = jax.jit(functools.partial(grouped_matmul, impl="xla"))
             rot = lambda f: (lambda x, w: [f(x, e, w) for e in ids])
-            tk = _best_seconds(rot(kern), (x, w), calls=5, rounds=5, warm_s=0.5) / len(ids)
-            tx = _best_seconds(rot(xla), (x, w), calls=2, rounds=3, warm_s=0.5) / len(ids)
+            tk = gpu_seconds(rot(kern), (x, w)) / len(ids)
+            tx = gpu_seconds(rot(xla), (x, w), n=3) / len(ids)
             nbytes = per_expert * G + x.nbytes
             print(f"{name:22s} {M:3d} {tk * 1e6:10.1f} {nbytes / tk / ceiling:6.1%} "
                   f"{tx * 1e6:7.1f} {tx / tk:7.2f}x")

@@ -4,7 +4,8 @@ FP8 simulation, and the mHC mixing matrix.
 
     PYTHONPATH=. python benchmarks/small_kernels.py [--batch 1 8 64]
 
-Per kernel and batch: wall time a call (best of rounds of back-to-back calls after a
+Per kernel and batch: GPU time a call (profiler traces: the kernels and copies
+of a call, not the host's dispatch; the mean of calls after a
 warm-up; the scatters donate their cache, so they update in place as in the step), the
 XLA path's time, and for the top-k selection (the one that reads a large input: B x 32K
 scores at 128K context) its share of the HBM ceiling measured in the same run. The others
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import _best_seconds, copy_bandwidth
+from benchmarks.common import copy_bandwidth, gpu_seconds
 from pallas_kernels import formats as kf
 from pallas_kernels.hc_sinkhorn import mhc_comb, mhc_comb_reference
 from pallas_kernels.indexer_decode import topk_reference
@@ -37,9 +38,9 @@ def time_pair(kern, xla, args, donate=False):
             def call(*rest, g=g, state=state):
                 state[0] = g(state[0], *rest)
                 return state[0]
-            out.append(_best_seconds(call, args[1:], calls=50, rounds=5, warm_s=0.3))
+            out.append(gpu_seconds(call, args[1:]))
         else:
-            out.append(_best_seconds(jax.jit(f), args, calls=50, rounds=5, warm_s=0.3))
+            out.append(gpu_seconds(jax.jit(f), args))
     return out
 
 
