@@ -11,7 +11,7 @@ if ROOT not in sys.path:
 # the CLI keeps compiled programs under ~/.cache by default; tests ask for it explicitly
 os.environ.setdefault("DSV4_COMPILE_CACHE", "off")
 
-# Seeds of the shared models (session fixtures below) and of the tiny checkpoint.
+# Seeds of the shared models (fixtures built once per test run, below) and of the tiny checkpoint.
 TINY_SEED = 20
 TEST_SEED = 21
 CHECKPOINT_SEED = 22
@@ -78,7 +78,7 @@ def tiny_generate(tmp_path_factory):
     """(env, cmd, single): the `dsv4 generate` command line (greedy, 6 new tokens) for a tiny
     checkpoint that `dsv4 make-checkpoint` writes, and that command's completed run on one
     device (stdout: the reference the multi-device runs must print). env: the environment
-    both ran in (one CPU device); session scope, so the checkpoint is written and the
+    both ran in (one CPU device); built once per test run, so the checkpoint is written and the
     single-device run made once for every test comparing against it."""
     import subprocess
 
