@@ -13,8 +13,9 @@ import jax
 import numpy as np
 
 from . import chat, config as C, generate as G, params as P
-from .cache import CacheSpec
+from .cache import BLOCK_TOKENS, CacheSpec, blocks_needed
 from .distributed import init_processes_from_env, make_mesh
+from .errors import UsageError, run_command
 from .generate import Engine
 from .loading import load
 from .quant import Numerics
@@ -24,7 +25,8 @@ from .tokenizer import load_tokenizer
 def _add_model_args(ap):
     ap.add_argument("--checkpoint", help="orbax or safetensors checkpoint directory "
                     "(default: the embedded tiny model, built deterministically)")
-    ap.add_argument("--preset", default="tiny", help="preset for the embedded model (no checkpoint)")
+    ap.add_argument("--preset", help="preset for the embedded model, without --checkpoint "
+                    "(default: tiny)")
     ap.add_argument("--seed", type=int, default=0, help="seed (embedded model weights and sampling)")
     ap.add_argument("--act-quant", choices=["on", "off"], default="on",
                     help="simulate the FP8/FP4 activation, KV-cache and indexer rounding the "
@@ -32,12 +34,13 @@ def _add_model_args(ap):
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="activation dtype")
     ap.add_argument("--max-requests", type=int, default=4, help="request slots in the cache")
-    ap.add_argument("--num-blocks", type=int, default=64, help="blocks (128 tokens) in the pool")
+    ap.add_argument("--num-blocks", type=int, default=64,
+                    help=f"blocks ({BLOCK_TOKENS} tokens) in the pool")
     ap.add_argument("--max-blocks", type=int, default=16,
-                    help="blocks per request (capacity = 128 x this)")
-    ap.add_argument("--index-format", choices=["fp4", "nvfp4", "fp8"], default="fp4",
-                    help="cached indexer keys with --act-quant on (fp4: the reference's e2m1 "
-                         "with a power-of-two scale per 32 dims; nvfp4: e4m3 scale per 16)")
+                    help=f"blocks per request (capacity = {BLOCK_TOKENS} x this)")
+    ap.add_argument("--index-format", choices=["fp4", "nvfp4", "fp8"],
+                    help="cached indexer keys with --act-quant on (default fp4: the reference's "
+                         "e2m1 with a power-of-two scale per 32 dims; nvfp4: e4m3 scale per 16)")
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="directory for compiled programs ('off' to disable; default "
@@ -55,28 +58,110 @@ def _add_model_args(ap):
     ap.add_argument("--data", type=int, help="mesh 'data' axis size (request slots split)")
 
 
-def _mesh(args):
-    """The mesh asked for by --devices (None without); make_mesh's defaults put the devices
-    not given to another axis on 'expert'."""
-    if not getattr(args, "devices", 0):
+# ---------------------------------------------------------------------------------------
+# Checks that run before any weight is read or any program compiled
+# ---------------------------------------------------------------------------------------
+def _positive(args, *flags):
+    for f in flags:
+        v = getattr(args, f.lstrip("-").replace("-", "_"))
+        if v is not None and v < 1:
+            raise UsageError(f"{f} must be at least 1, got {v}")
+
+
+def _check_model_flags(args):
+    _positive(args, "--max-requests", "--num-blocks", "--max-blocks", "--prefill-chunk",
+              "--expert", "--model", "--data")
+    if args.devices < 0:
+        raise UsageError(f"--devices must be 0 (one device) or more, got {args.devices}")
+    if args.index_format is not None and args.act_quant == "off":
+        raise UsageError("--index-format sets the quantised indexer cache: it needs "
+                         "--act-quant on")
+    if args.checkpoint is not None and args.preset is not None:
+        raise UsageError("--preset builds the embedded model; with --checkpoint the "
+                         "checkpoint's config.json sets the model (drop one of the two)")
+    if args.checkpoint is None:
+        args.preset = args.preset or "tiny"
+        if args.preset not in C.PRESETS:
+            raise UsageError(f"--preset {args.preset!r} is not a preset; choose from "
+                             f"{sorted(C.PRESETS)}")
+        if args.preset != "tiny":
+            raise UsageError(f"the embedded default only builds the 'tiny' preset in memory; "
+                             f"for --preset {args.preset} write a checkpoint with "
+                             f"`dsv4 make-checkpoint --preset {args.preset} DIR` and pass "
+                             "--checkpoint DIR")
+    if not args.devices:
         for ax in ("expert", "model", "data"):
             if getattr(args, ax, None):
-                raise ValueError(f"--{ax} needs --devices")
-        return None
-    return make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
+                raise UsageError(f"--{ax} needs --devices (it sizes a mesh axis)")
+    elif args.devices > jax.device_count():
+        raise UsageError(f"--devices {args.devices}: this machine has {jax.device_count()} "
+                         f"{jax.default_backend()} device(s)")
+    hopper = _on_hopper()
+    if (args.matmul == "pallas" or args.kernels == "on") and not hopper:
+        flag = "--matmul pallas" if args.matmul == "pallas" else "--kernels on"
+        raise UsageError(f"{flag} needs a Hopper GPU (sm_90); this run has {_device_name()} "
+                         "(use auto or leave the flag out)")
 
 
-def _load_model(args):
-    args.mesh = _mesh(args)
+def _path(p: str, flag: str) -> Path:
+    """A user's path: `~` expanded, relative to the working directory, symlinks followed."""
+    path = Path(p).expanduser()
+    if not path.exists():
+        raise UsageError(f"{flag} {p}: no such file or directory")
+    return path.resolve()
+
+
+def _model_config(args) -> C.Config:
+    """The model's config, from the checkpoint's config.json (no weights read) or the preset."""
+    if args.checkpoint is None:
+        return C.get_preset(args.preset)
+    ckpt = _path(args.checkpoint, "--checkpoint")
+    if not ckpt.is_dir():
+        raise UsageError(f"--checkpoint {args.checkpoint}: not a directory (a checkpoint is "
+                         "the directory `dsv4 convert` or a safetensors release writes)")
+    args.checkpoint = str(ckpt)
+    from checkpoints.convert import MANIFEST
+    if (ckpt / MANIFEST).exists():
+        return C.Config.from_json(ckpt / "config.json")
+    if (ckpt / "config.json").exists() and any(ckpt.glob("*.safetensors")):
+        from checkpoints.source import open_source
+        return open_source(ckpt).cfg   # headers only: validates every shard
+    return load(ckpt)[0]  # not a recognised checkpoint: load names what is wrong
+
+
+def _prepare_mesh(args):
+    args.mesh = None if not args.devices else make_mesh(
+        args.devices, expert=args.expert, model=args.model, data=args.data)
+
+
+def _check_capacity(args, cfg, lengths: list[int], new_tokens: int, what: str):
+    """Every request fits its slot and the pool, named by the flags that size them."""
+    cap = args.max_blocks * BLOCK_TOKENS
+    longest = max(lengths)
+    if longest + new_tokens > cap:
+        need = -(-(longest + new_tokens) // BLOCK_TOKENS)
+        raise UsageError(f"a {what} of {longest} tokens + {new_tokens} new token(s) does not fit "
+                         f"a request's {cap} tokens (--max-blocks {args.max_blocks}); use "
+                         f"--max-blocks {need}" + (" or fewer --max-new-tokens" if new_tokens > 1 else ""))
+    wave = args.max_requests
+    for i in range(0, len(lengths), wave):   # requests beyond the slots run in waves
+        need = sum(blocks_needed(cfg, n + new_tokens) for n in lengths[i:i + wave])
+        if need > args.num_blocks:
+            n = min(wave, len(lengths) - i)
+            raise UsageError(f"{n} request(s) need {need} cache blocks for their {what}s + "
+                             f"{new_tokens} new token(s); the pool has --num-blocks "
+                             f"{args.num_blocks}: use --num-blocks {need}"
+                             + (" or fewer --max-requests" if n > 1 else ""))
+
+
+def _load_params(args, cfg):
     if args.checkpoint:
-        cfg, params = load(args.checkpoint, mesh=args.mesh)
+        lcfg, params = load(args.checkpoint, mesh=args.mesh)
+        if lcfg != cfg:
+            raise UsageError(f"--checkpoint {args.checkpoint} changed while it was read")
         # the decode form, merged in place: each CSA block's five weights freed as it goes
-        return cfg, P.merge_x_proj(params, cfg, consume=True), args.checkpoint
-    cfg = C.get_preset(args.preset)
-    if args.preset != "tiny":
-        raise SystemExit(f"the embedded default only builds the 'tiny' preset in memory; "
-                         f"for {args.preset!r} write a checkpoint with `dsv4 make-checkpoint`")
-    return cfg, P.merge_x_proj(P.init_params(cfg, args.seed), cfg, consume=True), None
+        return P.merge_x_proj(params, cfg, consume=True)
+    return P.merge_x_proj(P.init_params(cfg, args.seed), cfg, consume=True)
 
 
 def _device_name() -> str:
@@ -100,52 +185,131 @@ def _engine(args, cfg, params):
     kernels = (args.kernels if args.kernels != "auto" else  # the kernels read FP8/FP4 caches
                "on" if hopper and args.act_quant == "on" and not set(split) - {"expert"}
                else "off")
-    if (matmul == "pallas" or kernels == "on") and not hopper:
-        raise SystemExit("--matmul pallas / --kernels on need a Hopper GPU (sm_90); "
-                         f"this run has {_device_name()}")
     nm = Numerics(act_quant=args.act_quant == "on", dtype=args.dtype, matmul=matmul)
     cs = CacheSpec.for_numerics(nm, max_requests=args.max_requests, num_blocks=args.num_blocks,
                                 max_blocks=args.max_blocks, kernels=kernels,
-                                **({"index_format": args.index_format} if nm.act_quant else {}))
+                                **({"index_format": args.index_format or "fp4"}
+                                   if nm.act_quant else {}))
     return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=args.prefill_chunk,
                   mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------
+def _check_sampling_flags(args):
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    t = args.temperature
+    if not (np.isfinite(t) and t >= 0):
+        raise UsageError(f"--temperature must be 0 (greedy) or a positive number, got {t}")
+    given = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                            ("--min-p", args.min_p)) if v is not None]
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.top_p is not None and not (0 < args.top_p <= 1):
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.min_p is not None and not (0 <= args.min_p < 1):
+        raise UsageError(f"--min-p must be in [0, 1), got {args.min_p}")
+    if given and t == 0:
+        raise UsageError(f"{given[0]} shapes sampling; it needs --temperature > 0 (without it "
+                         "decoding is greedy)")
+    if len(given) > 1:
+        raise UsageError(f"use one of --top-k, --top-p, --min-p, got {' and '.join(given)}")
 
 
 def _sampler(args):
     if args.temperature == 0:
         return G.Greedy()
-    if args.top_k:
+    if args.top_k is not None:
         return G.TopK(args.top_k, args.temperature)
-    if args.top_p < 1:
+    if args.top_p is not None:
         return G.TopP(args.top_p, args.temperature)
-    if args.min_p > 0:
+    if args.min_p is not None:
         return G.MinP(args.min_p, args.temperature)
     return G.Temperature(args.temperature)
 
 
-def cmd_generate(args):
-    cfg, params, ckpt = _load_model(args)
-    tok = load_tokenizer(ckpt, cfg.vocab_size)
-    mode = "thinking" if args.thinking else "chat"
+def _read_text(p: str, flag: str) -> str:
+    path = _path(p, flag)
+    if path.is_dir():
+        raise UsageError(f"{flag} {p}: is a directory, not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _chat_messages(args) -> list:
+    if not args.chat:
+        return []
+    text = _read_text(args.chat, "--chat")
+    try:
+        msgs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat {args.chat}: not valid JSON: {e.msg} at line {e.lineno} "
+                         f"column {e.colno}") from None
+    if not isinstance(msgs, list):
+        raise UsageError(f"--chat {args.chat}: must hold a JSON list of messages "
+                         f"([{{\"role\": \"user\", \"content\": \"...\"}}, ...]), got a "
+                         f"{type(msgs).__name__}")
+    return msgs
+
+
+def _prompt_texts(args) -> tuple[list[str], bool]:
+    """-> (prompt texts, whether they are chat-encoded)."""
+    is_chat = bool(args.chat or args.user)
+    if not is_chat:
+        for flag, v in (("--system", args.system), ("--thinking", args.thinking or None)):
+            if v is not None:
+                raise UsageError(f"{flag} applies to chat prompts (--chat / --user); "
+                                 "--prompt and --prompts-file are plain text")
     texts = []
-    if args.chat or args.user:
-        msgs = json.loads(Path(args.chat).read_text()) if args.chat else []
+    if is_chat:
+        msgs = _chat_messages(args)
         if args.system:
             msgs = [{"role": "system", "content": args.system}] + msgs
         msgs += [{"role": "user", "content": u} for u in args.user or []]
-        texts.append(chat.encode_messages(msgs, thinking_mode=mode))
+        try:
+            texts.append(chat.encode_messages(
+                msgs, thinking_mode="thinking" if args.thinking else "chat"))
+        except (ValueError, TypeError, KeyError) as e:
+            src = f"--chat {args.chat}" if args.chat else "--user"
+            raise UsageError(f"{src}: {e}") from None
     if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt is empty")
         texts.append(args.prompt)
     if args.prompts_file:
-        texts += [l for l in Path(args.prompts_file).read_text().splitlines() if l.strip()]
+        lines = [l for l in _read_text(args.prompts_file, "--prompts-file").splitlines()
+                 if l.strip()]
+        if not lines:
+            raise UsageError(f"--prompts-file {args.prompts_file}: holds no prompt (only "
+                             "blank lines); write one prompt per line")
+        texts += lines
     if not texts:
         texts = ["The quick brown fox"]
+    return texts, is_chat
+
+
+def cmd_generate(args):
+    _check_model_flags(args)
+    _check_sampling_flags(args)
+    texts, is_chat = _prompt_texts(args)
+    cfg = _model_config(args)
+    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
     prompts = [tok.encode(t) if t.startswith(chat.BOS) else [tok.bos_id] + tok.encode(t)
                for t in texts]
+    if args.stream and len(prompts) > args.max_requests:
+        raise UsageError(f"--stream runs every prompt at once: {len(prompts)} prompts need "
+                         f"--max-requests {len(prompts)} (have {args.max_requests})")
+    _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens, "prompt")
+    _prepare_mesh(args)
+    params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
-    stop_ids = list(tok.stop_ids)
+    mode = "thinking" if args.thinking else "chat"
     kw = dict(max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
-              stop_ids=stop_ids)
+              stop_ids=list(tok.stop_ids))
     print(f"model: {cfg.name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
           f"{len(prompts)} prompt(s), act-quant {args.act_quant}"
           + (f", mesh {dict(eng.mesh.shape)}" if eng.mesh is not None else ""), file=sys.stderr)
@@ -160,7 +324,10 @@ def cmd_generate(args):
                 outs[i].append(t)
                 if len(prompts) == 1:
                     sys.stdout.write(piece)
-                    sys.stdout.flush()
+                else:  # one JSON line per new piece: which prompt, and its text
+                    sys.stdout.write(json.dumps({"prompt": i, "text": piece},
+                                                ensure_ascii=False) + "\n")
+                sys.stdout.flush()
         if len(prompts) == 1:
             print()
         ttft = first_at
@@ -168,10 +335,10 @@ def cmd_generate(args):
         outs = eng.generate(prompts, **kw)
         ttft = eng.timing.first_token_s
     total = time.perf_counter() - t0
-    if len(prompts) > 1 or not args.stream:
+    if not args.stream:
         for t, o in zip(texts, outs):
             text = tok.decode(o)
-            if args.chat or args.user:
+            if is_chat:
                 try:
                     text = json.dumps(chat.parse_completion(text, mode), ensure_ascii=False)
                 except ValueError:
@@ -184,19 +351,69 @@ def cmd_generate(args):
           f"in {tm.decode_s:.2f} s = {tm.tokens_per_s:.1f} tokens/s", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------------------
+# logits
+# ---------------------------------------------------------------------------------------
+def _read_tokens(args, cfg) -> np.ndarray:
+    path = _path(args.tokens, "--tokens")
+    try:
+        tokens = np.load(path, allow_pickle=False)
+    except Exception as e:  # numpy raises several types for a file that is not .npy
+        raise UsageError(f"--tokens {args.tokens}: not a .npy array ({e})") from None
+    if not isinstance(tokens, np.ndarray):
+        raise UsageError(f"--tokens {args.tokens}: holds an .npz archive; give one .npy array")
+    if tokens.dtype == bool or not np.issubdtype(tokens.dtype, np.integer):
+        raise UsageError(f"--tokens {args.tokens}: token ids must be integers, got "
+                         f"{tokens.dtype}")
+    if tokens.ndim != 2 or tokens.size == 0:
+        raise UsageError(f"--tokens {args.tokens}: must hold a non-empty int array [B, T], got "
+                         f"shape {tokens.shape}")
+    bad = (tokens < 0) | (tokens >= cfg.vocab_size)
+    if bad.any():
+        b, t = map(int, np.argwhere(bad)[0])
+        raise UsageError(f"--tokens {args.tokens}: id {int(tokens[b, t])} at [{b}, {t}] is "
+                         f"outside the vocabulary [0, {cfg.vocab_size})")
+    T = tokens.shape[1]
+    if not 1 <= args.prefill_len <= T:
+        raise UsageError(f"--prefill-len must be in [1, {T}] (the tokens' length), got "
+                         f"{args.prefill_len}")
+    return tokens.astype(np.int32)
+
+
+def _out_path(p: str, flag: str, suffix: str) -> Path:
+    out = Path(p).expanduser()
+    if out.suffix != suffix:
+        out = out.with_name(out.name + suffix)   # as np.savez names it
+    parent = out.parent.resolve()
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {p}: directory {parent} does not exist")
+    if out.is_dir():
+        raise UsageError(f"{flag} {p}: is a directory; give a file name")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {p}: directory {parent} is not writable")
+    return parent / out.name
+
+
 def cmd_logits(args):
-    cfg, params, _ = _load_model(args)
-    tokens = np.load(args.tokens)
-    if tokens.ndim != 2:
-        raise SystemExit(f"--tokens must hold an int array [B, T], got shape {tokens.shape}")
-    args.max_requests = max(args.max_requests, tokens.shape[0])
-    need = -(-tokens.shape[1] // 128)
+    _check_model_flags(args)
+    out = _out_path(args.out, "--out", ".npz")
+    cfg = _model_config(args)
+    tokens = _read_tokens(args, cfg)
+    B, T = tokens.shape
+    # the cache is sized to the tokens; the flags only raise it
+    args.max_requests = max(args.max_requests, B)
+    need = -(-T // BLOCK_TOKENS)
     args.max_blocks = max(args.max_blocks, need)
-    args.num_blocks = max(args.num_blocks, need * tokens.shape[0])
+    args.num_blocks = max(args.num_blocks, sum(blocks_needed(cfg, T) for _ in range(B)),
+                          args.max_blocks)
+    _prepare_mesh(args)
+    params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
-    logits = eng.teacher_forced_logits(tokens.astype(np.int32), args.prefill_len)
-    np.savez(args.out, logits=logits.astype(np.float32))
-    print(f"wrote logits {logits.shape} to {args.out}", file=sys.stderr)
+    logits = eng.teacher_forced_logits(tokens, args.prefill_len)
+    tmp = out.with_name(out.name + ".partial.npz")
+    np.savez(tmp, logits=logits.astype(np.float32))
+    os.replace(tmp, out)   # a file at --out is always complete
+    print(f"wrote logits {logits.shape} to {out}", file=sys.stderr)
 
 
 def build_parser():
@@ -213,10 +430,13 @@ def build_parser():
     g.add_argument("--prompts-file", help="one prompt per line, generated as a batch")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    g.add_argument("--top-k", type=int, help="sample from the k likeliest tokens "
+                   "(needs --temperature)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1 (needs --temperature)")
+    g.add_argument("--min-p", type=float, help="drop tokens below p x the likeliest, 0 <= p < 1 "
+                   "(needs --temperature)")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are produced "
+                   "(several prompts: one JSON line {\"prompt\": i, \"text\": piece} each)")
     g.set_defaults(fn=cmd_generate)
     lg = sub.add_parser("logits", help="teacher-forced logits: prefill P tokens, then decode")
     _add_model_args(lg)
@@ -245,22 +465,30 @@ def _compile_cache(args):
         d = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
     if not d or d == "off":
         return
-    jax.config.update("jax_compilation_cache_dir", d)
+    d = Path(d).expanduser().absolute()
+    if d.exists() and not d.is_dir():
+        raise UsageError(f"--compile-cache {d}: is a file, not a directory (or 'off')")
+    jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    """The `dsv4` command -> its exit status (dsv4_jax.errors: 0 done, 2 bad input, 1 failed,
+    130 interrupted). Every flag and input file is checked before a model is loaded."""
     args = build_parser().parse_args(argv)
     if hasattr(args, "func"):  # make-checkpoint / convert / inspect (checkpoints.cli)
         from checkpoints.cli import run
-        raise SystemExit(run(args))
-    _compile_cache(args)
-    try:
+        return run(args)
+
+    def go():
+        _compile_cache(args)
         init_processes_from_env()  # a no-op unless DSV4_COORDINATOR is set
-        args.fn(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise SystemExit(f"dsv4 {args.cmd}: error: {e}") from None
+        return args.fn(args)
+
+    note = ("nothing was written" if args.cmd != "generate" else
+            "stopped; the text printed so far is all that was generated")
+    return run_command(args.cmd, go, on_interrupt=note)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -92,7 +92,27 @@ class Config:
                   "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
                   "hc_sinkhorn_iters"):
             v = getattr(self, f)
-            need(isinstance(v, int) and v > 0, f, f"must be a positive integer, got {v!r}")
+            need(_is_int(v) and v > 0, f, f"must be a positive integer, got {v!r}")
+        for f in ("rope_original_max_position",):
+            v = getattr(self, f)
+            need(_is_int(v) and v > 0, f, f"must be a positive integer, got {v!r}")
+        for f in ("num_nextn_predict_layers", "num_hash_layers", "n_shared_experts"):
+            v = getattr(self, f)
+            need(_is_int(v) and v >= 0, f, f"must be a non-negative integer, got {v!r}")
+        # a negative or zero eps / theta / factor gives NaN or meaningless logits, silently
+        for f in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "rope_factor",
+                  "rope_beta_fast", "rope_beta_slow", "routed_scaling_factor", "swiglu_limit"):
+            v = getattr(self, f)
+            need(_is_real(v) and math.isfinite(v) and v > 0, f,
+                 f"must be a finite number > 0, got {v!r}")
+        need(self.rms_norm_eps < 1 and self.hc_eps < 1, "rms_norm_eps" if self.rms_norm_eps >= 1
+             else "hc_eps", "an epsilon must be below 1")
+        need(self.rope_beta_fast > self.rope_beta_slow, "rope_beta_fast",
+             f"must exceed rope_beta_slow ({self.rope_beta_slow}), got {self.rope_beta_fast}")
+        for f in ("bos_token_id", "eos_token_id"):
+            v = getattr(self, f)
+            need(_is_int(v) and 0 <= v < self.vocab_size, f,
+                 f"must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
         need(self.num_key_value_heads == 1, "num_key_value_heads",
              f"DeepSeek-V4 uses one shared K=V head, got {self.num_key_value_heads}")
         need(0 < self.qk_rope_head_dim < self.head_dim and self.qk_rope_head_dim % 2 == 0,
@@ -183,6 +203,9 @@ class Config:
         # type coercions so JSON floats/ints land as declared
         for f in dataclasses.fields(cls):
             if f.name in kw and f.type in ("float",) and kw[f.name] is not None:
+                if not _is_real(kw[f.name]):
+                    raise ValueError(f"invalid config field `{f.name}`: must be a number, got "
+                                     f"{kw[f.name]!r}")
                 kw[f.name] = float(kw[f.name])
         return cls(**kw)
 
@@ -193,7 +216,20 @@ class Config:
             p = p / "config.json"
         if not p.exists():
             raise FileNotFoundError(f"no config.json at {p}")
-        return cls.from_hf_dict(json.loads(p.read_text()), name=p.parent.name)
+        try:
+            d = json.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON: {e.msg} at line {e.lineno} column "
+                             f"{e.colno}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{p}: must hold a JSON object of config fields, got "
+                             f"{type(d).__name__}")
+        try:
+            return cls.from_hf_dict(d, name=p.parent.name)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{p}: {e}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The official-release style config.json for this config."""
@@ -224,6 +260,14 @@ class Config:
 
     def replace(self, **kw) -> "Config":
         return dataclasses.replace(self, **kw)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _interleaved_ratios(n: int, head: tuple[int, ...]) -> tuple[int, ...]:

@@ -197,6 +197,8 @@ class Engine:
 
     def _check_tokens(self, toks):
         toks = np.asarray(toks)
+        if toks.size and (toks.dtype == bool or not np.issubdtype(toks.dtype, np.integer)):
+            raise ValueError(f"token ids must be integers, got {toks.dtype}")
         if toks.size and (toks.min() < 0 or toks.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
                              f"[{toks.min()}, {toks.max()}]")
@@ -238,6 +240,10 @@ class Engine:
         return logits
 
     def _admit_all(self, prompts, extra: int):
+        if not isinstance(extra, (int, np.integer)) or extra < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {extra!r}")
+        for p in prompts:
+            self._check_tokens(p)
         if len(prompts) > self.cs.max_requests:
             raise ValueError(f"{len(prompts)} prompts but the cache has "
                              f"{self.cs.max_requests} request slots (CacheSpec.max_requests)")
@@ -367,6 +373,8 @@ class Engine:
         """Generated tokens per prompt (including the stop token that ended it, if any).
         More prompts than request slots run in waves."""
         R = self.cs.max_requests
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if len(prompts) > R:
             out = []
             for i in range(0, len(prompts), R):
@@ -415,7 +423,9 @@ class Engine:
         """tokens int [B, T]: prefill the first P tokens of each row, then feed the rest
         one per decode step -> logits f32 [B, T-P+1, V] (row 0: after the prefill, row i:
         after feeding token P-1+i)."""
-        tokens = np.asarray(tokens, np.int32)
+        tokens = np.asarray(tokens)
+        self._check_tokens(tokens)   # before the int32 cast, which would wrap large ids
+        tokens = tokens.astype(np.int32)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
         B, T = tokens.shape

@@ -13,51 +13,56 @@ from dsv4_jax.quant import Numerics
 
 
 def run(argv):
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-        raise SystemExit(0)
-    return e.value.code
+    """The exit status of `dsv4 ARGV` (argparse's own errors raise SystemExit)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
 
 
-def test_cli_end_to_end(tmp_path, capsys):
-    src, dst = tmp_path / "src", tmp_path / "dst"
+def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
+    """Relative paths throughout (the working directory is tmp_path)."""
+    monkeypatch.chdir(tmp_path)
     seed = 401
-    assert run(["make-checkpoint", "--preset", "tiny", "--seed", str(seed), "--quiet", str(src)]) in (0, None)
-    assert run(["convert", str(src), str(dst), "--quiet"]) in (0, None)
-    assert run(["inspect", str(dst)]) in (0, None)
+    assert run(["make-checkpoint", "--preset", "tiny", "--seed", str(seed), "--quiet", "src"]) == 0
+    assert run(["convert", "src", "dst", "--quiet"]) == 0
+    assert run(["inspect", "dst"]) == 0
     assert "csa" in capsys.readouterr().out
-    assert run(["convert", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2  # clear error
+    assert run(["convert", "nope", "x"]) == 2  # clear error
     tokens = np.random.default_rng(402).integers(0, 1024, (2, 20)).astype(np.int32)
     np.save(tmp_path / "t.npy", tokens)
-    out = tmp_path / "o.npz"
-    assert run(["logits", "--checkpoint", str(dst), "--tokens", str(tmp_path / "t.npy"),
-                "--prefill-len", "15", "--act-quant", "off", "--dtype", "float32",
-                "--out", str(out)]) in (0, None)
-    got = np.load(out)["logits"]
+    assert run(["logits", "--checkpoint", "dst", "--tokens", "t.npy", "--prefill-len", "15",
+                "--act-quant", "off", "--dtype", "float32", "--out", "o.npz"]) == 0
+    got = np.load(tmp_path / "o.npz")["logits"]
     assert got.shape == (2, 6, 1024)
     cfg = config.tiny()
     eng = Engine(cfg, P.init_params(cfg, seed), numerics=Numerics(False, "float32"))
     np.testing.assert_allclose(got, eng.teacher_forced_logits(tokens, 15), rtol=1e-5, atol=1e-5)
     capsys.readouterr()
-    assert run(["generate", "--checkpoint", str(dst), "--user", "hi", "--max-new-tokens", "3",
-                "--act-quant", "off", "--dtype", "float32"]) in (0, None)
+    assert run(["generate", "--checkpoint", "dst", "--user", "hi", "--max-new-tokens", "3",
+                "--act-quant", "off", "--dtype", "float32"]) == 0
     cap = capsys.readouterr()
     assert "tokens/s" in cap.err
     json.loads(cap.out.strip().splitlines()[-1])  # the parsed completion
+    # several prompts stream as JSON lines, one per new piece, the prompts interleaved
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond one\n")
+    assert run(["generate", "--checkpoint", "dst", "--prompts-file", "p.txt", "--stream",
+                "--max-new-tokens", "3", "--act-quant", "off", "--dtype", "float32"]) == 0
+    lines = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+    assert [l["prompt"] for l in lines[:2]] == [0, 1] and len(lines) <= 6
+    assert all(isinstance(l["text"], str) for l in lines)
 
 
 def test_kernel_flags_need_hopper(capsys):
-    """auto picks the pure-JAX paths off a Hopper GPU; asking for the kernels there fails
-    with a message naming the device."""
+    """auto picks the pure-JAX paths off a Hopper GPU; asking for the kernels there is a
+    usage error naming the flag and the device."""
     import jax
     if jax.default_backend() == "gpu":
         pytest.skip("CPU-only check")
-    msg = None
-    try:
-        cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "1", "--matmul", "pallas"])
-    except SystemExit as e:
-        msg = str(e.code)
-    assert msg and "Hopper" in msg and "cpu" in msg
+    for flag in (["--matmul", "pallas"], ["--kernels", "on"]):
+        assert run(["generate", "--prompt", "hi", "--max-new-tokens", "1", *flag]) == 2
+        err = capsys.readouterr().err
+        assert " ".join(flag) in err and "Hopper" in err and "cpu" in err
 
 
 def test_index_format_flag():
@@ -86,7 +91,7 @@ def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
     compilation_cache.reset_cache()   # jax binds its cache directory once per process
     try:
         assert run(["generate", "--prompt", "hello", "--max-new-tokens", "3",
-                    "--compile-cache", str(cache)]) in (0, None)
+                    "--compile-cache", str(cache)]) == 0
     finally:  # later tests in this process must not write into the deleted tmp dir
         jax.config.update("jax_compilation_cache_dir", suite_dir)
         compilation_cache.reset_cache()

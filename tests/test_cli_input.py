@@ -1,0 +1,226 @@
+"""Bad input to `dsv4 generate` / `dsv4 logits`: every case exits 2 with one line naming the
+flag, file or field (and what would be valid) BEFORE any weight is read or program compiled;
+Ctrl-C exits 130 with one line, a failure while working exits 1.
+
+"Before any heavy work" is checked, not assumed: `no_model` makes loading weights fail
+the test."""
+import json
+
+import numpy as np
+import pytest
+
+from dsv4_jax import cli, config as C, generate as G, params as P
+from dsv4_jax.quant import Numerics
+
+
+def run(argv):
+    try:
+        return cli.main(argv)
+    except SystemExit as e:   # argparse's own usage errors
+        return e.code
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("weights were loaded before the input was checked")
+    monkeypatch.setattr(cli, "_load_params", fail)
+
+
+def bad(capsys, argv, *needles, code=2):
+    """Run, expect `code` and one stderr line holding every needle."""
+    assert run(argv) == code, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    line = err[-1] if err else ""
+    for n in needles:
+        assert n in line, (argv, n, line)
+    return line
+
+
+GEN = ["generate", "--prompt", "hi"]
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--max-new-tokens", "0"], ["--max-new-tokens", "at least 1"]),
+    (["--max-new-tokens", "-3", "--stream"], ["--max-new-tokens", "-3"]),
+    (["--temperature", "-1"], ["--temperature"]),
+    (["--temperature", "nan"], ["--temperature"]),
+    (["--top-p", "2", "--temperature", "1"], ["--top-p", "(0, 1]"]),
+    (["--top-p", "0", "--temperature", "1"], ["--top-p"]),
+    (["--top-k", "0", "--temperature", "1"], ["--top-k", "at least 1"]),
+    (["--min-p", "1.5", "--temperature", "1"], ["--min-p", "[0, 1)"]),
+    (["--top-p", "0.9"], ["--top-p", "--temperature"]),
+    (["--top-k", "5"], ["--top-k", "--temperature"]),
+    (["--min-p", "0.1"], ["--min-p", "--temperature"]),
+    (["--top-k", "5", "--top-p", "0.5", "--temperature", "1"], ["--top-k", "--top-p", "one of"]),
+    (["--system", "be brief"], ["--system", "--chat"]),
+    (["--thinking"], ["--thinking", "--chat"]),
+    (["--max-requests", "0"], ["--max-requests", "at least 1"]),
+    (["--num-blocks", "-1"], ["--num-blocks"]),
+    (["--max-blocks", "0"], ["--max-blocks"]),
+    (["--prefill-chunk", "0"], ["--prefill-chunk"]),
+    (["--devices", "-1"], ["--devices"]),
+    (["--devices", "64"], ["--devices 64", "device(s)"]),
+    (["--expert", "2"], ["--expert", "--devices"]),
+    (["--preset", "flash"], ["--preset flash", "make-checkpoint"]),
+    (["--preset", "huge"], ["--preset", "choose from"]),
+    (["--index-format", "fp8", "--act-quant", "off"], ["--index-format", "--act-quant on"]),
+    (["--max-blocks", "1", "--max-new-tokens", "200"], ["--max-blocks 1", "--max-blocks 2"]),
+    (["--num-blocks", "1", "--max-blocks", "4", "--max-new-tokens", "300"],
+     ["--num-blocks 1", "--num-blocks 3"]),
+])
+def test_generate_flags(capsys, no_model, argv, needles):
+    line = bad(capsys, GEN + argv, *needles)
+    assert line.startswith("dsv4 generate: error: ")
+
+
+def test_generate_input_files(tmp_path, capsys, no_model, monkeypatch):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n")
+    bad(capsys, ["generate", "--prompts-file", str(blank)], "--prompts-file", "blank.txt",
+        "no prompt")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9\n".encode("latin-1"))
+    bad(capsys, ["generate", "--prompts-file", str(latin)], "latin1.txt", "UTF-8")
+    bad(capsys, ["generate", "--prompts-file", str(tmp_path)], "--prompts-file", "directory")
+    bad(capsys, ["generate", "--prompts-file", str(tmp_path / "nope.txt")], "nope.txt",
+        "no such file")
+    obj = tmp_path / "obj.json"
+    obj.write_text(json.dumps({"role": "user", "content": "hi"}))
+    bad(capsys, ["generate", "--chat", str(obj)], "--chat", "obj.json", "JSON list", "dict")
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"role": "user",\n "content": }]')
+    bad(capsys, ["generate", "--chat", str(broken)], "broken.json", "line 2")
+    norole = tmp_path / "norole.json"
+    norole.write_text(json.dumps([{"content": "hi"}]))
+    bad(capsys, ["generate", "--chat", str(norole)], "--chat", "norole.json")
+    bad(capsys, ["generate", "--prompt", "  "], "--prompt", "empty")
+    # more prompts than slots cannot stream at once
+    many = tmp_path / "many.txt"
+    many.write_text("".join(f"prompt {i}\n" for i in range(5)))
+    bad(capsys, ["generate", "--prompts-file", str(many), "--stream"], "--max-requests 5")
+    # a relative / ~ path is resolved before it is read
+    monkeypatch.chdir(tmp_path)
+    bad(capsys, ["generate", "--prompts-file", "blank.txt"], "no prompt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    bad(capsys, ["generate", "--prompts-file", "~/blank.txt"], "no prompt")
+    cache_file = tmp_path / "a_file"
+    cache_file.write_text("x")
+    bad(capsys, GEN + ["--compile-cache", str(cache_file)], "--compile-cache", "not a directory")
+
+
+def _fake_checkpoint(d, **fields):
+    """A directory that reads as a finished conversion whose config.json has `fields`."""
+    from checkpoints.convert import MANIFEST
+    d.mkdir()
+    cfg = C.tiny().to_hf_dict()
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / MANIFEST).write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", -1e-6), ("rope_theta", -10000.0),
+                                          ("routed_scaling_factor", 0.0), ("hc_eps", "tiny"),
+                                          ("compress_rope_theta", float("inf"))])
+def test_config_values_are_checked_before_loading(tmp_path, capsys, no_model, field, value):
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", **{field: value})
+    bad(capsys, ["generate", "--checkpoint", str(ckpt)], "config.json", field)
+
+
+def test_config_fields():
+    """Every float field refuses negative, zero and non-finite values; ids must fit the
+    vocabulary; bools are not integers."""
+    for f in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "rope_factor",
+              "routed_scaling_factor", "swiglu_limit"):
+        for v in (-1.0, 0.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=f):
+                C.tiny().replace(**{f: v})
+    for f, v in (("eos_token_id", 1024), ("bos_token_id", -1), ("hidden_size", True),
+                 ("num_nextn_predict_layers", -1), ("rope_original_max_position", 0)):
+        with pytest.raises(ValueError, match=f):
+            C.tiny().replace(**{f: v})
+
+
+def test_checkpoint_paths(tmp_path, capsys, no_model, monkeypatch):
+    f = tmp_path / "file"
+    f.write_text("x")
+    bad(capsys, ["generate", "--checkpoint", str(f)], "--checkpoint", "not a directory")
+    bad(capsys, ["generate", "--checkpoint", str(tmp_path / "nope")], "no such file")
+    bad(capsys, ["generate", "--checkpoint", str(tmp_path), "--preset", "tiny"], "--preset",
+        "--checkpoint")
+    bad(capsys, ["generate", "--checkpoint", str(tmp_path)], str(tmp_path))  # not a checkpoint
+    _fake_checkpoint(tmp_path / "ckpt", rms_norm_eps=-1.0)
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for p in ("ckpt", "./link", "~/ckpt"):  # each reaches the config check, resolved
+        bad(capsys, ["generate", "--checkpoint", p], str(tmp_path / "ckpt" / "config.json"),
+            "rms_norm_eps")
+
+
+def test_logits_input(tmp_path, capsys, no_model):
+    rng = np.random.default_rng(11)
+    ok = rng.integers(0, 1024, (2, 20))
+    cases = {
+        "big.npy": ok.copy(), "float.npy": ok.astype(np.float32), "bool.npy": ok > 500,
+        "flat.npy": ok[0], "neg.npy": ok.copy(),
+    }
+    cases["big.npy"][1, 3] = 2 ** 31 + 5   # would wrap into a valid id as int32
+    cases["neg.npy"][0, 7] = -2
+    for name, arr in cases.items():
+        np.save(tmp_path / name, arr)
+    np.save(tmp_path / "ok.npy", ok)
+    (tmp_path / "text.npy").write_text("not numpy")
+    out = str(tmp_path / "o.npz")
+    base = ["logits", "--prefill-len", "15", "--out", out, "--tokens"]
+    bad(capsys, base + [str(tmp_path / "big.npy")], str(2 ** 31 + 5), "[1, 3]", "[0, 1024)")
+    bad(capsys, base + [str(tmp_path / "neg.npy")], "-2", "[0, 7]")
+    bad(capsys, base + [str(tmp_path / "float.npy")], "float.npy", "integers")
+    bad(capsys, base + [str(tmp_path / "bool.npy")], "integers")
+    bad(capsys, base + [str(tmp_path / "flat.npy")], "[B, T]", "(20,)")
+    bad(capsys, base + [str(tmp_path / "text.npy")], "text.npy", ".npy")
+    bad(capsys, base + [str(tmp_path / "nope.npy")], "--tokens", "no such file")
+    bad(capsys, ["logits", "--prefill-len", "21", "--out", out, "--tokens",
+                 str(tmp_path / "ok.npy")], "--prefill-len", "[1, 20]")
+    bad(capsys, ["logits", "--prefill-len", "5", "--out", str(tmp_path / "missing" / "o.npz"),
+                 "--tokens", str(tmp_path / "ok.npy")], "--out", "does not exist")
+    (tmp_path / "d.npz").mkdir()
+    bad(capsys, ["logits", "--prefill-len", "5", "--out", str(tmp_path / "d.npz"), "--tokens",
+                 str(tmp_path / "ok.npy")], "--out", "is a directory")
+
+
+def test_interrupt_and_failure_exit_codes(capsys, monkeypatch):
+    """Ctrl-C while the model loads: 130 and one line; a runtime failure: 1 and one line;
+    a bug keeps its traceback."""
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_load_params", interrupt)
+    line = bad(capsys, GEN, "interrupted", code=130)
+    assert line.startswith("dsv4 generate: interrupted")
+
+    def fail(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory allocating 12 GiB")
+    monkeypatch.setattr(cli, "_load_params", fail)
+    bad(capsys, GEN, "dsv4 generate: failed", "RESOURCE_EXHAUSTED", code=1)
+
+    def bug(*a, **k):
+        raise KeyError("x")
+    monkeypatch.setattr(cli, "_load_params", bug)
+    with pytest.raises(KeyError):
+        cli.main(GEN)
+
+
+def test_engine_refuses_bad_requests(tiny_model):
+    """The Python API checks the same things before compiling anything."""
+    cfg, params = tiny_model
+    eng = G.Engine(cfg, params, numerics=Numerics(False, "float32"), progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate([[0, 5, 9]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        next(eng.stream([[0, 5, 9]], max_new_tokens=-1))
+    with pytest.raises(ValueError, match="integers"):
+        eng.generate([[0.0, 5.5]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"\[0, 1024\)"):
+        eng.teacher_forced_logits(np.array([[1, 2, 2 ** 31 + 1]], np.int64), 2)
+    assert not eng.bm.active.any()   # nothing was admitted
