@@ -286,17 +286,17 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
 
 
-def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs: CacheSpec,
-         nm: Numerics):
-    """tokens [B, T] int32, slots/pos/nvalid [B] int32, block_table [R, MAXB] int32 ->
-    (logits [B, V] f32 at each row's last valid token, new cache)."""
+def step_layers(params, cache, X, tokens, slots, pos, nvalid, block_table, layers,
+                cfg: Config, cs: CacheSpec, nm: Numerics):
+    """Blocks `layers` (consecutive ids) of the cached step on the residual X [B, T, N, D]
+    -> (X, {f"L{i}": new cache of layer i}). `cache` needs only those layers' entries (a
+    pipeline stage holds just its own)."""
     B, T = tokens.shape
     tok_pos = pos[:, None] + jnp.arange(T)[None, :]
     valid = jnp.arange(T)[None, :] < nvalid[:, None]
     bt_rows = block_table[slots]
-    X = M.embed(params, tokens, cfg, nm)
     new_cache = {}
-    for i in range(cfg.num_hidden_layers):
+    for i in layers:
         bp = L.block_params(params, f"layers.{i}.")
         ratio = cfg.layer_ratio(i)
         holder = {}
@@ -309,9 +309,23 @@ def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs
         with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
             X = M.block(bp, X, tokens, i, cfg, nm, attn)
         new_cache[f"L{i}"] = holder["lc"]
+    return X, new_cache
+
+
+def step_head(params, X, nvalid, cfg: Config, nm: Numerics):
+    """Final residual X [B, T, N, D] -> logits [B, V] f32 at each row's last valid token."""
     last = jnp.maximum(nvalid - 1, 0)
-    X_last = X[jnp.arange(B), last]  # [B, N, D]
-    return M.head(params, X_last, cfg, nm), new_cache
+    return M.head(params, X[jnp.arange(X.shape[0]), last], cfg, nm)
+
+
+def step(params, cache, tokens, slots, pos, nvalid, block_table, cfg: Config, cs: CacheSpec,
+         nm: Numerics):
+    """tokens [B, T] int32, slots/pos/nvalid [B] int32, block_table [R, MAXB] int32 ->
+    (logits [B, V] f32 at each row's last valid token, new cache)."""
+    X = M.embed(params, tokens, cfg, nm)
+    X, new_cache = step_layers(params, cache, X, tokens, slots, pos, nvalid, block_table,
+                               range(cfg.num_hidden_layers), cfg, cs, nm)
+    return step_head(params, X, nvalid, cfg, nm), new_cache
 
 
 # XLA options of the step programs. A GPU step runs as one CUDA graph; with concurrent
