@@ -37,9 +37,9 @@ from dsv4_jax.config import Config
 
 from . import formats as F
 from . import layout as L
-from .errors import CheckpointError, MemoryBudgetError
+from .errors import CheckpointError, IncompleteCheckpointError, MemoryBudgetError, NonFiniteError
 from .safetensors_io import aligned_empty
-from .source import SIDE_FILES, Source, open_source
+from .source import SIDE_FILES, Source, open_source, read_json, user_path
 
 MANIFEST = "dsv4_checkpoint.json"
 STATE = ".convert_state.json"
@@ -47,18 +47,24 @@ FORMAT_VERSION = 1
 _SLACK = 256 << 20  # transient per-expert buffers, tensorstore bookkeeping
 
 
-def parse_bytes(s: str | int) -> int:
-    """'8G', '512M', '3.5GiB', 1234 -> bytes."""
-    if isinstance(s, int):
-        return s
-    t = s.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        if t and t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(float(t))
-    except ValueError:
-        raise ValueError(f"cannot read a byte size from {s!r} (e.g. 8G, 512M)") from None
+def parse_bytes(s: str | int, what: str = "byte size") -> int:
+    """'8G', '512M', '3.5GiB', 1234 -> bytes, at least 1. `what` names the flag or argument
+    in the error (e.g. '--memory-budget')."""
+    n = None
+    if isinstance(s, int) and not isinstance(s, bool):
+        n = s
+    elif isinstance(s, str):
+        t = s.strip().upper().removesuffix("IB").removesuffix("B")
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+        m = mult.get(t[-1:], 1)
+        try:
+            n = int(float(t[:-1] if m > 1 else t) * m)
+        except (ValueError, OverflowError):  # garbage, nan, inf
+            n = None
+    if n is None or n < 1:
+        raise ValueError(f"{what} must be a positive number of bytes such as 8G, 512M or "
+                         f"1048576, got {s!r}")
+    return n
 
 
 def rss_bytes() -> int:
@@ -91,10 +97,30 @@ def _in_fields(spec: P.ParamSpec) -> tuple[str, ...]:
     return tuple(L.field_shapes(spec))
 
 
+def check_finite(src: Source, key: str, field: str, arr: np.ndarray, expert: int | None = None):
+    """Raise NonFiniteError naming the source tensor and file if `arr` (the field `field` of
+    leaf `key`, as read; a stacked expert array or one expert's slice) holds NaN/inf or e8m0
+    NaN scales. Stacked arrays are checked expert by expert to name the first bad one."""
+    stacked = L.is_expert_key(key) and expert is None and arr.ndim > 0
+    for e, a in (enumerate(arr) if stacked else ((expert, arr),)):
+        n = F.nonfinite_count(a)
+        if n:
+            t = next(t for t in src.by_leaf[key] if t.field == field and t.expert == e)
+            what = "NaN scale bytes (0xFF)" if a.dtype == F.NONFINITE_E8M0 else "NaN/inf values"
+            raise NonFiniteError(f"{src.path / src.where[t.name]}: tensor {t.name!r} holds {n} "
+                                 f"{what}; the source is damaged (re-download that file)")
+
+
 def convert_leaf(src: Source, key: str, spec_in: P.ParamSpec, spec_out: P.ParamSpec) -> dict:
-    """The leaf `key` as a dict of numpy fields in `spec_out`'s storage format."""
+    """The leaf `key` as a dict of numpy fields in `spec_out`'s storage format. Every array
+    read is checked for NaN/inf (NonFiniteError names the source tensor and file), and so is
+    every converted array, before anything is written."""
     if spec_in.fmt == spec_out.fmt:
-        return {f: src.read_field(key, f) for f in _in_fields(spec_in)}
+        out = {}
+        for f in _in_fields(spec_in):
+            out[f] = src.read_field(key, f)
+            check_finite(src, key, f, out[f])
+        return out
     out = {f: aligned_empty(s.shape, s.dtype) for f, s in
            L.from_leaf(P.storage_structs(spec_out)).items()}
     stacked = L.is_expert_key(key)
@@ -103,6 +129,8 @@ def convert_leaf(src: Source, key: str, spec_in: P.ParamSpec, spec_out: P.ParamS
         fin = {f: src.read_field(key, f, rng) for f in _in_fields(spec_in)}
         if stacked:
             fin = {f: v[0] for f, v in fin.items()}
+        for f, v in fin.items():
+            check_finite(src, key, f, v, e)
         name = f"{key}[{e}]" if stacked else key
         if spec_out.fmt == "fp8" and spec_in.fmt == "fp4":
             w, s = F.fp4_to_fp8(fin["packed"], fin["scale"], name)
@@ -112,6 +140,9 @@ def convert_leaf(src: Source, key: str, spec_in: P.ParamSpec, spec_out: P.ParamS
         else:
             raise CheckpointError(f"{key}: no conversion from {spec_in.fmt} to {spec_out.fmt}")
         for f, v in fout.items():
+            if F.nonfinite_count(v):  # e.g. a finite FP4 value times a huge scale
+                raise NonFiniteError(f"{name}: converting {spec_in.fmt} -> {spec_out.fmt} "
+                                     f"gives NaN/inf in {f!r} (scales out of range)")
             if stacked:
                 out[f][e] = v
             else:
@@ -150,9 +181,47 @@ def orbax_checkpointer():
 
 
 def chunk_metadata(path: Path) -> dict:
-    """{key: ArrayMetadata | {field: ArrayMetadata}} of one chunk, from metadata only."""
-    m = orbax_checkpointer().metadata(path)
-    return dict(m.item_metadata.tree if hasattr(m, "item_metadata") else m.tree)
+    """{key: ArrayMetadata | {field: ArrayMetadata}} of one chunk, from metadata only;
+    IncompleteCheckpointError naming the chunk if it is missing or unreadable."""
+    path = Path(path).absolute()  # orbax reads nothing from a relative path
+    if not path.is_dir():
+        raise IncompleteCheckpointError(f"{path}: chunk directory missing (a damaged copy?)")
+    try:
+        m = orbax_checkpointer().metadata(path)
+        tree = m.item_metadata.tree if hasattr(m, "item_metadata") else m.tree
+        return dict(tree)
+    except Exception as e:  # orbax / tensorstore raise many types for a damaged chunk
+        raise IncompleteCheckpointError(f"{path}: unreadable orbax chunk "
+                                        f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of the finished conversion at `path` (absolute), checked against the
+    files: IncompleteCheckpointError naming what is missing, malformed or unfinished."""
+    mpath = path / MANIFEST
+    if not mpath.exists():
+        n = len(list((path / "parts").glob("*/part.json")))
+        raise IncompleteCheckpointError(
+            f"{path}: no {MANIFEST}: the conversion did not finish ({n} parts done); run "
+            "`dsv4 convert` with the same arguments again to resume it")
+    m = read_json(mpath, IncompleteCheckpointError, "manifest")
+    if not isinstance(m, dict) or m.get("format") != "dsv4-orbax" or m.get("version") != FORMAT_VERSION:
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else type(m).__name__
+        raise IncompleteCheckpointError(f"{mpath}: unknown format/version {got!r}, expected "
+                                        f"('dsv4-orbax', {FORMAT_VERSION})")
+    parts = m.get("parts")
+    if not (isinstance(parts, dict) and all(
+            isinstance(pm, dict) and isinstance(pm.get("chunks"), dict)
+            and all(isinstance(keys, list) for keys in pm["chunks"].values())
+            for pm in parts.values())):
+        raise IncompleteCheckpointError(f"{mpath}: malformed `parts` (needs "
+                                        "{part: {chunks: {cK: [param keys]}}})")
+    for part, pm in parts.items():
+        for c in pm["chunks"]:
+            if not (path / "parts" / part / c).is_dir():
+                raise IncompleteCheckpointError(f"{path / 'parts' / part / c}: missing, but "
+                                                f"{MANIFEST} lists it (a damaged copy?)")
+    return m
 
 
 def restore_chunk(path: Path, target: dict) -> dict:
@@ -188,7 +257,9 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
     same source with the same options. Returns a summary (bytes, seconds, GB/s, peak RSS)."""
     log = log or (lambda *a: print(*a, file=sys.stderr))
     t0 = time.time()
-    budget = parse_bytes(memory_budget)
+    budget = parse_bytes(memory_budget, "memory budget (--memory-budget)")
+    src, dst = user_path(src), user_path(dst)
+    check_dst(src, dst)
     source = open_source(src)
     cfg_in = source.cfg
     cfg_out = output_config(cfg_in, expert_dtype, dtype)
@@ -213,14 +284,13 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
             f"{(base + _SLACK + need) / 2**30:.1f}G")
     plan = plan_parts(specs_out, chunk_bytes)
 
-    dst = Path(dst)
     options = {"expert_dtype": cfg_out.expert_dtype, "linear_dtype": cfg_out.linear_dtype}
     state = {"source": str(source.path.resolve()), "fingerprint": source.fingerprint(),
              "options": options, "version": FORMAT_VERSION}
     _prepare_dst(dst, state, overwrite, log)
     if (dst / MANIFEST).exists():
         log(f"{dst}: conversion already complete")
-        return json.loads((dst / MANIFEST).read_text())["summary"]
+        return read_json(dst / MANIFEST, IncompleteCheckpointError, "manifest")["summary"]
 
     parts_dir = dst / "parts"
     parts_dir.mkdir(exist_ok=True)
@@ -236,7 +306,7 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
     for part, chunks in plan.items():
         pdir = parts_dir / part
         if (pdir / "part.json").exists():
-            done_parts[part] = json.loads((pdir / "part.json").read_text())
+            done_parts[part] = read_json(pdir / "part.json", IncompleteCheckpointError, "part file")
             bar.update(src_bytes[part])
             continue
         tmp = parts_dir / (part + ".tmp")
@@ -283,18 +353,59 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
     return summary
 
 
+def check_dst(src: Path, dst: Path):
+    """Refuse destinations that cannot hold the output before anything is read or written:
+    an existing file, the source itself, a folder inside the source or around it, a
+    destination (or the first existing folder above it) that is not writable."""
+    if dst.exists() and not dst.is_dir():
+        raise NotADirectoryError(f"destination {dst} is an existing file; convert writes a "
+                                 "directory there (give a new or empty directory)")
+    if dst == src or src in dst.parents:
+        raise CheckpointError(f"destination {dst} is inside the source {src}; give a "
+                              "directory outside it")
+    if dst in src.parents:
+        raise CheckpointError(f"destination {dst} contains the source {src}; give a "
+                              "directory outside it")
+    parent = dst
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"destination {dst}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"destination {dst}: {parent} is not writable")
+
+
+_DISCARD = "parts.discard"  # `parts` renamed here by --overwrite, then deleted
+
+
+def _entries(dst: Path) -> list[Path]:
+    # the state file's temporary name: a run interrupted while creating DST leaves it
+    return [p for p in dst.iterdir() if p.name != STATE + ".tmp"]
+
+
 def _prepare_dst(dst: Path, state: dict, overwrite: bool, log):
     sp = dst / STATE
+    ours = sp.exists() or (dst / MANIFEST).exists()
+    if dst.exists() and _entries(dst) and not ours:
+        raise CheckpointError(f"{dst} exists, is not empty and holds no dsv4 conversion "
+                              f"(no {STATE}); " + ("refusing to delete it with --overwrite"
+                                                   if overwrite else "give a new or empty directory"))
     if dst.exists() and overwrite:
-        if not (sp.exists() or (dst / MANIFEST).exists()) and any(dst.iterdir()):
-            raise CheckpointError(f"{dst} is not a dsv4 conversion output; refusing to delete it")
-        shutil.rmtree(dst)
-    if dst.exists() and any(dst.iterdir()):
-        if not sp.exists():
-            raise CheckpointError(f"{dst} exists, is not empty and holds no dsv4 conversion")
-        old = json.loads(sp.read_text())
+        # unmark, then drop the parts in one rename: an interrupt anywhere leaves a directory
+        # that a rerun (with or without --overwrite) recognises and cleans up
+        (dst / MANIFEST).unlink(missing_ok=True)
+        if (dst / "parts").exists():
+            os.replace(dst / "parts", dst / _DISCARD)
+        for p in _entries(dst):
+            if p.name != STATE:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        sp.unlink(missing_ok=True)
+    if dst.exists() and _entries(dst):
+        if (dst / _DISCARD).exists():
+            shutil.rmtree(dst / _DISCARD)
+        old = read_json(sp, CheckpointError, "conversion state") if sp.exists() else None
         if old != state:
-            diff = [k for k in state if old.get(k) != state[k]]
+            diff = [k for k in state if not isinstance(old, dict) or old.get(k) != state[k]]
             raise CheckpointError(f"{dst} holds a conversion with a different {', '.join(diff)}; "
                                   "pass --overwrite to start again")
         if not (dst / MANIFEST).exists():

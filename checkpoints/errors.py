@@ -43,8 +43,13 @@ class ShapeMismatchError(CheckpointError):
 
 
 class IncompleteCheckpointError(CheckpointError):
-    """An orbax output directory without its final manifest (interrupted conversion)."""
+    """An orbax output directory without its final manifest (interrupted conversion), or
+    one whose manifest, part or chunk files are missing or unreadable."""
 
 
 class MemoryBudgetError(CheckpointError):
     """The memory budget is too small for the largest single array to be streamed."""
+
+
+class NonFiniteError(CheckpointError):
+    """A tensor holds NaN/inf values (for e8m0 scales: the NaN byte 0xFF)."""

@@ -96,3 +96,32 @@ def fp4_to_fp8(packed: np.ndarray, scale: np.ndarray, name: str = "tensor"):
 
 def encode_bf16(v: np.ndarray) -> np.ndarray:
     return v.astype(ml_dtypes.bfloat16)
+
+
+# Non-finite values by bit pattern: (unsigned view, exponent mask). A value is NaN/inf (for
+# e8m0: the NaN byte 0xFF; e4m3fn has NaN but no inf) when all its mask bits are set. Bit
+# tests need no float conversion, so a check costs one small temporary per slice.
+NONFINITE_BITS: dict[np.dtype, tuple[type, int]] = {
+    np.dtype(ml_dtypes.float8_e8m0fnu): (np.uint8, 0xFF),
+    _E4M3: (np.uint8, 0x7F),
+    np.dtype(ml_dtypes.float8_e5m2): (np.uint8, 0x7C),
+    np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
+    np.dtype(np.float16): (np.uint16, 0x7C00),
+    np.dtype(np.float32): (np.uint32, 0x7F800000),
+    np.dtype(np.float64): (np.uint64, 0x7FF0000000000000),
+}
+NONFINITE_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+CHECK_SLICE_BYTES = 32 << 20  # bytes of one array checked at a time (bounds the temporaries)
+
+
+def nonfinite_count(a: np.ndarray) -> int:
+    """Entries of `a` that are NaN/inf (0xFF for e8m0); 0 for integer dtypes. Works through
+    the array in slices of CHECK_SLICE_BYTES, so the temporaries stay small."""
+    kind = NONFINITE_BITS.get(np.dtype(a.dtype))
+    if kind is None or a.size == 0:
+        return 0
+    view, mask = kind
+    flat = np.ascontiguousarray(a).reshape(-1).view(view)
+    step = max(1, CHECK_SLICE_BYTES // flat.itemsize)
+    return sum(int(np.count_nonzero((flat[i:i + step] & view(mask)) == view(mask)))
+               for i in range(0, flat.size, step))

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from . import layout as L
-from .errors import CheckpointError
+from .errors import CheckpointError, IncompleteCheckpointError
+from .source import user_path
 
 
 def _human(n: float) -> str:
@@ -32,76 +33,65 @@ def _layer_kind(key: str, cfg) -> str:
 
 def inspect(path) -> dict:
     """{kind, format, config, tensors: [{name, key, dtype, shape, bytes}], notes} for a
-    safetensors directory or an orbax checkpoint."""
+    safetensors directory or a finished orbax checkpoint. Anything that `convert` or `load`
+    would refuse (corrupt or truncated header, index mismatch, foreign model, unfinished or
+    damaged conversion) raises its CheckpointError instead of a report."""
     from .convert import MANIFEST, STATE
-    path = Path(path)
-    if (path / MANIFEST).exists() or (path / STATE).exists():
+    path = user_path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; inspect takes a checkpoint directory "
+                                 "(safetensors or orbax)")
+    if (path / MANIFEST).exists() or (path / STATE).exists() or (path / "parts").exists():
         return _inspect_orbax(path)
-    if any(path.glob("*.safetensors")):
+    if (path / "config.json").exists() or any(path.glob("*.safetensors")):
         return _inspect_safetensors(path)
-    raise CheckpointError(f"{path}: neither a safetensors directory nor a dsv4 orbax checkpoint")
+    raise CheckpointError(f"{path}: neither a safetensors checkpoint directory (config.json + "
+                          f"*.safetensors) nor a dsv4 orbax checkpoint ({MANIFEST})")
 
 
 def _inspect_safetensors(path: Path) -> dict:
-    from .safetensors_io import SafetensorsFile
     from .source import open_source
-    notes, cfg, classified = [], None, {}
-    try:
-        src = open_source(path)
-        cfg = src.cfg
-        for key, ts in src.by_leaf.items():
-            for t in ts:
-                classified[t.name] = key
-        for reason, names in src.skipped.items():
-            notes.append(f"{len(names)} tensors of {reason} (skipped by convert)")
-        fmt = f"{src.fmt} ({src.naming} names)"
-        where = {n: src.files[f] for n, f in src.where.items()}
-    except CheckpointError as e:  # still list what is there
-        notes.append(f"not convertible: {e}")
-        fmt = "unknown"
-        where = {}
-        for p in sorted(path.glob("*.safetensors")):
-            try:
-                f = SafetensorsFile(p)
-            except CheckpointError as e2:
-                notes.append(str(e2))
-                continue
-            where.update({n: f for n in f.keys()})
+    src = open_source(path)
+    notes = [f"{len(names)} tensors of {reason} (skipped by convert)"
+             for reason, names in src.skipped.items()]
+    classified = {t.name: key for key, ts in src.by_leaf.items() for t in ts}
     tensors = []
-    for name, f in where.items():
-        i = f.info(name)
+    for name, fname in src.where.items():
+        i = src.files[fname].info(name)
         tensors.append({"name": name, "key": classified.get(name), "dtype": i.dtype,
-                        "shape": list(i.shape), "bytes": i.nbytes, "file": f.path.name})
-    return {"path": str(path), "kind": "safetensors", "format": fmt,
-            "config": cfg, "tensors": tensors, "notes": notes}
+                        "shape": list(i.shape), "bytes": i.nbytes, "file": fname})
+    return {"path": str(path), "kind": "safetensors",
+            "format": f"{src.fmt} ({src.naming} names)", "config": src.cfg,
+            "tensors": tensors, "notes": notes}
 
 
 def _inspect_orbax(path: Path) -> dict:
-    from dsv4_jax.config import Config
-    from .convert import MANIFEST, chunk_metadata
-    notes = []
-    mpath = path / MANIFEST
-    if not mpath.exists():
-        notes.append("INCOMPLETE: no manifest (interrupted conversion; rerun convert to resume)")
-    cfg = Config.from_json(path) if (path / "config.json").exists() else None
+    from .convert import MANIFEST, chunk_metadata, read_manifest
+    from .source import read_config
+    manifest = read_manifest(path)
+    cfg, _ = read_config(path)
     tensors = []
-    for pj in sorted((path / "parts").glob("*/part.json")):
-        part = json.loads(pj.read_text())
-        for c in part["chunks"]:
-            meta = chunk_metadata(pj.parent / c)
+    for part, pm in manifest["parts"].items():
+        for c, keys in pm["chunks"].items():
+            meta = chunk_metadata(path / "parts" / part / c)
+            missing = [k for k in keys if k not in meta]
+            if missing:
+                raise IncompleteCheckpointError(f"{path / 'parts' / part / c}: lacks "
+                                                f"{missing[:3]}, which {MANIFEST} lists there")
             for key, m in meta.items():
                 fields = m if isinstance(m, dict) else {"": m}
                 for f, a in fields.items():
                     n = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
                     tensors.append({"name": key + (f".{f}" if f else ""), "key": key,
                                     "dtype": str(np.dtype(a.dtype)), "shape": list(a.shape),
-                                    "bytes": n, "file": f"parts/{pj.parent.name}/{c}"})
-    fmt = "orbax"
-    if mpath.exists():
-        src = json.loads(mpath.read_text())["source"]
-        fmt = f"orbax, converted from {src['format']}-format safetensors ({src['naming']} names)"
+                                    "bytes": n, "file": f"parts/{part}/{c}"})
+    src = manifest.get("source") or {}
+    fmt = (f"orbax, converted from {src.get('format')}-format safetensors "
+           f"({src.get('naming')} names)")
     return {"path": str(path), "kind": "orbax", "format": fmt, "config": cfg,
-            "tensors": tensors, "notes": notes}
+            "tensors": tensors, "notes": []}
 
 
 def summarize(info: dict) -> dict:

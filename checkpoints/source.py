@@ -33,22 +33,39 @@ def _names(names, n=5) -> str:
     return ", ".join(repr(x) for x in names[:n]) + more
 
 
+def user_path(path) -> Path:
+    """A path the user gave, made absolute: `~` expanded, relative to the working directory,
+    symlinks resolved (orbax needs absolute paths, and the resume guard compares them)."""
+    return Path(path).expanduser().resolve()
+
+
+def read_json(p: Path, err=CheckpointError, what: str = "JSON file"):
+    """The parsed JSON file `p`; an unreadable / non-UTF-8 / malformed file is `err` naming it."""
+    try:
+        return json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise err(f"{p}: not a UTF-8 {what} (byte {e.start}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise err(f"{p}: not a valid {what} ({e})") from None
+
+
 def read_config(path: Path) -> tuple[Config, dict]:
     p = path / "config.json"
-    if not p.exists():
+    if not p.is_file():
         raise ForeignCheckpointError(f"{path}: no config.json (not a HF-layout checkpoint)")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ForeignCheckpointError(f"{p}: not valid JSON ({e})") from None
+    raw = read_json(p, ForeignCheckpointError, "config.json")
+    if not isinstance(raw, dict):
+        raise ForeignCheckpointError(f"{p}: config.json must hold a JSON object, got "
+                                     f"{type(raw).__name__}")
     mt, arch = raw.get("model_type"), raw.get("architectures") or []
     if mt != "deepseek_v4" and _V4_ARCH not in arch:
         raise ForeignCheckpointError(
             f"{p}: not a DeepSeek-V4 checkpoint (model_type={mt!r}, architectures={arch})")
     try:
         cfg = Config.from_hf_dict(raw, name=path.name)
-    except ValueError as e:
-        raise ForeignCheckpointError(f"{p}: config does not describe a valid DeepSeek-V4 model: {e}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ForeignCheckpointError(f"{p}: config does not describe a valid DeepSeek-V4 "
+                                     f"model: {type(e).__name__}: {e}") from None
     return cfg, raw
 
 
@@ -111,9 +128,12 @@ class Source:
 
 def open_source(path, *, naming: str | None = None) -> Source:
     """Validate a safetensors checkpoint directory (headers only; no tensor data read)."""
-    path = Path(path)
+    path = user_path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a directory")
+        raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory (config.json, "
+                                 "*.safetensors)")
     cfg, raw = read_config(path)
     files, where = _open_shards(path)
     naming = naming or L.detect_naming(where)
@@ -164,17 +184,17 @@ def _open_shards(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str]
             raise ForeignCheckpointError(f"{path}: neither {INDEX_NAME} nor model.safetensors")
         f = SafetensorsFile(single)
         return {single.name: f}, {n: single.name for n in f.keys()}
-    try:
-        idx = json.loads(idx_path.read_text())
-        wm = idx["weight_map"]
-        assert isinstance(wm, dict) and all(isinstance(v, str) for v in wm.values())
-    except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
+    idx = read_json(idx_path, IndexMismatchError, "index")
+    wm = idx.get("weight_map") if isinstance(idx, dict) else None
+    meta = idx.get("metadata") if isinstance(idx, dict) else None
+    if not (isinstance(wm, dict) and all(isinstance(v, str) for v in wm.values())
+            and isinstance(meta or {}, dict)):
         raise IndexMismatchError(f"{idx_path}: not a valid index (needs a `weight_map` of "
-                                 "tensor name -> shard file)") from None
+                                 "tensor name -> shard file)")
     files: dict[str, SafetensorsFile] = {}
     for fname in sorted(set(wm.values())):
         p = path / fname
-        if not p.exists() or Path(fname).name != fname:
+        if Path(fname).name != fname or not p.is_file():
             raise IndexMismatchError(f"{idx_path}: lists shard {fname!r} which does not exist")
         files[fname] = SafetensorsFile(p)
     for name, fname in wm.items():
@@ -190,9 +210,9 @@ def _open_shards(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str]
     if stray:
         raise IndexMismatchError(f"{idx_path}: shard file(s) on disk not referenced by the index: "
                                  f"{_names(stray)}")
-    total = (idx.get("metadata") or {}).get("total_size")
+    total = (meta or {}).get("total_size")
     actual = sum(i.nbytes for f in files.values() for i in f.infos.values())
-    if total is not None and int(total) != actual:
+    if total is not None and (not isinstance(total, (int, str)) or str(total) != str(actual)):
         raise IndexMismatchError(f"{idx_path}: metadata.total_size is {total}, the shards hold "
                                  f"{actual} bytes of tensors")
     return files, dict(wm)

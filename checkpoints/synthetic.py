@@ -21,6 +21,7 @@ from dsv4_jax.config import Config
 
 from . import layout as L
 from .safetensors_io import ShardWriter
+from .source import user_path
 
 FORMATS = ("official", "nvfp4")
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,7 +39,7 @@ def format_config(cfg: Config, fmt: str) -> Config:
 
 def truncate_layers(cfg: Config, n: int) -> Config:
     """The first n blocks of a config (ratio pattern prefix + the MTP entries)."""
-    if not 1 <= n <= cfg.num_hidden_layers:
+    if not isinstance(n, (int, np.integer)) or not 1 <= n <= cfg.num_hidden_layers:
         raise ValueError(f"--layers must be in [1, {cfg.num_hidden_layers}], got {n}")
     m = cfg.num_nextn_predict_layers
     ratios = cfg.compress_ratios[:n] + cfg.compress_ratios[cfg.num_hidden_layers:]
@@ -102,17 +103,64 @@ def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", 
     `fast_experts`: draw routed experts directly in their stored format (random e2m1 codes /
     e4m3 values with scales that give ~1/sqrt(in) weights) instead of encoding
     `params.init_expert` values: ~100x faster for full-width presets, but the experts then
-    differ from `params.init_params`. Returns a summary dict (shards, tensors, bytes). The
-    directory is written under a temporary name and renamed when complete."""
+    differ from `params.init_params`. Returns a summary dict (shards, tensors, bytes).
+
+    The files are written into `OUT.partial` (marked by a `.dsv4_make_checkpoint` file) and
+    renamed to `out` only when complete; on any failure or interrupt the partial directory
+    is removed, so `out` either is a whole checkpoint or does not exist."""
+    out = user_path(out)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed (--seed) must be an integer >= 0, got {seed!r}")
+    if not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
+        raise ValueError(f"shard size (--shard-size) must be a positive number of bytes, "
+                         f"got {shard_bytes!r}")
     cfg = format_config(cfg, fmt)
     naming = "official" if fmt == "official" else "hf"
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty")
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
+    tmp = check_out(out)
+    if tmp.exists():  # left by a killed run (check_out made sure it is one of ours)
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    (tmp / PARTIAL_MARK).write_text("an unfinished `dsv4 make-checkpoint`; safe to delete\n")
+    try:
+        summary = _write_all(tmp, cfg, fmt, naming, seed, shard_bytes, row_block_elems,
+                             progress, fast_experts)
+        (tmp / PARTIAL_MARK).unlink()
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"path": str(out), **summary}
+
+
+PARTIAL_MARK = ".dsv4_make_checkpoint"
+
+
+def check_out(out: Path) -> Path:
+    """Refuse an output that exists (unless an empty directory) or cannot be created;
+    -> the temporary directory to write into."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {out} is an existing file; give a new or empty directory")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output {out} exists and is not empty; give a new or empty "
+                              "directory")
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists() and not (tmp / PARTIAL_MARK).exists():
+        raise FileExistsError(f"{tmp} exists and was not made by make-checkpoint; move it away "
+                              "(the checkpoint is written there first)")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"output {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"output {out}: {parent} is not writable")
+    return tmp
+
+
+def _write_all(tmp: Path, cfg: Config, fmt: str, naming: str, seed: int, shard_bytes: int,
+               row_block_elems: int, progress: bool, fast_experts: bool) -> dict:
     specs = P.describe(cfg, include_mtp=True)
     tensors = [t for k, s in specs.items() for t in L.leaf_tensors(k, s, naming)]
     shards = plan_shards(tensors, shard_bytes)
@@ -136,10 +184,7 @@ def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", 
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": True,
          "temperature": 1.0, "top_p": 1.0}, indent=2))
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    return {"path": str(out), "format": fmt, "shards": m, "tensors": len(tensors), "bytes": total}
+    return {"format": fmt, "shards": m, "tensors": len(tensors), "bytes": total}
 
 
 def _write_tensor(w: ShardWriter, t: L.DiskTensor, spec: P.ParamSpec, cfg: Config, seed: int,

@@ -6,11 +6,20 @@ Arrays go straight to their target shardings (one device, or the NamedShardings 
 abstract metadata: orbax restores each chunk with sharded targets, and the safetensors path
 builds every array with `jax.make_array_from_callback`, reading only the experts each device
 holds (other tensors: one tensor at a time). No copy of the whole model sits in host memory.
+
+Host memory during `load`, beyond the process and the loaded arrays themselves (which on a
+CPU backend are host memory), is bounded independently of the model size:
+- safetensors: one tensor field (all its experts on one device) at a time, read into the
+  buffer that becomes the array, plus at most one copy of it while it is placed;
+- orbax: one chunk of the conversion at a time (at most the converter's chunk size, set by
+  `dsv4 convert --memory-budget` and recorded in the manifest as `summary.chunk_bytes`);
+- the numerics check: NUMERICS_SLICE_BYTES (32 MiB) of temporaries on a CPU backend (each
+  array is checked in slices of its own host buffer, no copy); on GPU the check runs on
+  the device, one fused reduction per array, compiled once per shape and dtype.
 """
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from pathlib import Path
 
@@ -19,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints import convert as C
+from checkpoints import formats as CF
 from checkpoints import layout as CL
 from checkpoints.errors import (CheckpointError, DtypeMismatchError, IncompleteCheckpointError,
                                 MissingKeyError, ShapeMismatchError, UnknownKeyError)
-from checkpoints.source import open_source
+from checkpoints.source import open_source, read_config, user_path
 from pallas_kernels.quant_matmul import PLACE_MAX_SCALE_BYTE
 
 from .config import Config
@@ -34,22 +44,30 @@ from .quant import Fp4Weight
 def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: bool = True):
     """Restore the checkpoint at `path` -> (Config, params).
 
+    `path`: a directory; relative paths, `~` and symlinks are resolved first.
     `mesh`: a `jax.sharding.Mesh` with axes from ("data", "expert", "model") (rules:
     `sharding.RULES`, or `rules`), or None for the first device. `numerics_check`: after
-    loading, verify on device that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite and
-    `tid2eid` indexes real experts; a failure names the tensor.
+    loading, verify that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite
+    and `tid2eid` indexes real experts; a failure names the tensor.
+    Host memory stays within the loaded arrays plus a bound independent of model size (one
+    tensor / one orbax chunk while reading, 32 MiB for the numerics check; see the module
+    docstring and docs/CHECKPOINTS.md).
     Raises `checkpoints.errors.CheckpointError` subclasses on any mismatch between the
     checkpoint and its config."""
-    path = Path(path)
+    path = user_path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory (orbax from "
+                                 "`dsv4 convert`, or config.json + *.safetensors)")
     if (path / C.MANIFEST).exists() or (path / C.STATE).exists() or (path / "parts").exists():
         cfg, params = _load_orbax(path, mesh, rules, include_mtp)
     elif (path / "config.json").exists() and any(path.glob("*.safetensors")):
         cfg, params = _load_safetensors(path, mesh, rules, include_mtp)
     else:
         raise CheckpointError(f"{path}: neither an orbax checkpoint from `dsv4 convert` "
-                              "(dsv4_checkpoint.json) nor a safetensors directory")
+                              f"({C.MANIFEST}) nor a safetensors directory (config.json + "
+                              "*.safetensors)")
     if numerics_check:
         check_numerics(params, cfg)
     return cfg, params
@@ -60,16 +78,8 @@ def _targets(cfg: Config, mesh, rules, include_mtp):
 
 
 def _load_orbax(path: Path, mesh, rules, include_mtp):
-    mpath = path / C.MANIFEST
-    if not mpath.exists():
-        raise IncompleteCheckpointError(
-            f"{path}: no {C.MANIFEST}: the conversion did not finish; run `dsv4 convert` "
-            "with the same arguments again to resume it")
-    manifest = json.loads(mpath.read_text())
-    if manifest.get("format") != "dsv4-orbax" or manifest.get("version") != C.FORMAT_VERSION:
-        raise IncompleteCheckpointError(f"{mpath}: unknown format/version "
-                                        f"{manifest.get('format')!r} {manifest.get('version')!r}")
-    cfg = Config.from_json(path)
+    manifest = C.read_manifest(path)
+    cfg, _ = read_config(path)
     specs = P.describe(cfg, include_mtp=True)
     where = {k: (part, c) for part, pm in manifest["parts"].items()
              for c, keys in pm["chunks"].items() for k in keys}
@@ -92,6 +102,9 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
         tgt = {}
         for k in keys:
             want = CL.from_leaf(targets[k])
+            if k not in meta:
+                raise IncompleteCheckpointError(f"{cdir}: lacks {k}, which {C.MANIFEST} "
+                                                "lists there")
             have = meta[k] if isinstance(meta[k], dict) else {"value": meta[k]}
             if set(want) != set(have):
                 raise DtypeMismatchError(f"{cdir}: {k} is stored with fields {sorted(have)}, "
@@ -144,46 +157,67 @@ def _make_array(src, key: str, field: str, s: jax.ShapeDtypeStruct, stacked: boo
 
 
 # ---------------------------------------------------------------------------------------
-# Numerics check (on device, one reduction per array)
+# Numerics check: one array at a time, in place (host slices on CPU, on device otherwise)
 # ---------------------------------------------------------------------------------------
-def _bad_count(x):
-    if x.dtype == jnp.float8_e8m0fnu:
-        return jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint8) == 255)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.sum(~jnp.isfinite(x.astype(jnp.float32)))
-    return jnp.zeros((), jnp.int32)
+NUMERICS_SLICE_BYTES = CF.CHECK_SLICE_BYTES
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _numerics_counts(tree, n_experts: int):
-    """-> ({name: count of NaN / non-finite / invalid entries},
-           {FP4 weight name: count of scale bytes above what the Pallas matmul kernel's
-            "place" FP4 program decodes (PLACE_MAX_SCALE_BYTE, 2^65)})."""
-    out, big = {}, {}
-    is_fp4 = lambda x: isinstance(x, Fp4Weight)
-    for k, leaf in tree.items():
-        for path, x in jax.tree_util.tree_leaves_with_path(leaf, is_leaf=is_fp4):
-            name = k + jax.tree_util.keystr(path)
-            if is_fp4(x):
-                out[name + ".packed"] = _bad_count(x.packed)
-                out[name + ".scale"] = _bad_count(x.scale)
-                big[name] = jnp.sum(jax.lax.bitcast_convert_type(x.scale, jnp.uint8)
-                                    > PLACE_MAX_SCALE_BYTE)
-            else:
-                out[name] = _bad_count(x)
-        if k.endswith("gate.tid2eid"):
-            out[k + " (expert id out of [0, n_routed_experts))"] = jnp.sum(
-                (leaf < 0) | (leaf >= n_experts))
-    return out, big
+def _host_count(a: np.ndarray, test: str, arg: int) -> int:
+    """Count entries failing `test` in a host array, slice by slice (small temporaries)."""
+    if test == "nonfinite":
+        return CF.nonfinite_count(a)
+    flat = a.reshape(-1)
+    if test == "scale_above":
+        flat = flat.view(np.uint8)
+    step = max(1, NUMERICS_SLICE_BYTES // max(1, flat.itemsize))
+    n = 0
+    for i in range(0, flat.size, step):
+        v = flat[i:i + step]
+        n += int(np.count_nonzero(v > arg if test == "scale_above" else (v < 0) | (v >= arg)))
+    return n
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _device_count(x, test: str, arg: int):
+    """The same counts on device: one fused reduction (bit tests, no float copy)."""
+    if test == "nonfinite":
+        view, mask = CF.NONFINITE_BITS[np.dtype(x.dtype)]
+        u = jax.lax.bitcast_convert_type(x, view)
+        return jnp.sum((u & view(mask)) == view(mask), dtype=jnp.uint32)
+    if test == "scale_above":
+        return jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint8) > arg, dtype=jnp.uint32)
+    return jnp.sum((x < 0) | (x >= arg), dtype=jnp.uint32)
+
+
+def _count(x: jax.Array, test: str, arg: int = 0):
+    """-> int (CPU arrays: every addressable shard once, through zero-copy numpy views) or a
+    device scalar (other backends; fetched together at the end)."""
+    if test == "nonfinite" and np.dtype(x.dtype) not in CF.NONFINITE_BITS:
+        return 0  # integer arrays (packed FP4, ids) have no NaN
+    if all(d.platform == "cpu" for d in x.sharding.device_set):
+        return sum(_host_count(np.asarray(s.data), test, arg)
+                   for s in x.addressable_shards if s.replica_id == 0)
+    return _device_count(x, test, arg)
 
 
 def check_numerics(params: dict, cfg: Config, exact_fp4: bool = False):
     """Raise naming the first tensor with NaN scales / non-finite values / bad expert ids;
     warn about FP4 scales the default FP4 matmul program cannot decode, unless the model
     will run with Numerics(exact_fp4=True) (`exact_fp4`).
-    One jitted reduction over the whole tree (one compile per model shape; the arrays
-    stay where they are)."""
-    bad, big = jax.device_get(_numerics_counts(params, cfg.n_routed_experts))
+    Each array is checked where it lives, on its own: on a CPU backend through numpy views
+    of its buffers in slices of NUMERICS_SLICE_BYTES (no compile, no copy); on a GPU by a
+    fused on-device reduction compiled once per (shape, dtype, sharding), so same-shape
+    arrays of different layers share one compile. Host memory: NUMERICS_SLICE_BYTES at most."""
+    bad, big = {}, {}
+    for k, leaf in params.items():
+        for f, x in CL.from_leaf(leaf).items():
+            bad[k if f == "value" else f"{k}.{f}"] = _count(x, "nonfinite")
+        if isinstance(leaf, Fp4Weight):
+            big[k] = _count(leaf.scale, "scale_above", PLACE_MAX_SCALE_BYTE)
+        if k.endswith("gate.tid2eid"):
+            bad[k + " (expert id out of [0, n_routed_experts))"] = _count(
+                leaf, "id_range", cfg.n_routed_experts)
+    bad, big = jax.device_get((bad, big))
     for name, n in bad.items():
         if int(n):
             raise CheckpointError(f"numerics check: {name} has {int(n)} NaN/non-finite or "
