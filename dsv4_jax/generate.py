@@ -27,6 +27,7 @@ from .param_specs import x_proj_is_merged
 from .params import merge_x_proj as merge_decode_form
 from .quant import Numerics
 from . import distributed as dist
+from . import pipeline as PL
 from . import sharding as SH
 
 
@@ -132,15 +133,23 @@ class Timing:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+def _check_max_new(n):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {n!r}")
+
+
 class Engine:
     """Owns the cache, the block manager and the compiled programs for one model."""
 
     def __init__(self, cfg: Config, params, *, numerics: Numerics = Numerics(),
                  cache_spec: CacheSpec | None = None, prefill_chunk: int = 128,
-                 progress: bool = True, mesh=None, merge_x_proj: bool = True):
+                 progress: bool = True, mesh=None, pipeline: "PL.Pipeline | None" = None,
+                 merge_x_proj: bool = True):
         """mesh: a jax Mesh (dsv4_jax.distributed.make_mesh) to run sharded: parameters and
         cache are placed by the sharding rules and every step runs expert / tensor / data
         parallel; generation then streams step by step (the fused loop is single-device).
+        pipeline: a pipeline.Pipeline to run the layers split across devices instead (the
+        small-batch layout: each weight read on one device); also streamed step by step.
         merge_x_proj: step with the CSA blocks' five x-projections stored as one weight
         (params.merge_x_proj; same results, no per-step weight concat). The engine merges
         into a new tree, so `params` keeps its five weights alive while the caller holds
@@ -153,7 +162,21 @@ class Engine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.chunk = prefill_chunk
-        self.mesh = mesh
+        if mesh is not None and pipeline is not None:
+            raise ValueError("Engine: give a mesh or a pipeline, not both")
+        self.mesh, self.pipeline = mesh, pipeline
+        self.last_stream_state = None  # the device state after the last stream step
+        self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
+        self.timing = Timing()
+        self._state_sharding = None if pipeline is None else pipeline.sharding(pipeline.n - 1)
+        if pipeline is not None:
+            # no NNX module: it would keep every array alive on one device besides the stages
+            self.model = self.graphdef = None
+            self.state = PL.split_params(params, pipeline)
+            self.cache = PL.init_cache(cfg, self.cs, pipeline)
+            self.bm = BlockManager(cfg, self.cs)
+            self._step = PL.PipelineStep(cfg, self.cs, numerics, pipeline)
+            return
         self.cache = init_cache(cfg, self.cs)
         if mesh is None:
             # placed (committed) as the step returns it: an uncommitted cache makes the second
@@ -179,13 +202,13 @@ class Engine:
         # where the stream state lives: the default device, or replicated on the mesh
         self._state_sharding = (None if mesh is None else
                                 jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        self.last_stream_state = None  # the device state after the last stream step
-        self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
-        self.timing = Timing()
 
     @property
     def params(self) -> dict:
-        """The flat parameter tree the module holds (the same arrays)."""
+        """The flat parameter tree the module (or the pipeline's stages) holds (the same
+        arrays)."""
+        if self.pipeline is not None:
+            return {k: v for part in self.state for k, v in part.items()}
         return self.model.to_params()
 
     # ---- building blocks -------------------------------------------------------------
@@ -240,8 +263,6 @@ class Engine:
         return logits
 
     def _admit_all(self, prompts, extra: int):
-        if not isinstance(extra, (int, np.integer)) or extra < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {extra!r}")
         for p in prompts:
             self._check_tokens(p)
         if len(prompts) > self.cs.max_requests:
@@ -263,6 +284,12 @@ class Engine:
     # ---- streaming -------------------------------------------------------------------
     def _stream_program(self, sampler):
         """The stream step (decode.stream_step_fn) for this engine and sampler."""
+        if self.pipeline is not None:
+            key = ("pipeline", sampler)
+            if key not in self._loops:
+                self._loops[key] = PL.PipelineStream(self.cfg, self.cs, self.nm, self.pipeline,
+                                                     sampler)
+            return self._loops[key]
         if self.mesh is None:
             return stream_program(self.graphdef, self.cs, self.nm, sampler)
         return dist.sharded_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
@@ -319,6 +346,7 @@ class Engine:
         work overlaps the GPU's. A request that stops at step n therefore runs one extra
         step, whose token is dropped; the yielded tokens are the same as without
         pipelining."""
+        _check_max_new(max_new_tokens)
         stops = {self.cfg.eos_token_id, *stop_ids}
         slots = self._admit_all(prompts, max_new_tokens)
         key = jax.random.key(seed)
@@ -373,8 +401,7 @@ class Engine:
         """Generated tokens per prompt (including the stop token that ended it, if any).
         More prompts than request slots run in waves."""
         R = self.cs.max_requests
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        _check_max_new(max_new_tokens)
         if len(prompts) > R:
             out = []
             for i in range(0, len(prompts), R):
@@ -382,7 +409,7 @@ class Engine:
                                      sampler=sampler, seed=seed + i, stop_ids=stop_ids,
                                      jit_loop=jit_loop)
             return out
-        if not jit_loop or self.mesh is not None:
+        if not jit_loop or self.mesh is not None or self.pipeline is not None:
             res = [[] for _ in prompts]
             for stepv in self.stream(prompts, max_new_tokens=max_new_tokens, sampler=sampler,
                                      seed=seed, stop_ids=stop_ids):
