@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.common import copy_bandwidth
+from benchmarks.common import copy_bandwidth, kernels_by_layer
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
 from flax import nnx
@@ -34,6 +35,7 @@ from dsv4_jax.distributed import (init_processes_from_env, make_mesh, sharded_st
                                   sharded_stream_program)
 from dsv4_jax.generate import Greedy, decode_loop
 from dsv4_jax.nnx_model import DeepSeekV4, step_program, stream_program
+from dsv4_jax.pipeline import Pipeline, PipelineStep, PipelineStream
 from dsv4_jax.quant import Numerics
 from dsv4_jax.sharding import param_shardings, shard_cache
 
@@ -117,9 +119,22 @@ def random_cache(cfg, cs, B: int, ctx: int, key):
     return jax.device_put(jax.tree_util.tree_unflatten(tree, out), jax.devices()[0])
 
 
+def kernel_counts(cfg, texts) -> dict:
+    """Kernels of a compiled step (its optimised HLO texts: one, or one per pipeline stage):
+    the total, the mean per layer and per layer kind."""
+    by_layer = sum((kernels_by_layer(t) for t in texts), Counter())
+    kinds: dict[str, list[int]] = {}
+    for i in range(cfg.num_hidden_layers):
+        kinds.setdefault(cfg.layer_kind(i), []).append(by_layer.get(i, 0))
+    n = cfg.num_hidden_layers
+    return {"total": sum(by_layer.values()),
+            "per_layer": sum(by_layer[i] for i in range(n)) / n,
+            "per_kind": {k: sum(v) / len(v) for k, v in kinds.items()}}
+
+
 def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,
           matmul: str = "xla", mesh=None, loop: bool = False,
-          what=("step", "stream"), index_format: str = "fp4") -> dict:
+          what=("step", "stream"), index_format: str = "fp4", pipeline=None) -> dict:
     """ms per decode step, for what = "step" (the plain step program) three ways:
     ms        one step at a time, waiting for each (a latency figure: host launch + GPU);
     ms_pipe   `steps` steps enqueued back to back, one wait at the end (host launch overlaps
@@ -130,7 +145,10 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
               moves; greedy sampling inside), tokens read back one step behind through
               pinned host memory (no device allocation between steps);
     ms_loop   (loop=True) the jitted while-loop decode of `Engine.generate` (greedy), per
-              token. XLA updates a step's CUDA graph whenever a buffer it uses moved."""
+              token. XLA updates a step's CUDA graph whenever a buffer it uses moved.
+    kernels   the step's kernels (kernel_counts), from the programs compiled ahead of time.
+    mesh: expert / tensor parallel over a mesh; pipeline: a pipeline.Pipeline (layers split
+    across devices)."""
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
     mb = -(-(ctx + 3 * steps + 4) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
@@ -139,17 +157,32 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     if mesh is not None:
         cache = shard_cache(cache, cfg, cs, mesh)
+    if pipeline is not None:
+        cache = [jax.device_put({f"L{i}": cache[f"L{i}"] for i in pipeline.layers(s)},
+                                pipeline.devices[s]) for s in range(pipeline.n)]
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
     poss = [jnp.full(B, ctx + i, jnp.int32) for i in range(2 * steps + 1)]
     # the programs Engine runs: over the NNX module's split state, the cache donated
-    graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
+    if pipeline is None:
+        graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
+    else:
+        state = [{k: v for k, v in params.items() if pipeline.stage_of(k) == s}
+                 for s in range(pipeline.n)]
     prog_form = dict(include_mtp=False, x_proj_merged=P.x_proj_is_merged(params))
     out = {}
     if "step" in what:
-        step = (step_program(graphdef, cs, nm) if mesh is None
+        step = (PipelineStep(cfg, cs, nm, pipeline) if pipeline is not None else
+                step_program(graphdef, cs, nm) if mesh is None
                 else sharded_step_program(cfg, graphdef, cs, nm, mesh, **prog_form))
         t0 = time.perf_counter()
+        args = (state, cache, toks, slots, poss[0], one, table)
+        if pipeline is not None:
+            texts = step.compile(*args)
+        else:
+            step = step.lower(*args).compile()
+            texts = [step.as_text()]
+        out["kernels"] = kernel_counts(cfg, texts)
         lg, cache = step(state, cache, toks, slots, poss[0], one, table)
         lg.block_until_ready()
         out["compile_s"] = time.perf_counter() - t0
@@ -171,14 +204,23 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         lg.block_until_ready()
         out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
     if "stream" in what:
-        if mesh is None:
+        if pipeline is not None:
+            prog = PipelineStream(cfg, cs, nm, pipeline, Greedy())
+        elif mesh is None:
             prog = stream_program(graphdef, cs, nm, Greedy())
         else:
             prog = sharded_stream_program(cfg, graphdef, cs, nm, mesh, Greedy(), **prog_form)
         st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed),
-                               sharding=None if mesh is None else
+                               sharding=pipeline.sharding(pipeline.n - 1) if pipeline else
+                               None if mesh is None else
                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         t0 = time.perf_counter()
+        if pipeline is not None:
+            texts = prog.compile(state, cache, st)
+        else:
+            prog = prog.lower(state, cache, st).compile()
+            texts = [prog.as_text()]
+        out["kernels_stream"] = kernel_counts(cfg, texts)
         np.asarray(read_tokens(st))   # loaded before the step runs: loading an executable
         cache, st = prog(state, cache, st)   # drops the CUDA graphs of those loaded before
         np.asarray(read_tokens(st))
@@ -195,7 +237,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
             prev = nxt
         np.asarray(prev)
         out["ms_stream"] = 1e3 * (time.perf_counter() - t0) / steps
-    if loop and mesh is None:
+    if loop and mesh is None and pipeline is None:
         run = decode_loop(graphdef, cs, nm, Greedy(), steps + 1, ())
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
         args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed))
@@ -222,17 +264,21 @@ def main(args):
                        num_hash_layers=min(base.num_hash_layers, n))
     dev = jax.local_devices()[0]
     bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
-    mesh = None
-    if args.devices:
+    mesh = pipe = None
+    if args.devices and args.layout == "pipeline":
+        pipe = Pipeline.balanced(cfg, jax.devices()[:args.devices])
+    elif args.devices:
         mesh = make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
     print(f"device {dev.device_kind} x {args.devices or 1}"
           f"{f' in {jax.process_count()} processes' if multi else ''}"
-          f"{' mesh ' + str(dict(mesh.shape)) if mesh else ''}; HBM ceiling (hbm_bandwidth) "
+          f"{' mesh ' + str(dict(mesh.shape)) if mesh else ''}"
+          f"{' pipeline, stages at layers ' + str(pipe.bounds) if pipe else ''}; HBM ceiling (hbm_bandwidth) "
           f"{bw / 1e9:.0f} GB/s per device; {cfg.name}: {n} layers, d={cfg.hidden_size}, "
           f"H={cfg.num_attention_heads}; kernels={args.kernels}", flush=True)
     t0 = time.perf_counter()
     params = P.init_params_device(
-        cfg, args.seed, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else None)
+        cfg, args.seed, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else
+        pipe.param_shardings(cfg, include_mtp=False) if pipe else None)
     if not args.unmerged:   # the decode form, as the Engine and the CLI run it
         params = P.merge_x_proj(params, cfg, consume=True)
     jax.block_until_ready(params)
@@ -243,7 +289,8 @@ def main(args):
     for mm, B, ctx in tqdm(sweep, desc="decode bench", unit="config", disable=len(sweep) < 2):
         fl = floor_bytes(cfg, B, ctx, mesh)
         r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh,
-                  loop=args.loop, what=args.what, index_format=args.index_format)
+                  loop=args.loop, what=args.what, index_format=args.index_format,
+                  pipeline=pipe)
         floor_ms = 1e3 * fl["total"] / bw
         parts = []
         for key, label in (("ms", f"model({n}L) matmul={mm}, one step at a time"),
@@ -256,6 +303,12 @@ def main(args):
                 parts.append(f"{label.strip()} {r[key]:.2f} ms ({100 * floor_ms / r[key]:.1f}% of the bandwidth floor, "
                              f"{B / r[key] * 1e3:.1f} tokens/s)")
         comp = ", ".join(f"{k} {r[k]:.0f} s" for k in ("compile_s", "compile_stream_s") if k in r)
+        for key in ("kernels", "kernels_stream"):
+            if key in r:
+                k = r[key]
+                kinds = ", ".join(f"{kind} {v:.0f}" for kind, v in k["per_kind"].items())
+                print(f"{key.replace('_', ' ')}: {k['total']} in the step; "
+                      f"kernels per layer: {k['per_layer']:.1f} ({kinds})", flush=True)
         print(f"matmul={mm} B={B} ctx={ctx}: floor {floor_ms:.2f} ms ({fl['total'] / 1e9:.2f} "
               f"GB); " + "; ".join(parts) + f" (compile: {comp})", flush=True)
         if args.per_kind:
@@ -311,6 +364,10 @@ def register(sub):
     d.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
     d.add_argument("--model", type=int, default=None, help="mesh model-axis size")
     d.add_argument("--data", type=int, default=None, help="mesh data-axis size")
+    d.add_argument("--layout", choices=["mesh", "pipeline"], default="mesh",
+                   help="with --devices: a mesh (expert / tensor / data parallel) or the "
+                        "layers split across the devices (pipeline; the floor is then every "
+                        "byte read once at one device's bandwidth, stage after stage)")
     d.set_defaults(fn=main)
 
 

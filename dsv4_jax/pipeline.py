@@ -150,6 +150,19 @@ class PipelineStep:
             new.append(c)
         return X, new
 
+    def compile(self, params, caches, tokens, slots, pos, nvalid, table) -> list[str]:
+        """Compile every stage ahead of time for these arguments' shapes (later calls run
+        the compiled stages) -> each stage's optimised HLO text."""
+        X, texts = None, []
+        for s in range(self.pipe.n):
+            args = _placed((params[s], caches[s], X, tokens, slots, pos, nvalid, table),
+                           self.pipe.sharding(s))
+            fn = self.progs[s]
+            self.progs[s] = fn.lower(*args).compile()
+            texts.append(self.progs[s].as_text())
+            X = jax.eval_shape(fn, *args)[0]
+        return texts
+
 
 class PipelineStream:
     """stream(params list, caches list, st) -> (caches list, st'): the stream step
@@ -182,3 +195,27 @@ class PipelineStream:
         X = jax.device_put(X, self.pipe.devices[-1])
         c, st = self.last((params[-1], X), caches[-1], st)
         return new + [c], st
+
+    def compile(self, params, caches, st) -> list[str]:
+        """As PipelineStep.compile, for the stream step."""
+        R = st["tok"].shape[0]
+        slots = jax.ShapeDtypeStruct((R,), jnp.int32)
+        X, texts = None, []
+        for s in range(self.pipe.n):
+            if s < self.pipe.n - 1:
+                args = _placed((params[s], caches[s], X, st["tok"], slots, st["pos"],
+                                st["nvalid"], st["table"]), self.pipe.sharding(s))
+                fn = self.progs[s]
+                self.progs[s] = exe = fn.lower(*args).compile()
+                X = jax.eval_shape(fn, *args)[0]
+            else:
+                args = _placed(((params[s], X), caches[s], st), self.pipe.sharding(s))
+                self.last = exe = self.last.lower(*args).compile()
+            texts.append(exe.as_text())
+        return texts
+
+
+def _placed(tree, sharding):
+    """Abstract values of `tree` as they sit on one stage's device."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        tree)
