@@ -41,8 +41,9 @@ def _scatter(tree, idx, new):
 
 
 def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, c, freqs,
-                     cfg: Config, nm: Numerics, kind: str):
-    """Advance one compressor over a chunk.
+                     cfg: Config, nm: Numerics, kind: str, sim: bool = True):
+    """Advance one compressor over a chunk. sim=False: main entries without their FP8
+    simulation (finish_entries), for an FP8 cache that quantises them itself.
     x [B, T, D]; state st_a/st_z [B, r, coff*c] (rows of the current incomplete block);
     pv_a/pv_z [B, r, c] (CSA: the previous complete block's [:c] half) ->
     entries [B, nb, c], entry index [B, nb], complete [B, nb], new state."""
@@ -100,7 +101,7 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
     else:
         pooled = L.pool_blocks(a_blk, z_blk, r, c)
     first = blockstart[:, None] + k[None, :] * r
-    entries = L.finish_entries(p, pooled, first, freqs, cfg, nm, kind)
+    entries = L.finish_entries(p, pooled, first, freqs, cfg, nm, kind, sim=sim)
     eidx = blockstart[:, None] // r + k[None, :]
     new_pv_a = new_pv_z = None
     if r == 4:
@@ -123,16 +124,20 @@ def _gather_entries(pool, bt_rows, epb):
     return jax.tree.map(lambda a: a[blk].reshape(blk.shape[0], -1, *a.shape[2:]), pool)
 
 
-def _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg, nm, which):
+def _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg, nm, which,
+                       cs: CacheSpec):
     """Run the main ("") or indexer ("i") compressor over the chunk and put its new state in
     st (the batch rows' named state parts, split_cmp_state: "st_a" [B, r, coff*c], ...).
-    Returns (entries [B, nb, c], entry index [B, nb], complete [B, nb])."""
+    Returns (entries [B, nb, c], entry index [B, nb], complete [B, nb]). The entries only go
+    to the cache: an FP8 cache quantises main entries itself (the simulation's values), so
+    they skip the simulation (no amax kernels, no second rounding)."""
     cp = L.block_params(ap, "compressor." if which == "" else "indexer.compressor.")
     c = cfg.head_dim if which == "" else cfg.index_head_dim
     kind = "main" if which == "" else "indexer"
     n = [which + k for k in ("st_a", "st_z", "pv_a", "pv_z")]
     ent, eidx, comp, new = compressor_chunk(cp, x, tok_pos, pos, nvalid, *(st.get(k) for k in n),
-                                            ratio, c, freqs, cfg, nm, kind)
+                                            ratio, c, freqs, cfg, nm, kind,
+                                            sim=cs.kv_format != "fp8")
     st.update({k: v for k, v in zip(n, new) if v is not None})
     return ent, eidx, comp
 
@@ -192,13 +197,13 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     if ratio > 0:
         st = _read_state(lc, slots, cfg, ratio)
         ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
-                                             cfg, nm, "")
+                                             cfg, nm, "", cs)
         pool = {"cmp_nope": lc["cmp"]["nope"], "cmp_scale": lc["cmp"]["scale"],
                 "cmp_rope": lc["cmp"]["rope"]}
         idx_pool, key = None, None
         if ratio == 4:
             kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
-                                          nm, "i")
+                                          nm, "i", cs)
             idx_pool, key = dict(lc["idx"]), kI[:, 0].astype(F32)
         _write_state(lc, slots, st, cfg, ratio)
         pool, idx_pool = flush_compressed(pool, idx_pool, ent[:, 0].astype(jnp.bfloat16), key,
@@ -235,14 +240,18 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     B, T, _ = x.shape
     W = cfg.sliding_window
     freqs = L.rope_freqs(cfg, ratio)
-    q, kv, cq, cqq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm, xq=xq)
+    # kv unsimulated where the cache stores it as FP8 rows (exactly the simulation's values;
+    # the kernel path quantises it in append_window): simulated below where it is read
+    fp8 = cs.kv_format == "fp8"
+    q, kv_raw, cq, cqq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm, xq=xq, sim_kv=not fp8)
     lc = dict(lc)
     if cs.kernels != "off" and T == 1:
         if B != cs.max_requests:
             raise ValueError("the kernel decode path runs all request slots (B == max_requests)")
-        o = _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg,
+        o = _kernel_attention(ap, lc, x, q, kv_raw, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg,
                               cs, nm, ratio, freqs, cqq)
         return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
+    kv = L.kv_quant_sim(kv_raw, cfg, nm) if fp8 else kv_raw
     # ---- window: ring contents before this step + the chunk's own rows
     ring = decode_kv(cs, _rows(lc["win"], slots), nm.jdtype)  # [B, W, K]
     ring_pos = _rows(lc["win_pos"], slots)
@@ -257,14 +266,14 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     keep = valid & (tok_pos >= (end - W)[:, None])
     rslot = jnp.where(keep, tok_pos % W, W)
     srow = jnp.broadcast_to(slots[:, None], (B, T))
-    lc["win"] = _scatter(lc["win"], (srow, rslot), encode_kv(cs, kv))
+    lc["win"] = _scatter(lc["win"], (srow, rslot), encode_kv(cs, kv_raw))
     lc["win_pos"] = lc["win_pos"].at[srow, rslot].set(tok_pos, mode="drop")
     if ratio > 0:
         epb = BLOCK_TOKENS // ratio
         NB = cs.num_blocks
         st = _read_state(lc, slots, cfg, ratio)
         ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
-                                             cfg, nm, "")
+                                             cfg, nm, "", cs)
         blk, sl = _pool_addr(eidx, comp, bt_rows, epb, NB)
         lc["cmp"] = _scatter(lc["cmp"], (blk, sl), encode_kv(cs, ent))
         cents = decode_kv(cs, _gather_entries(lc["cmp"], bt_rows, epb), nm.jdtype)  # [B, NE, K]
@@ -273,7 +282,7 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
         if ratio == 4:
             ip = L.block_params(ap, "indexer.")
             kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
-                                          nm, "i")
+                                          nm, "i", cs)
             lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
             keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import experts
 from .attention import attend, attention_prefill, attn_output, q_and_kv
-from .compressor import compressor_project, finish_entries, pool_blocks
+from .compressor import compressor_project, finish_entries, kv_quant_sim, pool_blocks
 from .experts import expert_ffn, expert_schedule, moe, route, routed_experts
 from .indexer import indexer_query, indexer_scores, topk_mask
 from .mhc import (HC_FUSED_ROWS, hc_collapse, hc_expand, hc_head, hc_site, hc_sums,
@@ -28,7 +28,7 @@ from .weights import block_params, row_merge_views
 
 __all__ = [
     "attend", "attention_prefill", "attn_output", "q_and_kv",
-    "compressor_project", "finish_entries", "pool_blocks",
+    "compressor_project", "finish_entries", "kv_quant_sim", "pool_blocks",
     "expert_ffn", "expert_schedule", "moe", "route", "routed_experts",
     "indexer_query", "indexer_scores", "topk_mask",
     "HC_FUSED_ROWS", "hc_collapse", "hc_expand", "hc_head", "hc_site", "hc_sums",

@@ -42,10 +42,11 @@ def attend(q, keys, mask, sink, nm: Numerics):
     return o / denom[..., None]
 
 
-def q_and_kv(p, x, pos, freqs, cfg: Config, nm: Numerics, xq=None):
+def q_and_kv(p, x, pos, freqs, cfg: Config, nm: Numerics, xq=None, sim_kv=True):
     """Query heads [B,T,H,K], the shared K=V row [B,T,K] (roped, FP8-simulated), cq, and
     cq's padded FP8 simulation cqq (norm_act; None off the kernel path). xq: x's, if the
-    caller made one."""
+    caller made one. sim_kv=False: kv without its FP8 simulation (for a caller that stores
+    it quantised and reads it back: the same values, no simulation kernels)."""
     B, T, _ = x.shape
     H, K = cfg.num_attention_heads, cfg.head_dim
     cq, cqq = norm_act(linear(x, p["wq_a"], nm, xq=xq), p["q_norm.weight"], cfg, nm)
@@ -55,7 +56,8 @@ def q_and_kv(p, x, pos, freqs, cfg: Config, nm: Numerics, xq=None):
     kv = rms_norm(linear(x, p["wkv"], nm, xq=xq), p["kv_norm.weight"], cfg.rms_norm_eps,
                   nm.jdtype)
     kv = apply_rope(kv, pos, freqs)
-    kv = kv_quant_sim(kv, cfg, nm)
+    if sim_kv:
+        kv = kv_quant_sim(kv, cfg, nm)
     return q, kv, cq, cqq
 
 

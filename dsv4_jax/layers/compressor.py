@@ -64,13 +64,16 @@ def pool_blocks(a_blk, z_blk, ratio, c, prev_a=None, prev_z=None):
     return jnp.sum(w * a2, axis=2)
 
 
-def finish_entries(p, pooled, first_pos, freqs, cfg: Config, nm: Numerics, kind: str):
+def finish_entries(p, pooled, first_pos, freqs, cfg: Config, nm: Numerics, kind: str,
+                   sim: bool = True):
     """RMSNorm -> rope at the block's FIRST token -> main: FP8 sim of nope dims;
-    indexer: Hadamard + FP4 sim. pooled [B, n, c], first_pos [B, n]."""
+    indexer: Hadamard + FP4 sim. pooled [B, n, c], first_pos [B, n]. sim=False: main
+    entries without the FP8 simulation (for callers that store them quantised: the
+    cache's FP8 rows hold the same values either way)."""
     e = rms_norm(pooled, p["norm.weight"], cfg.rms_norm_eps, nm.jdtype)
     e = apply_rope(e, first_pos, freqs)
     if kind == "main":
-        return kv_quant_sim(e, cfg, nm)
+        return kv_quant_sim(e, cfg, nm) if sim else e
     e = hadamard(e)
     if nm.act_quant:
         e = fp4_block_sim(e, 32)
