@@ -131,7 +131,7 @@ def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
 
 def f32_dot_bf16(x, w_OI):
     """f32 x @ W.T for a bf16 weight [out, in], f32-exact, reading W once as stored (no f32
-    copy in HBM): x is split exactly into three bf16 parts (hi + mid + lo carry all 24
+    copy in HBM): x (bf16: as it is) is split exactly into three bf16 parts (hi + mid + lo carry all 24
     mantissa bits), multiplied as three rows against W with f32 accumulation, and summed.
     Other weight dtypes: a plain f32 matmul. A `WeightRows` view: the product with the whole
     stored weight, columns sliced (the same bits as the view's rows multiplied alone in the
@@ -141,6 +141,10 @@ def f32_dot_bf16(x, w_OI):
     if w_OI.dtype != jnp.bfloat16:
         return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w_OI.astype(jnp.float32),
                           precision="highest")
+    if x.dtype == jnp.bfloat16:
+        # one exact part (the other two would be zeros): one dot, no stacked operand (an
+        # XLA kernel of its own at decode sizes)
+        return jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32)
     r = x.astype(jnp.float32)
     parts = []
     for _ in range(3):

@@ -37,9 +37,8 @@ def hadamard(x):
 def compressor_project(p, x, ratio, pos):
     """Per-token compressor rows: a = wkv x, z = wgate x + ape[pos mod r] (fp32).
     x [B, T, D], pos [B, T] -> a, z [B, T, coff*c]."""
-    xf = x.astype(F32)
-    a = f32_dot_bf16(xf, p["wkv.weight"])
-    z = f32_dot_bf16(xf, p["wgate.weight"])
+    a = f32_dot_bf16(x, p["wkv.weight"])   # f32-exact for x of any float dtype
+    z = f32_dot_bf16(x, p["wgate.weight"])
     z = z + p["ape"].astype(F32)[pos % ratio]
     return a, z
 
