@@ -131,8 +131,9 @@ def grouped_linear(x_GMK, expert_G, w, nm: Numerics):
 
 def f32_dot_bf16(x, w_OI):
     """f32 x @ W.T for a bf16 weight [out, in], f32-exact, reading W once as stored (no f32
-    copy in HBM): x (bf16: as it is) is split exactly into three bf16 parts (hi + mid + lo carry all 24
-    mantissa bits), multiplied as three rows against W with f32 accumulation, and summed.
+    copy in HBM): x is split exactly into three bf16 parts (hi + mid + lo carry all 24
+    mantissa bits; a bf16 x is its own one part), multiplied as rows against W with f32
+    accumulation, and summed.
     Other weight dtypes: a plain f32 matmul. A `WeightRows` view: the product with the whole
     stored weight, columns sliced (the same bits as the view's rows multiplied alone in the
     tests on CPU; on GPU XLA's dot merger already ran such dots as one)."""
