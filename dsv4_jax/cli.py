@@ -18,8 +18,14 @@ from .distributed import init_processes_from_env, make_mesh
 from .errors import UsageError, run_command
 from .generate import Engine
 from .loading import load
+from .pipeline import Pipeline
 from .quant import Numerics
 from .tokenizer import load_tokenizer
+
+
+# --layout auto: the pipeline (each weight read on one device) up to this many request
+# slots, the expert-parallel mesh above
+PIPELINE_MAX_REQUESTS = 8
 
 
 def _add_model_args(ap):
@@ -56,6 +62,11 @@ def _add_model_args(ap):
     ap.add_argument("--expert", type=int, help="mesh 'expert' axis size (expert parallelism)")
     ap.add_argument("--model", type=int, help="mesh 'model' axis size (tensor parallelism)")
     ap.add_argument("--data", type=int, help="mesh 'data' axis size (request slots split)")
+    ap.add_argument("--layout", choices=["auto", "mesh", "pipeline"], default="auto",
+                    help="with --devices: 'pipeline' splits the layers across the devices "
+                         "(each weight read on one device: small batches), 'mesh' shards "
+                         "experts / weights / requests over a mesh; auto: pipeline up to "
+                         f"{PIPELINE_MAX_REQUESTS} request slots, else mesh")
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,9 +140,26 @@ def _model_config(args) -> C.Config:
     return load(ckpt)[0]  # not a recognised checkpoint: load names what is wrong
 
 
-def _prepare_mesh(args):
-    args.mesh = None if not args.devices else make_mesh(
-        args.devices, expert=args.expert, model=args.model, data=args.data)
+def _prepare_layout(args, cfg):
+    """args.mesh / args.pipeline from --devices and --layout (both None on one device)."""
+    args.mesh = args.pipeline = None
+    if not args.devices:
+        return
+    axes = [f"--{ax}" for ax in ("expert", "model", "data") if getattr(args, ax, None)]
+    layout = args.layout
+    if layout == "auto":
+        layout = "mesh" if axes or args.max_requests > PIPELINE_MAX_REQUESTS else "pipeline"
+    if layout == "pipeline":
+        if axes:
+            raise UsageError(f"{', '.join(axes)} size a mesh; --layout pipeline splits the "
+                             "layers instead (drop them or use --layout mesh)")
+        if args.devices > cfg.num_hidden_layers:
+            raise UsageError(f"--devices {args.devices}: a pipeline needs a layer per device; "
+                             f"the model has {cfg.num_hidden_layers}")
+        args.pipeline = Pipeline.balanced(cfg, jax.devices()[:args.devices])
+    else:
+        args.mesh = make_mesh(args.devices, expert=args.expert, model=args.model,
+                              data=args.data)
 
 
 def _check_capacity(args, cfg, lengths: list[int], new_tokens: int, what: str):
@@ -156,7 +184,7 @@ def _check_capacity(args, cfg, lengths: list[int], new_tokens: int, what: str):
 
 def _load_params(args, cfg):
     if args.checkpoint:
-        lcfg, params = load(args.checkpoint, mesh=args.mesh)
+        lcfg, params = load(args.checkpoint, mesh=args.mesh, pipeline=args.pipeline)
         if lcfg != cfg:
             raise UsageError(f"--checkpoint {args.checkpoint} changed while it was read")
         # the decode form, merged in place: each CSA block's five weights freed as it goes
@@ -191,7 +219,7 @@ def _engine(args, cfg, params):
                                 **({"index_format": args.index_format or "fp4"}
                                    if nm.act_quant else {}))
     return Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=args.prefill_chunk,
-                  mesh=mesh)
+                  mesh=mesh, pipeline=getattr(args, "pipeline", None))
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,7 +332,7 @@ def cmd_generate(args):
         raise UsageError(f"--stream runs every prompt at once: {len(prompts)} prompts need "
                          f"--max-requests {len(prompts)} (have {args.max_requests})")
     _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens, "prompt")
-    _prepare_mesh(args)
+    _prepare_layout(args, cfg)
     params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
     mode = "thinking" if args.thinking else "chat"
@@ -312,7 +340,9 @@ def cmd_generate(args):
               stop_ids=list(tok.stop_ids))
     print(f"model: {cfg.name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
           f"{len(prompts)} prompt(s), act-quant {args.act_quant}"
-          + (f", mesh {dict(eng.mesh.shape)}" if eng.mesh is not None else ""), file=sys.stderr)
+          + (f", mesh {dict(eng.mesh.shape)}" if eng.mesh is not None else "")
+          + (f", pipeline stages at layers {eng.pipeline.bounds}" if eng.pipeline else ""),
+          file=sys.stderr)
     t0 = time.perf_counter()
     if args.stream:
         outs = [[] for _ in prompts]
@@ -406,7 +436,7 @@ def cmd_logits(args):
     args.max_blocks = max(args.max_blocks, need)
     args.num_blocks = max(args.num_blocks, sum(blocks_needed(cfg, T) for _ in range(B)),
                           args.max_blocks)
-    _prepare_mesh(args)
+    _prepare_layout(args, cfg)
     params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
     logits = eng.teacher_forced_logits(tokens, args.prefill_len)

@@ -19,6 +19,7 @@ CPU backend are host memory), is bounded independently of the model size:
 """
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 from pathlib import Path
@@ -38,15 +39,19 @@ from pallas_kernels.quant_matmul import PLACE_MAX_SCALE_BYTE
 from .config import Config
 from . import param_specs as P
 from . import sharding as S
+from .pipeline import Pipeline
 from .quant import Fp4Weight
 
 
-def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: bool = True):
+def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: bool = True,
+         pipeline=None):
     """Restore the checkpoint at `path` -> (Config, params).
 
     `path`: a directory; relative paths, `~` and symlinks are resolved first.
     `mesh`: a `jax.sharding.Mesh` with axes from ("data", "expert", "model") (rules:
-    `sharding.RULES`, or `rules`), or None for the first device. `numerics_check`: after
+    `sharding.RULES`, or `rules`), or None for the first device. `pipeline`: instead of a
+    mesh, a `pipeline.Pipeline`: each array straight onto its stage's device (for
+    `Engine(pipeline=...)`; build it from the checkpoint's config.json). `numerics_check`: after
     loading, verify that no scale is NaN (E8M0 0xFF / non-finite), float tensors are finite
     and `tid2eid` indexes real experts; a failure names the tensor.
     Host memory stays within the loaded arrays plus a bound independent of model size (one
@@ -60,6 +65,9 @@ def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: 
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory (orbax from "
                                  "`dsv4 convert`, or config.json + *.safetensors)")
+    if mesh is not None and pipeline is not None:
+        raise ValueError("load: give a mesh or a pipeline, not both")
+    mesh = pipeline if pipeline is not None else mesh   # where the arrays go
     if (path / C.MANIFEST).exists() or (path / C.STATE).exists() or (path / "parts").exists():
         cfg, params = _load_orbax(path, mesh, rules, include_mtp)
     elif (path / "config.json").exists() and any(path.glob("*.safetensors")):
@@ -74,6 +82,13 @@ def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: 
 
 
 def _targets(cfg: Config, mesh, rules, include_mtp):
+    if isinstance(mesh, Pipeline):
+        if mesh.bounds[-1] != cfg.num_hidden_layers:
+            raise ValueError(f"load: the pipeline's stages end at layer {mesh.bounds[-1]}, the "
+                             f"checkpoint has {cfg.num_hidden_layers} layers")
+        sh = mesh.param_shardings(cfg, include_mtp)
+        return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                            P.abstract_params(cfg, include_mtp), sh)
     return S.abstract_with_shardings(cfg, mesh, rules, include_mtp)
 
 
@@ -92,6 +107,7 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
         raise MissingKeyError(f"{path}: config.json needs {len(missing)} parameter(s) the "
                               f"checkpoint lacks: {missing[:5]}")
     targets = _targets(cfg, mesh, rules, include_mtp)
+    transfers = _Transfers()
     chunks: dict[tuple[str, str], list[str]] = {}
     for k in targets:
         chunks.setdefault(where[k], []).append(k)
@@ -119,6 +135,7 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
                                              f"{specs[k].fmt} format needs {w.dtype}")
             tgt[k] = want if isinstance(meta[k], dict) else want["value"]
         restored = C.restore_chunk(cdir, tgt)
+        transfers.add(restored)
         for k in keys:
             r = restored[k]
             params[k] = CL.to_leaf(specs[k].fmt, r if isinstance(r, dict) else {"value": r})
@@ -130,14 +147,38 @@ def _load_safetensors(path: Path, mesh, rules, include_mtp):
     cfg = src.cfg
     specs = P.describe(cfg, include_mtp=True)
     targets = _targets(cfg, mesh, rules, include_mtp)
+    transfers = _Transfers()
     params = {}
     for k, leaf in targets.items():
         fields = {}
         stacked = CL.is_expert_key(k)
         for f, s in CL.from_leaf(leaf).items():
             fields[f] = _make_array(src, k, f, s, stacked)
+            transfers.add(fields[f])
         params[k] = CL.to_leaf(specs[k].fmt, fields)
     return cfg, params
+
+
+INFLIGHT_BYTES = 1 << 30
+
+
+class _Transfers:
+    """Host->device copies are asynchronous and each keeps its host buffer (and a staging
+    copy) until it is done: without a bound, reading outruns them and host memory grows
+    with the model. Waits for the oldest arrays once more than INFLIGHT_BYTES are pending."""
+
+    def __init__(self):
+        self.pending, self.bytes = collections.deque(), 0
+
+    def add(self, tree):
+        leaves = jax.tree.leaves(tree)
+        n = sum(x.nbytes for x in leaves)
+        self.pending.append((leaves, n))
+        self.bytes += n
+        while self.bytes > INFLIGHT_BYTES and self.pending:
+            leaves, n = self.pending.popleft()
+            jax.block_until_ready(leaves)
+            self.bytes -= n
 
 
 def _make_array(src, key: str, field: str, s: jax.ShapeDtypeStruct, stacked: bool):

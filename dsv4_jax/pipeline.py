@@ -81,8 +81,8 @@ class Pipeline:
                         x_proj_merged: bool = False) -> dict:
         """name -> sharding tree (each leaf on its stage's device), shaped like
         params.abstract_params: draw or load each array straight onto its device."""
-        return {k: jax.tree.map(lambda _: self.sharding(self.stage_of(k)), v)
-                for k, v in PS.describe(cfg, include_mtp, x_proj_merged).items()}
+        return {k: jax.tree.map(lambda _, k=k: self.sharding(self.stage_of(k)), v)
+                for k, v in PS.abstract_params(cfg, include_mtp, x_proj_merged).items()}
 
     def sharding(self, s: int):
         return jax.sharding.SingleDeviceSharding(self.devices[s])
