@@ -3,10 +3,11 @@
 Writes a synthetic checkpoint of the preset (official FP8/FP4 layout, experts drawn in
 stored format; `--experts` cuts the routed experts to keep it a few GB), converts it to
 orbax once, then loads each form in a fresh process, with and without the numerics check.
-Each child reports its RSS after imports and backend start (baseline), its peak RSS
+Each child reports its RSS after imports and backend start (a first transfer and compile:
+the baseline), its peak RSS
 (getrusage) and the bytes of the loaded arrays; the parent also polls /proc every 20 ms.
 On a CPU backend the loaded arrays are host memory, so the figure to read is
-  overhead = peak - baseline - loaded bytes,
+  overhead = peak - baseline - loaded bytes (on GPU: peak - baseline),
 which `load` keeps bounded independently of the model size (docs/CHECKPOINTS.md).
 
   python benchmarks/load_memory.py --preset flash --layers 1 --experts 64 \
@@ -38,22 +39,25 @@ def rss():
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-import jax
+import jax, numpy as np
 from dsv4_jax import loading
-jax.devices()
+# start the backend fully (on GPU the CUDA libraries and context take GBs of RSS) first
+jax.jit(lambda a: a * 2)(jax.device_put(np.ones(1 << 20, np.float32))).block_until_ready()
 base = rss()
 cfg, params = loading.load(sys.argv[1], numerics_check=sys.argv[2] == "1")
 jax.block_until_ready(params)
 n = sum(x.nbytes for x in jax.tree.leaves(params))
+on_host = jax.default_backend() == "cpu"
 print(json.dumps({"baseline": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "params_bytes": n}))
+                  "params_bytes": n, "host_params": n if on_host else 0,
+                  "backend": jax.default_backend()}))
 """
 
 
-def run_load(path: Path, check: bool, pythonpath: Path) -> dict:
+def run_load(path: Path, check: bool, pythonpath: Path, platform: str) -> dict:
     p = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), "1" if check else "0"],
                          cwd=pythonpath, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(pythonpath), "JAX_PLATFORMS": "cpu"})
+                         env={**os.environ, "PYTHONPATH": str(pythonpath), "JAX_PLATFORMS": platform})
     polled = 0
     while p.poll() is None:
         polled = max(polled, _rss_of(p.pid))
@@ -63,7 +67,7 @@ def run_load(path: Path, check: bool, pythonpath: Path) -> dict:
         raise RuntimeError(f"load failed ({p.returncode}):\n{err[-3000:]}")
     r = json.loads(out.strip().splitlines()[-1])
     r["polled"] = polled
-    r["overhead"] = r["peak"] - r["baseline"] - r["params_bytes"]
+    r["overhead"] = r["peak"] - r["baseline"] - r["host_params"]
     return r
 
 
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--experts", type=int, default=64, help="routed experts (0: the preset's)")
     ap.add_argument("--workdir", default="/tmp/bench_load")
     ap.add_argument("--pythonpath", default=str(ROOT), help="checkout whose code loads")
+    ap.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the loading process")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints (reused next time)")
     a = ap.parse_args()
     from checkpoints.convert import MANIFEST, convert
@@ -90,13 +95,13 @@ def main():
         convert(src, dst, memory_budget="4G", progress=False)
     G = 2 ** 30
     print(f"code: {a.pythonpath}; checkpoint: {a.preset} --layers {a.layers} "
-          f"--experts {a.experts or 'all'}")
+          f"--experts {a.experts or 'all'}; loads on {a.platform}")
     print("| checkpoint | numerics check | baseline | loaded arrays | peak RSS | polled | "
-          "overhead (peak - baseline - arrays) |")
+          "overhead (peak - baseline - arrays on host) |")
     print("|---|---|---|---|---|---|---|")
     for path in (src, dst):
         for check in (False, True):
-            r = run_load(path, check, Path(a.pythonpath))
+            r = run_load(path, check, Path(a.pythonpath), a.platform)
             print(f"| {path.name} | {'on' if check else 'off'} | {r['baseline'] / G:.2f} GiB | "
                   f"{r['params_bytes'] / G:.2f} GiB | {r['peak'] / G:.2f} GiB | "
                   f"{r['polled'] / G:.2f} GiB | {r['overhead'] / G:.2f} GiB |", flush=True)

@@ -406,7 +406,7 @@ def _prepare_dst(dst: Path, state: dict, overwrite: bool, log):
         old = read_json(sp, CheckpointError, "conversion state") if sp.exists() else None
         if old != state:
             diff = [k for k in state if not isinstance(old, dict) or old.get(k) != state[k]]
-            raise CheckpointError(f"{dst} holds a conversion with a different {', '.join(diff)}; "
+            raise CheckpointError(f"{dst} holds a conversion with different {', '.join(diff)}; "
                                   "pass --overwrite to start again")
         if not (dst / MANIFEST).exists():
             n = len(list((dst / "parts").glob("*/part.json"))) if (dst / "parts").exists() else 0

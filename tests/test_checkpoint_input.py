@@ -334,7 +334,7 @@ def test_convert_interrupt_and_resume(src, orbax, reference, tmp_path, monkeypat
 
     monkeypatch.setattr(C, "_save_chunk", interrupted)
     dst = tmp_path / "o"
-    code, _, err = dsv4(["convert", src, dst, "--quiet", "--memory-budget", "4G"], capsys)
+    code, _, err = dsv4(["convert", src, dst, "--quiet", "--memory-budget", "16G"], capsys)
     line = err.strip()
     assert code == 130 and "\n" not in line, err
     assert line.startswith("dsv4 convert: interrupted: ") and "not marked complete" in line
