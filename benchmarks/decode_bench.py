@@ -256,9 +256,27 @@ def _layers_cfg(cfg, ratios):
                        num_hash_layers=0)
 
 
+def check_args(args, base):
+    """Bad flags fail here, before any weight is drawn or program compiled."""
+    for flag, vals in (("--batch", args.batch), ("--context", args.context),
+                       ("--steps", [args.steps])):
+        if min(vals) < 1:
+            raise ValueError(f"{flag} must be at least 1, got {min(vals)}")
+    if not 0 <= args.layers <= base.num_hidden_layers:
+        raise ValueError(f"--layers must be in [0, {base.num_hidden_layers}] (0: all), got "
+                         f"{args.layers}")
+    if args.devices < 0 or args.devices > jax.device_count():
+        raise ValueError(f"--devices {args.devices}: this machine has {jax.device_count()} "
+                         "device(s)")
+    axes = [f"--{a}" for a in ("expert", "model", "data") if getattr(args, a) is not None]
+    if axes and (not args.devices or args.layout == "pipeline"):
+        raise ValueError(f"{', '.join(axes)} size a mesh: they need --devices and --layout mesh")
+
+
 def main(args):
     multi = init_processes_from_env()  # one process per GPU (docs/SHARDING.md)
     base = C.get_preset(args.preset)
+    check_args(args, base)
     n = args.layers or base.num_hidden_layers
     cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
                        num_hash_layers=min(base.num_hash_layers, n))

@@ -224,3 +224,22 @@ def test_engine_refuses_bad_requests(tiny_model):
     with pytest.raises(ValueError, match=r"\[0, 1024\)"):
         eng.teacher_forced_logits(np.array([[1, 2, 2 ** 31 + 1]], np.int64), 2)
     assert not eng.bm.active.any()   # nothing was admitted
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--batch", "1", "0"], ["--batch", "at least 1"]),
+    (["--context", "-5"], ["--context"]),
+    (["--steps", "0"], ["--steps"]),
+    (["--layers", "99"], ["--layers", "[0, 43]"]),
+    (["--devices", "64"], ["--devices 64"]),
+    (["--expert", "2"], ["--expert", "--devices"]),
+    (["--devices", "1", "--layout", "pipeline", "--model", "1"], ["--model", "--layout mesh"]),
+    (["--preset", "huge"], ["huge", "choose from"]),
+])
+def test_bench_flags(capsys, monkeypatch, argv, needles):
+    from benchmarks import decode_bench
+
+    def fail(*a, **k):
+        raise AssertionError("the bench started before its flags were checked")
+    monkeypatch.setattr(decode_bench, "copy_bandwidth", fail)
+    bad(capsys, ["bench", "decode", *argv], "dsv4 bench: error:", *needles)
