@@ -66,7 +66,7 @@ def _add_model_args(ap):
                     help="with --devices: 'pipeline' splits the layers across the devices "
                          "(each weight read on one device: small batches), 'mesh' shards "
                          "experts / weights / requests over a mesh; auto: pipeline up to "
-                         f"{PIPELINE_MAX_REQUESTS} request slots, else mesh")
+                         f"{PIPELINE_MAX_REQUESTS} request slots in one process, else mesh")
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,9 +147,14 @@ def _prepare_layout(args, cfg):
         return
     axes = [f"--{ax}" for ax in ("expert", "model", "data") if getattr(args, ax, None)]
     layout = args.layout
+    one_process = jax.process_count() == 1
     if layout == "auto":
-        layout = "mesh" if axes or args.max_requests > PIPELINE_MAX_REQUESTS else "pipeline"
+        layout = ("pipeline" if one_process and not axes
+                  and args.max_requests <= PIPELINE_MAX_REQUESTS else "mesh")
     if layout == "pipeline":
+        if not one_process:
+            raise UsageError(f"--layout pipeline runs every stage from one process; this run "
+                             f"has {jax.process_count()} processes (use --layout mesh)")
         if axes:
             raise UsageError(f"{', '.join(axes)} size a mesh; --layout pipeline splits the "
                              "layers instead (drop them or use --layout mesh)")

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from dsv4_jax import config as C
@@ -16,7 +15,7 @@ _SCRIPT = r'''
 import json, sys
 import numpy as np, jax
 from dsv4_jax import config as C, params as P
-from dsv4_jax.generate import Engine, TopK
+from dsv4_jax.generate import Engine
 from dsv4_jax.pipeline import Pipeline
 from dsv4_jax.quant import Numerics
 seed = int(sys.argv[1])
@@ -28,10 +27,6 @@ one = Engine(cfg, params, numerics=nm, progress=False, prefill_chunk=16)
 two = Engine(cfg, params, numerics=nm, progress=False, prefill_chunk=16, pipeline=pipe)
 toks = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 24))
 la, lb = one.teacher_forced_logits(toks, 19), two.teacher_forced_logits(toks, 19)
-prompts = [toks[0, :7].tolist(), toks[1, :13].tolist()]
-kw = dict(max_new_tokens=6, sampler=TopK(8, 0.8), seed=seed)
-ga = one.generate(prompts, jit_loop=False, **kw)
-gb = two.generate(prompts, **kw)
 placed = sorted({str(d) for part in two.state for v in jax.tree.leaves(part)
                  for d in v.devices()})
 where = {k: str(next(iter(v.devices())))
@@ -39,14 +34,15 @@ where = {k: str(next(iter(v.devices())))
                                                   "layers.0.attn_norm.weight",
                                                   "layers.2.attn_norm.weight")}
 print(json.dumps({"dlogits": float(np.abs(la - lb).max()), "scale": float(np.abs(la).max()),
-                  "shape": list(la.shape), "one": ga, "two": gb, "placed": placed,
+                  "shape": list(la.shape), "placed": placed,
                   "where": where, "free": len(two.bm.free)}))
 '''
 
 
 def test_pipeline_equals_one_device():
-    """Teacher-forced logits (prefill chunks + decode steps) equal to the last bit, and the
-    same sampled tokens (top-k, seeded) over 6 steps; every array on its stage's device."""
+    """Teacher-forced logits (prefill chunks + decode steps) equal to the last bit; every
+    array on its stage's device. (The stream through the pipeline: tests/test_cli.py's
+    two-device generate prints the same tokens as one device.)"""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, "907"], env=env,
@@ -55,7 +51,6 @@ def test_pipeline_equals_one_device():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["shape"] == [2, 6, C.test().vocab_size] and r["scale"] > 0.1
     assert r["dlogits"] == 0.0
-    assert r["one"] == r["two"] and all(len(g) == 6 for g in r["one"])
     assert len(r["placed"]) == 2
     w = r["where"]
     assert w["embed.weight"] == w["layers.0.attn_norm.weight"] != w["head.weight"]
