@@ -100,22 +100,21 @@ def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
 
 
 def test_generate_on_two_devices_equals_single_device(tiny_generate):
-    """`dsv4 generate --devices 2` over 2 virtual CPU devices, in both layouts: the layers
-    split across the devices (the default at few request slots) and the expert-parallel
-    mesh, the checkpoint loaded straight into place either way, print the same greedy
-    completion as one device (conftest's tiny_generate). A mesh axis without --devices, or
-    with the pipeline, is a clear error."""
+    """`dsv4 generate --devices 2` over 2 virtual CPU devices (the layers split across the
+    devices: the default at few request slots; the checkpoint loaded straight onto each
+    stage's device) prints the same greedy completion as one device (conftest's
+    tiny_generate). The expert mesh through the CLI: test_sharding's two-process run. A
+    mesh axis without --devices, or with the pipeline, is a clear error."""
     import subprocess
     env, gen, single = tiny_generate
     env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     assert "--- prompt" in single.stdout
-    for layout, note in ((["--layout", "mesh"], "mesh {'data': 1, 'expert': 2, 'model': 1}"),
-                         ([], "pipeline stages at layers (0, 4, 5)")):
-        two = subprocess.run(gen + ["--devices", "2", *layout], env=env, capture_output=True,
-                             text=True, timeout=900)
-        assert two.returncode == 0, two.stderr[-2000:]
-        assert single.stdout == two.stdout, layout
-        assert note in two.stderr and note not in single.stderr
+    two = subprocess.run(gen + ["--devices", "2"], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert single.stdout == two.stdout
+    note = "pipeline stages at layers (0, 4, 5)"
+    assert note in two.stderr and note not in single.stderr
     for extra, msg in ((["--expert", "2"], "--expert needs --devices"),
                        (["--devices", "2", "--layout", "pipeline", "--expert", "2"],
                         "--layout mesh")):

@@ -150,12 +150,13 @@ def test_views_multiply_like_the_weights_they_replace(tiny):
         assert set(L.block_params(ap1, sub)) == set(L.block_params(ap0, sub)), sub
 
 
-@pytest.mark.parametrize("nm", [F32, SIM], ids=["f32-nosim", "bf16-sim"])
-def test_logits_bit_identical(tiny, nm):
+def test_logits_bit_identical(tiny):
     """Whole-sequence prefill (model.forward) and the cached step (a 64-token prefill
     chunk, then single-token decode steps: teacher forcing) give the same bits with the
-    merged tree as with the tree it came from."""
+    merged tree as with the tree it came from (the default numerics: the merge only
+    changes the weights' layout)."""
     cfg, params, merged = tiny
+    nm = SIM
     tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (2, T_TOTAL)).astype(np.int32)
     fwd = jax.jit(lambda p, t: model.forward(p, t, cfg, nm))
     np.testing.assert_array_equal(np.asarray(fwd(merged, tokens)),
