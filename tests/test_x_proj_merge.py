@@ -22,7 +22,6 @@ from dsv4_jax.quant import Numerics, WeightRows, f32_dot_bf16
 from cached_decode_setup import two_prefilled_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-F32 = Numerics(act_quant=False, dtype="float32")
 SIM = Numerics(act_quant=True, dtype="bfloat16")
 T_TOTAL, P_LEN = 140, 100  # a prefill chunk, then decode steps that complete CSA blocks
 
