@@ -39,7 +39,8 @@ from . import formats as F
 from . import layout as L
 from .errors import CheckpointError, IncompleteCheckpointError, MemoryBudgetError, NonFiniteError
 from .safetensors_io import aligned_empty
-from .source import SIDE_FILES, Source, open_source, read_json, user_path
+from .source import (SIDE_FILES, Source, check_writable_parent, open_source, read_json,
+                     user_path)
 
 MANIFEST = "dsv4_checkpoint.json"
 STATE = ".convert_state.json"
@@ -366,13 +367,7 @@ def check_dst(src: Path, dst: Path):
     if dst in src.parents:
         raise CheckpointError(f"destination {dst} contains the source {src}; give a "
                               "directory outside it")
-    parent = dst
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"destination {dst}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"destination {dst}: {parent} is not writable")
+    check_writable_parent(dst, "destination")
 
 
 _DISCARD = "parts.discard"  # `parts` renamed here by --overwrite, then deleted

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import layout as L
 from .errors import CheckpointError, IncompleteCheckpointError
-from .source import user_path
+from .source import checkpoint_dir
 
 
 def _human(n: float) -> str:
@@ -37,12 +37,7 @@ def inspect(path) -> dict:
     would refuse (corrupt or truncated header, index mismatch, foreign model, unfinished or
     damaged conversion) raises its CheckpointError instead of a report."""
     from .convert import MANIFEST, STATE
-    path = user_path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint directory")
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is a file; inspect takes a checkpoint directory "
-                                 "(safetensors or orbax)")
+    path = checkpoint_dir(path, "inspect takes a checkpoint directory (safetensors or orbax)")
     if (path / MANIFEST).exists() or (path / STATE).exists() or (path / "parts").exists():
         return _inspect_orbax(path)
     if (path / "config.json").exists() or any(path.glob("*.safetensors")):

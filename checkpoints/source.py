@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,29 @@ def user_path(path) -> Path:
     """A path the user gave, made absolute: `~` expanded, relative to the working directory,
     symlinks resolved (orbax needs absolute paths, and the resume guard compares them)."""
     return Path(path).expanduser().resolve()
+
+
+def checkpoint_dir(path, hint: str) -> Path:
+    """user_path(path), which must be an existing directory; `hint` says what a checkpoint
+    directory holds, for the error when it is a file."""
+    path = user_path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; {hint}")
+    return path
+
+
+def check_writable_parent(out: Path, label: str, start: Path | None = None) -> None:
+    """The nearest existing folder at or above `start` (default: `out` itself) is a
+    writable directory."""
+    parent = out if start is None else start
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{label} {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{label} {out}: {parent} is not writable")
 
 
 def read_json(p: Path, err=CheckpointError, what: str = "JSON file"):
@@ -128,12 +152,7 @@ class Source:
 
 def open_source(path, *, naming: str | None = None) -> Source:
     """Validate a safetensors checkpoint directory (headers only; no tensor data read)."""
-    path = user_path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint directory")
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory (config.json, "
-                                 "*.safetensors)")
+    path = checkpoint_dir(path, "a checkpoint is a directory (config.json, *.safetensors)")
     cfg, raw = read_config(path)
     files, where = _open_shards(path)
     naming = naming or L.detect_naming(where)

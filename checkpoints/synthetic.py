@@ -21,7 +21,7 @@ from dsv4_jax.config import Config
 
 from . import layout as L
 from .safetensors_io import ShardWriter
-from .source import user_path
+from .source import check_writable_parent, user_path
 
 FORMATS = ("official", "nvfp4")
 INDEX_NAME = "model.safetensors.index.json"
@@ -149,13 +149,7 @@ def check_out(out: Path) -> Path:
     if tmp.exists() and not (tmp / PARTIAL_MARK).exists():
         raise FileExistsError(f"{tmp} exists and was not made by make-checkpoint; move it away "
                               "(the checkpoint is written there first)")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"output {out}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"output {out}: {parent} is not writable")
+    check_writable_parent(out, "output", start=out.parent)
     return tmp
 
 

@@ -34,7 +34,7 @@ from checkpoints import formats as CF
 from checkpoints import layout as CL
 from checkpoints.errors import (CheckpointError, DtypeMismatchError, IncompleteCheckpointError,
                                 MissingKeyError, ShapeMismatchError, UnknownKeyError)
-from checkpoints.source import open_source, read_config, user_path
+from checkpoints.source import checkpoint_dir, open_source, read_config
 from pallas_kernels.quant_matmul import PLACE_MAX_SCALE_BYTE
 
 from .config import Config
@@ -60,12 +60,8 @@ def load(path, mesh=None, numerics_check: bool = True, rules=None, include_mtp: 
     docstring and docs/CHECKPOINTS.md).
     Raises `checkpoints.errors.CheckpointError` subclasses on any mismatch between the
     checkpoint and its config."""
-    path = user_path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint directory")
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory (orbax from "
-                                 "`dsv4 convert`, or config.json + *.safetensors)")
+    path = checkpoint_dir(path, "a checkpoint is a directory (orbax from `dsv4 convert`, or "
+                                "config.json + *.safetensors)")
     if mesh is not None and pipeline is not None:
         raise ValueError("load: give a mesh or a pipeline, not both")
     mesh = pipeline if pipeline is not None else mesh   # where the arrays go
