@@ -6,7 +6,7 @@ VENV := .venv
 REF := .venv-ref
 PYTEST_ARGS ?= -n 2 --dist loadfile   # two workers (CI has 2 cores), one test file per worker at a time
 
-.PHONY: demo test setup setup-ref gpu-test clean
+.PHONY: demo test setup setup-ref gpu-test train clean
 
 $(VENV)/.ok: pyproject.toml
 	@test -n "$(PY312)" || (echo "python3.12 not found (jax 0.11 needs Python >= 3.12)"; exit 1)
@@ -35,6 +35,11 @@ test: setup setup-ref
 # the GPU tests (every test marked gpu), on a Hopper machine whose python3 has jax[cuda]
 gpu-test:
 	PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
+
+# train the small model (docs/TRAINING.md) on one GPU whose python3 has jax[cuda] and optax:
+# prepare the stdlib corpus + tokenizer, train, export to runs/small/model, plot the losses
+train:
+	PYTHONPATH=. python3 -m training all --out runs/small
 
 clean:
 	rm -rf $(VENV) $(REF)
