@@ -94,7 +94,8 @@ def test_manifest_is_deterministic(prepared, tmp_path):
 def test_tokenizer_round_trip_with_special_tokens(prepared):
     base, root, _ = prepared
     tok = load_tokenizer(base / "data", TC.smoke().vocab_size)  # the engine's own loader
-    assert [tok.special_ids[s] for s in chat.SPECIAL_TOKENS] == list(range(len(chat.SPECIAL_TOKENS)))
+    n = len(chat.SPECIAL_TOKENS)
+    assert [tok.special_ids[s] for s in chat.SPECIAL_TOKENS] == list(range(n))
     assert tok.bos_id == TC.smoke().bos_token_id and tok.eos_id == TC.smoke().eos_token_id
     text = (chat.BOS + "def f(x):\n    return x ** 2  # caf\u00e9 \u2192 \U0001F600\n"
             + chat.USER + "hi" + chat.ASSISTANT + chat.THINK_END + "ok" + chat.EOS)
@@ -110,7 +111,8 @@ def test_tokenizer_round_trip_with_special_tokens(prepared):
 
 def test_fake_quant_is_the_export_encoding():
     rng = np.random.default_rng(3)
-    w = (rng.standard_normal((256, 384)) * rng.choice([1e-4, 0.02, 5.0], (256, 1))).astype(np.float32)
+    w = rng.standard_normal((256, 384)) * rng.choice([1e-4, 0.02, 5.0], (256, 1))
+    w = w.astype(np.float32)
     w[:, :32] = np.round(w[:, :32] * 4) / 4  # ties of e2m1 / e4m3 rounding
     w[0] = 0.0                                # all-zero blocks (floored scale)
     assert np.array_equal(np.asarray(Q.fake_fp8(jnp.asarray(w))), dequant_fp8(*encode_fp8_np(w)))
@@ -179,7 +181,8 @@ def test_export_loads_as_a_release_checkpoint(trained):
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
     assert rel(got, fq) < 1e-3, rel(got, fq)      # the QAT forward is the exported model
     assert rel(got, raw) < 0.2, rel(got, raw)     # unrounded masters: quantisation error
-    assert r["tensor_bytes"] == sum(t.nbytes for t in CL.expected_tensors(rcfg, "official").values())
+    want = CL.expected_tensors(rcfg, "official").values()
+    assert r["tensor_bytes"] == sum(t.nbytes for t in want)
 
 
 def test_intended_model_fits_8_mb():

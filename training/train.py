@@ -32,7 +32,7 @@ from dsv4_jax import model as M
 from dsv4_jax import param_specs as P
 from dsv4_jax import params as PI
 from dsv4_jax.config import Config
-from dsv4_jax.quant import Numerics
+from dsv4_jax.quant import EXACT_COMPILER_OPTIONS, Numerics
 
 from . import data as D
 from .config import TrainConfig, training_form
@@ -181,7 +181,12 @@ def make_steps(cfg: Config, tcfg: TrainConfig, opt):
         loss, aux = loss_fn(master, frozen, windows)
         return {"loss": loss, **{k: v for k, v in aux.items() if k != "loads"}}
 
-    return (jax.jit(train_step, donate_argnums=(0, 1, 2)), jax.jit(eval_step))
+    # EXACT_COMPILER_OPTIONS: XLA-GPU would otherwise delete the f32 -> e4m3 -> f32 casts of
+    # the FP8 fake quantisation (and the bf16 rounding points), training other weights
+    # than the export holds (see quant.EXACT_COMPILER_OPTIONS)
+    opts = EXACT_COMPILER_OPTIONS
+    return (jax.jit(train_step, donate_argnums=(0, 1, 2), compiler_options=opts),
+            jax.jit(eval_step, compiler_options=opts))
 
 
 def evaluate(eval_step, master, frozen, batches) -> dict:
