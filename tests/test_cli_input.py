@@ -11,6 +11,7 @@ import pytest
 
 from dsv4_jax import cli, config as C, generate as G, params as P
 from dsv4_jax.quant import Numerics
+from dsv4_jax.tokenizer import load_tokenizer
 
 
 def run(argv):
@@ -243,3 +244,29 @@ def test_bench_flags(capsys, monkeypatch, argv, needles):
         raise AssertionError("the bench started before its flags were checked")
     monkeypatch.setattr(decode_bench, "copy_bandwidth", fail)
     bad(capsys, ["bench", "decode", *argv], "dsv4 bench: error:", *needles)
+
+
+def test_several_prompts_stream_as_json_lines(tmp_path, capsys, monkeypatch):
+    """--stream with several prompts prints one JSON line per new piece, the prompts
+    interleaved as the steps come (an engine stand-in: the real stream is test_decode's)."""
+    rng = np.random.default_rng(12)
+    steps = [[(0, int(rng.integers(65, 90))), (1, int(rng.integers(97, 122)))]
+             for _ in range(3)]
+
+    class Engine:
+        mesh = pipeline = None
+        timing = G.Timing()
+
+        def stream(self, prompts, **kw):
+            assert len(prompts) == 2 and kw["max_new_tokens"] == 3
+            yield from steps
+
+    monkeypatch.setattr(cli, "_load_params", lambda args, cfg: None)
+    monkeypatch.setattr(cli, "_engine", lambda args, cfg, params: Engine())
+    p = tmp_path / "p.txt"
+    p.write_text("first prompt\n\nsecond one\n")
+    assert run(["generate", "--prompts-file", str(p), "--stream", "--max-new-tokens", "3"]) == 0
+    lines = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+    tok = load_tokenizer(None, C.tiny().vocab_size)
+    assert [(l["prompt"], l["text"]) for l in lines] == \
+        [(i, tok.decode([t])) for s in steps for i, t in s]

@@ -250,11 +250,8 @@ run = lambda p, merge: Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=
                               merge_x_proj=merge).teacher_forced_logits(tokens, 70)
 apart = run(sp, False)
 merged = run(mp, False)     # the tree merged on the mesh
-single = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64,
-                merge_x_proj=False).teacher_forced_logits(tokens, 70)
 res["merged_vs_apart_max_abs"] = float(np.abs(merged - apart).max())
-res["merged_vs_single_max_abs"] = float(np.abs(merged - single).max())
-res["scale"] = float(np.abs(single).max())
+res["scale"] = float(np.abs(apart).max())
 # the Engine's own merge of an unsharded tree, placed by shard_params
 eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64, mesh=mesh)
 res["engine_merged"] = P.x_proj_is_merged(eng.params)
@@ -266,7 +263,8 @@ print(json.dumps(res))
 def test_merged_tree_shards_and_gives_the_same_logits():
     """On a 2-device CPU mesh (tensor parallel, f32): the merged weight is replicated (as
     the sharding table says), and the sharded step (prefill chunk + decode steps) gives the
-    same bits as the unmerged tree on the mesh, and the single-device logits to 1e-5."""
+    same bits as the unmerged tree on the mesh (the mesh against one device:
+    tests/test_sharding.py)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(SEED)], env=env,
@@ -277,9 +275,7 @@ def test_merged_tree_shards_and_gives_the_same_logits():
     assert res["merged_sharding_ok"] and res["merged_replicated"] and res["weights_proj_split"]
     assert res["engine_merged"]
     assert res["merged_vs_apart_max_abs"] == 0.0
-    assert res["engine_vs_merged_max_abs"] == 0.0
-    # tensor parallelism itself changes the summation order (all-reduces) elsewhere
-    assert res["merged_vs_single_max_abs"] < 1e-5 * res["scale"]
+    assert res["engine_vs_merged_max_abs"] == 0.0 and res["scale"] > 0.1
 
 
 def test_row_views_through_the_matmul_kernel(tiny):
