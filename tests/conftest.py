@@ -30,8 +30,7 @@ def pytest_configure(config):
     the same program through different jitted functions (a forward of the same model and
     shapes, an engine's step) compile it once (CPU compilation is most of the suite's time).
     A loaded program is the compiled one, bit for bit. Programs compiling under a second
-    stay in memory only. xdist workers inherit the controller's directory, and so do the
-    tests' subprocesses (through jax's own environment names)."""
+    stay in memory only. xdist workers inherit the controller's directory."""
     import jax
     d = os.environ.get("DSV4_TEST_XLA_CACHE")
     if d is None:
@@ -40,8 +39,6 @@ def pytest_configure(config):
         config._dsv4_xla_cache = d  # made here: removed at the end
     jax.config.update("jax_compilation_cache_dir", d)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = d
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1.0"
 
 
 def pytest_unconfigure(config):
