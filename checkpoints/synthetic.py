@@ -8,6 +8,7 @@ plain tensors (embedding, head) are drawn in row blocks from the same random str
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -116,14 +117,27 @@ def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", 
                          f"got {shard_bytes!r}")
     cfg = format_config(cfg, fmt)
     naming = "official" if fmt == "official" else "hf"
+    with atomic_output(out, "`dsv4 make-checkpoint`") as tmp:
+        summary = _write_all(tmp, cfg, fmt, naming, seed, shard_bytes, row_block_elems,
+                             progress, fast_experts)
+    return {"path": str(out), **summary}
+
+
+PARTIAL_MARK = ".dsv4_make_checkpoint"
+
+
+@contextlib.contextmanager
+def atomic_output(out: Path, writer: str):
+    """Yields OUT.partial (marked by PARTIAL_MARK, naming `writer`) to write a checkpoint
+    into, renamed to `out` when the block completes; removed on any error or Ctrl-C, so
+    `out` either is whole or does not exist. `out` must pass check_out."""
     tmp = check_out(out)
     if tmp.exists():  # left by a killed run (check_out made sure it is one of ours)
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    (tmp / PARTIAL_MARK).write_text("an unfinished `dsv4 make-checkpoint`; safe to delete\n")
+    (tmp / PARTIAL_MARK).write_text(f"an unfinished {writer}; safe to delete\n")
     try:
-        summary = _write_all(tmp, cfg, fmt, naming, seed, shard_bytes, row_block_elems,
-                             progress, fast_experts)
+        yield tmp
         (tmp / PARTIAL_MARK).unlink()
         if out.exists():
             out.rmdir()
@@ -131,10 +145,6 @@ def make_checkpoint(out: str | os.PathLike, cfg: Config, fmt: str = "official", 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"path": str(out), **summary}
-
-
-PARTIAL_MARK = ".dsv4_make_checkpoint"
 
 
 def check_out(out: Path) -> Path:

@@ -57,13 +57,7 @@ def write_checkpoint(out: str | os.PathLike, cfg: Config, values: dict[str, np.n
                          f"unknown {unknown[:5]}")
     tensors = [t for k, s in specs.items() for t in CL.leaf_tensors(k, s, "official")]
     shards = S.plan_shards(tensors, shard_bytes)
-    tmp = S.check_out(out)
-    if tmp.exists():  # left by a killed export (check_out made sure it is one of ours)
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / S.PARTIAL_MARK).write_text("an unfinished `python -m training export`; safe to "
-                                      "delete\n")
-    try:
+    with S.atomic_output(out, "`python -m training export`") as tmp:
         weight_map, total, cache = {}, 0, {}
         for si, shard in enumerate(shards):
             fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -86,13 +80,6 @@ def write_checkpoint(out: str | os.PathLike, cfg: Config, values: dict[str, np.n
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         if extra is not None:
             (tmp / "training.json").write_text(json.dumps(extra, indent=1))
-        (tmp / S.PARTIAL_MARK).unlink()
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     return {"path": str(out), "bytes": size, "tensor_bytes": total, "tensors": len(tensors)}
 
