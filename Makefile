@@ -19,7 +19,7 @@ $(VENV)/.ok: pyproject.toml
 # transformers' DeepSeek-V4 port as an independent reference (CPU torch exists for 3.11 here)
 $(REF)/.ok:
 	@if [ -n "$(PY311)" ]; then \
-	  $(PY311) -m venv $(REF) && $(REF)/bin/pip install -q torch==2.13.0 "transformers>=5.23" safetensors numpy \
+	  $(PY311) -m venv $(REF) && $(REF)/bin/pip install -q torch==2.13.0 "transformers==5.24.0" safetensors numpy \
 	  && touch $@ || echo "reference env not installed: reference tests will be skipped"; \
 	else echo "python3.11 not found: reference tests will be skipped"; fi
 

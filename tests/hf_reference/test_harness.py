@@ -348,4 +348,6 @@ def test_port_decode_path_matches_full_forward(setup):
     boundaries and the HCA entry completed at t=255) reproduces the full forward."""
     cfg, w, tokens, out = setup
     dec = harness.run_reference(cfg, w, tokens[:, :262], mode="decode", prefill=236, chunk=1)
-    np.testing.assert_allclose(dec["logits"], out["logits"][:, :262], rtol=1e-4, atol=1e-4)
+    # Both runs are float32 with different matmul shapes: 4e-6 apart here, but 1.9e-4 on another
+    # CPU (its kernels sum in another order); 1e-3 is 1/4000 of the logits' scale (~4).
+    np.testing.assert_allclose(dec["logits"], out["logits"][:, :262], rtol=1e-3, atol=1e-3)
