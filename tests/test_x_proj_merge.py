@@ -23,7 +23,7 @@ from cached_decode_setup import two_prefilled_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = Numerics(act_quant=True, dtype="bfloat16")
-T_TOTAL, P_LEN = 140, 100  # a prefill chunk, then decode steps that complete CSA blocks
+T_TOTAL, P_LEN = 112, 100  # prefill chunks, then decode steps that complete 3 CSA blocks
 
 
 SEED = 43

@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.indexer_decode.dequant import CHUNK
+from pallas_kernels.interpret import gpu_interpret_params
 from pallas_kernels.indexer_decode.kernel import DIM, EPB, N_HEADS, scores_call
 
 # Chunks of 64 entries a CTA (default_chunks_per_cta): 16 once the call has >= 8192 chunks
@@ -59,11 +60,6 @@ def default_chunks_per_step(fmt, cpc):
     return 2
 
 
-def _interpret_params(interpret):
-    """interpret: a bool, or plgpu.InterpretGPUParams -> the kernel's argument."""
-    if interpret is None or interpret is False:
-        return None
-    return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
 def _check_common(q, w, block_table, t):
@@ -102,7 +98,7 @@ def _grid(B, block_table, t_B, tuning, fmt):
 
 def _scores(qh, w, codes, scales, bt, t, fmt, n_max, cpc, n_ctas, G, interpret, trim):
     out = scores_call(qh, w, codes, scales, bt, t, fmt=fmt, cpc=cpc, n_ctas=n_ctas, G=G,
-                      interpret=_interpret_params(interpret))
+                      interpret=gpu_interpret_params(interpret))
     return out[:, :n_max] if trim else out
 
 

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats as kf
+from pallas_kernels.interpret import gpu_interpret_params
 
 ROWS = 8  # rows per CTA
 NOPE, ROPE, BLK = 448, 64, 64
@@ -81,11 +82,6 @@ def _quantize_tile(x):
     return jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn), e
 
 
-def _interpret_params(interpret):
-    """interpret: a bool, or plgpu.InterpretGPUParams -> plgpu.kernel's argument."""
-    if interpret is None or interpret is False:
-        return None
-    return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
 def _scatter_call(kv_BD, scalars, dst_fn, refs, key_BK=None, fmt=None, *, interpret):
@@ -164,7 +160,7 @@ def _scatter_call(kv_BD, scalars, dst_fn, refs, key_BK=None, fmt=None, *, interp
         grid_names=("c",),
         scratch_types=tuple(scratch),
         compiler_params=LANE,
-        interpret=_interpret_params(interpret),
+        interpret=gpu_interpret_params(interpret),
     )(*inputs, *refs)
 
 

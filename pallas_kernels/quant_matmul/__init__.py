@@ -7,8 +7,8 @@ Files: kernel.py (the kernel), decode.py (the FP4 decode programs), tiling.py (t
 splits, pipeline depth, input checks), reference.py (the XLA path).
 """
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.interpret import gpu_interpret_params
 from pallas_kernels.quant_matmul.decode import PLACE_MAX_SCALE_BYTE, fp4_swar_form
 from pallas_kernels.quant_matmul.kernel import grouped_matmul_pallas
 from pallas_kernels.quant_matmul.reference import grouped_matmul_reference
@@ -39,7 +39,7 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", rows=None, exact_fp4=Fa
         return grouped_matmul_reference(x_GMK, expert_G, w)[:, :rows]
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    interpret = plgpu.InterpretGPUParams() if impl == "interpret" else None
+    interpret = gpu_interpret_params(impl == "interpret")
     return grouped_matmul_pallas(x_GMK, expert_G, w, rows=rows, exact_fp4=exact_fp4,
                                  tuning=tuning, interpret=interpret)
 

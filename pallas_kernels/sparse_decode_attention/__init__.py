@@ -17,7 +17,8 @@ import dataclasses
 
 from pallas_kernels.sparse_decode_attention import double_k, seesaw, triton
 from pallas_kernels.sparse_decode_attention.inputs import default_splits, prepare_inputs
-from pallas_kernels.sparse_decode_attention.layout import BLOCK_TOKENS, HT, interpret_params
+from pallas_kernels.interpret import gpu_interpret_params
+from pallas_kernels.sparse_decode_attention.layout import BLOCK_TOKENS, HT
 from pallas_kernels.sparse_decode_attention.merge import (MAX_SPLITS, MERGE_KERNEL_MIN_BATCH,
                                                           merge_splits, merge_splits_kernel)
 from pallas_kernels.sparse_decode_attention.reference import (hca_indices,
@@ -98,7 +99,7 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
                                   splits=tuning.splits)
         o, lse = triton.attention(*args, NS=NS, interpret=bool(interpret))
         return (o[0] if NS == 1 else merge_splits(o, lse, args[-1]))[:, :H]
-    params = interpret_params(interpret)
+    params = gpu_interpret_params(interpret)
     args, NS = prepare_inputs(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H,
                               splits=tuning.splits, ids_prefix=ids_prefix, implicit=implicit)
     # Interpreted, the rule's seesaw gives way to double_k (the same output bit for bit on

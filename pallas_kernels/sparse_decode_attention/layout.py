@@ -59,12 +59,6 @@ def compiler_params():
                                 unsafe_no_auto_barriers=True, reduction_scratch_bytes=0)
 
 
-def interpret_params(interpret):
-    """interpret (False, True or a plgpu.InterpretGPUParams) -> what plgpu.kernel takes: the
-    GPU interpreter's parameters, or False."""
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def out_types(NS, B, HP):

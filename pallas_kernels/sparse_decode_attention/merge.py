@@ -20,8 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sparse_decode_attention.layout import (HT, ROW, SMEM_BYTES, TILED, WG,
-                                                           interpret_params)
+from pallas_kernels.interpret import gpu_interpret_params
+from pallas_kernels.sparse_decode_attention.layout import HT, ROW, SMEM_BYTES, TILED, WG
 
 CW = 64          # output columns a merge CTA: one 128-byte swizzled tile of bf16 (TILED)
 # Every split's [64, 64] bf16 tile and its 64 lse are staged at once (+ the sink's 64):
@@ -102,5 +102,5 @@ def merge_splits_kernel(o, lse, sink, *, interpret=False):
             bar=plgpu.Barrier(num_arrivals=2 * NS + 1)),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret_params(interpret),
+        interpret=gpu_interpret_params(interpret),
     )(o, lse, sink)
