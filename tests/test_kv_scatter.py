@@ -221,3 +221,39 @@ def test_dispatch_switch():
     _assert_same(kvs.append_window(win, kv, pos, impl="xla"), reference.append_window(win, kv, pos))
     with pytest.raises(ValueError, match="impl"):
         kvs.append_window(win, kv, pos, impl="cuda")
+
+
+_COMPILE_ONCE_SCRIPT = r'''
+import json, sys
+import jax, jax.numpy as jnp
+import numpy as np
+from pallas_kernels.kv_scatter import append_window
+rng = np.random.default_rng(int(sys.argv[1]))
+win = {"win_nope": jnp.asarray(rng.integers(0, 0x77, (2, 128, 448)), jnp.uint8).view(jnp.float8_e4m3fn),
+       "win_scale": jnp.asarray(rng.integers(0, 256, (2, 128, 8)), jnp.uint8),
+       "win_rope": jnp.asarray(rng.standard_normal((2, 128, 64)), jnp.bfloat16),
+       "win_pos": jnp.asarray(rng.integers(-1, 500, (2, 128)), jnp.int32)}
+kv = jnp.asarray(rng.standard_normal((2, 512)), jnp.bfloat16)
+f = jax.jit(lambda w, kv, p: append_window(w, kv, p, interpret=True))
+for t in range(2):
+    win = f(win, kv, jnp.asarray([3 + t, 40 + t], jnp.int32))
+jax.block_until_ready(win)
+print(json.dumps({"programs": f._cache_size()}))
+'''
+
+
+def test_interpreted_program_is_traced_once():
+    """In a fresh process, a jitted program with an interpreted kernel is traced and compiled
+    once over two calls. (jax imported its Pallas interpreter while lowering the first call,
+    adding a flag to jit's trace context: the second call missed every cache, so the
+    interpreted decode step compiled twice.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ONCE_SCRIPT, "405"], cwd=root,
+                          env=dict(os.environ, PYTHONPATH=root), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"programs": 1}
