@@ -238,3 +238,46 @@ def test_cancel_frees_the_slot_at_once(sched):
     sched.step()
     assert outs[-1].finish_reason == "abort" and req.done
     assert not sched.running and sched.blocks_used() == 0
+
+
+def test_prefix_cache_reuses_whole_blocks(sched):
+    """Prompts sharing 150 tokens: the second and later reuse the first 128 (one block and
+    the slot state at its end), prefill only the rest, and give Engine's greedy tokens;
+    cached prefixes give their blocks back when admission needs them."""
+    from dsv4_jax.serve.scheduler import SchedulerConfig
+    eng = sched.eng
+    rng = np.random.default_rng(507)
+    shared = prompts_of(rng, (150,))[0]
+    a, b = (shared + t for t in prompts_of(rng, (20, 30)))
+    want_a, want_b = eng.generate([a, b], max_new_tokens=8, jit_loop=False)
+    ps = Scheduler(eng, sched.tok, SchedulerConfig(prefix_cache_entries=2), seed=0)
+    ps.prefix.warm_up()
+    lowered = MX.lowerings()
+    chunks = []
+    run = eng._run
+    eng._run = lambda toks, *x: (chunks.append(np.shape(toks)), run(toks, *x))[1]
+    try:
+        got = []
+        for p in (a, b, a):
+            n0 = len(chunks)
+            out = collect(ps, p, SamplingParams(temperature=0, max_tokens=8))
+            ps.run_until_done()
+            got.append((tokens(out), out[-1].cached_tokens,
+                        sum(s == (1, CHUNK) for s in chunks[n0:])))
+    finally:
+        eng._run = run
+    assert MX.lowerings() == lowered
+    assert got[0] == (want_a, 0, -(-len(a) // CHUNK))
+    assert got[1] == (want_b, 128, -(-(len(b) - 128) // CHUNK))
+    assert got[2] == (want_a, 128, -(-(len(a) - 128) // CHUNK))
+    assert ps.prefix.blocks_held == 1 and ps.blocks_used() == 1 and not ps.running
+    # three requests of 2 blocks each need the whole pool: the cached prefix yields
+    outs = [collect(ps, p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            for p in prompts_of(rng, (100, 95, 110))]
+    ps.step()
+    assert len(ps.running) == 3 and ps.prefix.blocks_held == 0
+    ps.run_until_done()
+    assert all(len(tokens(o)) == 40 for o in outs)
+    while ps.prefix.evict():
+        pass
+    assert ps.blocks_used() == 0 and not ps.prefix.ref

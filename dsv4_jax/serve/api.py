@@ -280,9 +280,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens, completion_tokens):
+def _usage(prompt_tokens, completion_tokens, cached_tokens=0):
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 async def _outputs(q: asyncio.Queue, reqs, http: HTTPRequest, poll_s: float = 0.5):
@@ -410,7 +411,7 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
                              bool(opts.get("include_usage"))),
                 media_type="text/event-stream")
         acc = [{"content": "", "reasoning": "", "calls": [], "lp": [], "finish": None,
-                "usage": (0, 0)} for _ in range(n)]
+                "usage": (0, 0, 0)} for _ in range(n)]
         async for i, o in _outputs(q, reqs, http):
             _error_finish(o)
             a = acc[i]
@@ -418,7 +419,8 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
             if o.finish_reason is not None:
                 events += parsers[i].finish()
                 a["finish"], a["usage"] = o.finish_reason, (o.prompt_tokens,
-                                                            o.completion_tokens)
+                                                            o.completion_tokens,
+                                                            o.cached_tokens)
             for kind, v in events:
                 if kind == "tool_calls":
                     a["calls"] += v
@@ -440,7 +442,7 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
         pt = len(prompt)
         return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model,
                 "choices": choices,
-                "usage": _usage(pt, sum(a["usage"][1] for a in acc))}
+                "usage": _usage(pt, sum(a["usage"][1] for a in acc), acc[0]["usage"][2])}
 
     # ---- completions ---------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -481,18 +483,21 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
                 _completion_stream(srv, reqs, q, http, rid, created, lp is not None,
                                    bool(opts.get("include_usage"))),
                 media_type="text/event-stream")
-        acc = [{"text": "", "outs": [], "finish": None, "ct": 0} for _ in range(n)]
+        acc = [{"text": "", "outs": [], "finish": None, "ct": 0, "cached": 0}
+               for _ in range(n)]
         async for i, o in _outputs(q, reqs, http):
             _error_finish(o)
             acc[i]["text"] += o.text
             acc[i]["outs"].append(o)
             if o.finish_reason is not None:
                 acc[i]["finish"], acc[i]["ct"] = o.finish_reason, o.completion_tokens
+                acc[i]["cached"] = o.cached_tokens
         choices = [{"index": i, "text": a["text"], "finish_reason": a["finish"],
                     "logprobs": _completion_logprobs(srv, a["outs"]) if lp is not None else None}
                    for i, a in enumerate(acc)]
         return {"id": rid, "object": "text_completion", "created": created, "model": srv.model,
-                "choices": choices, "usage": _usage(len(ids), sum(a["ct"] for a in acc))}
+                "choices": choices,
+                "usage": _usage(len(ids), sum(a["ct"] for a in acc), acc[0]["cached"])}
 
     return app
 
@@ -559,7 +564,7 @@ async def _chat_chunks(srv, reqs, q, http, parsers, chunk, want_lp, usage, rid, 
     if usage:
         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": srv.model, "choices": [],
-                    "usage": _usage(len(reqs[0].prompt), total)})
+                    "usage": _usage(len(reqs[0].prompt), total, reqs[0].cached_tokens)})
     yield "data: [DONE]\n\n"
 
 
@@ -595,5 +600,5 @@ async def _completion_chunks(srv, reqs, q, http, rid, created, want_lp, usage):
     if usage:
         yield _sse({"id": rid, "object": "text_completion", "created": created,
                     "model": srv.model, "choices": [],
-                    "usage": _usage(len(reqs[0].prompt), total)})
+                    "usage": _usage(len(reqs[0].prompt), total, reqs[0].cached_tokens)})
     yield "data: [DONE]\n\n"

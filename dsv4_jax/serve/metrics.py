@@ -82,6 +82,15 @@ class Metrics:
                                       registry=r)
         self.slots_used = prom.Gauge("dsv4_cache_slots_used", "request slots in use",
                                      registry=r)
+        self.prefix_queried = prom.Counter(
+            "dsv4_prefix_cache_queried_tokens", "prompt tokens of admitted requests", registry=r)
+        self.prefix_hit = prom.Counter(
+            "dsv4_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache (not "
+            "prefilled)", registry=r)
+        self.prefix_entries = prom.Gauge("dsv4_prefix_cache_entries", "cached prefixes",
+                                         registry=r)
+        self.prefix_blocks = prom.Gauge("dsv4_prefix_cache_blocks",
+                                        "pool blocks the cached prefixes hold", registry=r)
         prom.Gauge("dsv4_compilations", "jax programs lowered in this process (constant "
                    "after warm-up)", registry=r).set_function(lowerings)
         prom.Info("dsv4_model", "the served model", registry=r).info({"name": model})
@@ -96,6 +105,10 @@ class Metrics:
             self.itl.observe(now - req.t_last)
         with self._lock:
             self._recent.append(now)
+
+    def on_admit(self, req) -> None:
+        self.prefix_queried.inc(len(req.prompt))
+        self.prefix_hit.inc(req.cached_tokens)
 
     def on_finish(self, req, reason: str) -> None:
         self.finished.labels(reason).inc()
@@ -118,6 +131,9 @@ class Metrics:
         self.blocks_total.set(sch.cs.num_blocks)
         self.cache_usage.set(used / sch.cs.num_blocks)
         self.slots_used.set(len(sch.running))
+        if sch.prefix is not None:
+            self.prefix_entries.set(len(sch.prefix.entries))
+            self.prefix_blocks.set(sch.prefix.blocks_held)
 
     def render(self) -> bytes:
         self._update_rate()   # also while idle, when no step updates it

@@ -30,7 +30,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..cache import PoolExhausted, blocks_needed
+from ..cache import BLOCK_TOKENS, PoolExhausted, blocks_needed
+from .prefix import PrefixCache
 from .sampling import TOP_LOGPROBS, SamplingParams, SamplingRows, sample_rows
 from .text import IncrementalText
 
@@ -41,10 +42,15 @@ log = logging.getLogger("dsv4.serve")
 class SchedulerConfig:
     prefill_chunks_per_step: int = 1   # prefill chunks run between two decode steps
     max_waiting: int = 1024            # queued requests beyond which submit refuses
+    prefix_cache_entries: int = 0      # cached prompt prefixes (serve.prefix); 0: off
 
     def __post_init__(self):
         if self.prefill_chunks_per_step < 1 or self.max_waiting < 1:
-            raise ValueError(f"SchedulerConfig values must be >= 1, got {self}")
+            raise ValueError(f"SchedulerConfig: prefill_chunks_per_step and max_waiting "
+                             f"must be >= 1, got {self}")
+        if self.prefix_cache_entries < 0:
+            raise ValueError(f"SchedulerConfig.prefix_cache_entries must be >= 0, got "
+                             f"{self.prefix_cache_entries}")
 
 
 class RequestError(ValueError):
@@ -76,6 +82,7 @@ class Output:
     finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0              # prompt tokens served by the prefix cache
     error: str | None = None
 
 
@@ -93,6 +100,7 @@ class Request:
         self.seed = params.seed
         self.slot: int | None = None
         self.n_prefilled = 0
+        self.cached_tokens = 0
         self.out_ids: list[int] = []
         self.cancelled = False   # set by any thread; the scheduler retires it next step
         self.done = False
@@ -111,7 +119,7 @@ class Scheduler:
     engine thread.
 
     observer: optional hooks (serve.metrics.Metrics): on_token(req, now, first),
-    on_finish(req, reason), on_step(scheduler)."""
+    on_finish(req, reason), on_step(scheduler), on_admit(req)."""
 
     def __init__(self, engine, tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  observer=None, seed: int | None = None):
@@ -128,6 +136,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}   # by slot: prefilling or decoding
         self.steps = 0
+        self.prefix = (PrefixCache(engine, config.prefix_cache_entries)
+                       if config.prefix_cache_entries else None)
 
     # ---- from any thread -------------------------------------------------------------
     def check(self, prompt, params: SamplingParams) -> None:
@@ -210,12 +220,22 @@ class Scheduler:
         while self.waiting and len(self.running) < self.R:
             req = self.waiting[0]
             slot = self.bm.admit(len(req.prompt))
+            k, hit = self.prefix.lookup(req.prompt) if self.prefix else (0, None)
+            if hit is not None:
+                self.prefix.attach(slot, hit)
             try:   # every block the request can fill, now: it never waits mid-generation
                 self.bm.ensure(slot, len(req.prompt) + req.params.max_tokens)
             except PoolExhausted:
+                if self.prefix is not None:
+                    self.prefix.detach(slot)
                 self.bm.release(slot)
+                if self.prefix is not None and self.prefix.evict():
+                    continue   # cached prefixes give their blocks back first
                 return   # first come first served: later requests wait behind it
             self.waiting.popleft()
+            if hit is not None:
+                self.prefix.load(slot, hit)
+                req.n_prefilled = req.cached_tokens = k * BLOCK_TOKENS
             req.slot = slot
             p = req.params
             self.rows.set(slot, p, req.seed)
@@ -223,6 +243,8 @@ class Scheduler:
                 frozenset() if p.ignore_eos else self.eos_ids)
             req.text = IncrementalText(self.tok.decode, p.stop)
             self.running[slot] = req
+            if self.observer is not None:
+                self.observer.on_admit(req)
 
     def _prefill_chunk(self) -> bool:
         pending = [r for r in self.running.values() if r.n_prefilled < len(r.prompt)]
@@ -230,12 +252,17 @@ class Scheduler:
             return False
         req = min(pending, key=lambda r: r.t_arrival)
         s, start = req.slot, req.n_prefilled
-        part = req.prompt[start:start + self.C]
+        end = min(start + self.C, len(req.prompt))
+        if self.prefix is not None and end // BLOCK_TOKENS > start // BLOCK_TOKENS:
+            end = max(end // BLOCK_TOKENS * BLOCK_TOKENS, start + 1)  # stop at a boundary
+        part = req.prompt[start:end]
         buf = np.zeros((1, self.C), np.int32)
         buf[0, :len(part)] = part
         logits = self.eng._run(buf, [s], [start], [len(part)])
         self.bm.advance(s, len(part))
         req.n_prefilled += len(part)
+        if self.prefix is not None and req.n_prefilled % BLOCK_TOKENS == 0:
+            self.prefix.insert(req.prompt, s, req.n_prefilled // BLOCK_TOKENS)
         if req.n_prefilled == len(req.prompt):   # the first token, from the last chunk
             out = sample_rows(logits, self.rows.take([s]), np.zeros(1, np.int32),
                               n_top=TOP_LOGPROBS)
@@ -272,7 +299,7 @@ class Scheduler:
         req.out_ids.append(tok)
         p = req.params
         o = Output(token_ids=[tok], prompt_tokens=len(req.prompt),
-                   completion_tokens=len(req.out_ids))
+                   completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens)
         if p.logprobs:
             o.logprobs = [TokenLogprob(tok, float(lp), [(int(i), float(v)) for i, v in
                                                         zip(top_ids[:p.top_logprobs],
@@ -297,6 +324,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req.slot is not None and self.running.get(req.slot) is req:
             del self.running[req.slot]
+            if self.prefix is not None:
+                self.prefix.detach(req.slot)
             self.bm.release(req.slot)
         req.done = True
 
@@ -309,7 +338,8 @@ class Scheduler:
         self._release(req)
         self._report_finish(req, reason)
         req.sink(Output(finish_reason=reason, prompt_tokens=len(req.prompt),
-                        completion_tokens=len(req.out_ids), error=error))
+                        completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens,
+                        error=error))
 
     # ---- helpers ---------------------------------------------------------------------
     def run_until_done(self, max_steps: int = 100_000) -> None:
@@ -322,7 +352,10 @@ class Scheduler:
 
     def warm_up(self) -> None:
         """Compile every program serving uses (prefill chunk, decode step, both sampler
-        shapes) with one short request, so no client waits on a compilation."""
+        shapes, the prefix cache's copies) with one short request, so no client waits on
+        a compilation."""
+        if self.prefix is not None:
+            self.prefix.warm_up()
         p = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=0)
         self.submit(Request([self.tok.bos_id], p, lambda o: None, rid="warm-up"))
         self.run_until_done()
