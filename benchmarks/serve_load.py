@@ -8,9 +8,14 @@ time to first token and inter-token latency, as the clients see them over HTTP.
     # Engine.generate on the same prompts for comparison
     PYTHONPATH=. python -m benchmarks.serve_load --requests 32 --concurrency 8 --compare-fixed
 
+    # prefix caching: prompts sharing 160 tokens, with and without the cache
+    PYTHONPATH=. python -m benchmarks.serve_load --shared-prefix 160 --prefix-cache-entries 0
+    PYTHONPATH=. python -m benchmarks.serve_load --shared-prefix 160 --prefix-cache-entries 16
+
 Bounded in count (--requests) and time (--time-limit: clients stop starting requests).
-Prompts are random token ids (seeded); every request generates exactly --max-tokens tokens
-(ignore_eos), so the runs are comparable.
+Prompts are random token ids (seeded), after --shared-prefix common ones; every request
+generates exactly --max-tokens tokens (ignore_eos), so the runs are comparable. The prefix
+cache's hit rate is read from the server's /metrics.
 """
 from __future__ import annotations
 
@@ -95,6 +100,19 @@ def run_load(url, model, prompts, max_tokens, concurrency, time_limit):
             "first_error": errors[0] if errors else None}
 
 
+def prefix_stats(metrics_text: str) -> dict:
+    """Hit rate of the prefix cache from a /metrics page: prompt tokens served from it over
+    all admitted prompt tokens."""
+    vals = {}
+    for line in metrics_text.splitlines():
+        for name in ("dsv4_prefix_cache_queried_tokens_total", "dsv4_prefix_cache_hit_tokens_total"):
+            if line.startswith(name + " "):
+                vals[name] = float(line.split()[1])
+    q = vals.get("dsv4_prefix_cache_queried_tokens_total", 0)
+    h = vals.get("dsv4_prefix_cache_hit_tokens_total", 0)
+    return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else float("nan")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server (default: start one in this process on "
@@ -106,12 +124,16 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
     ap.add_argument("--time-limit", type=float, default=300.0,
                     help="seconds after which clients start no new request")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt starts with (before its own MIN..MAX)")
     ap.add_argument("--seed", type=int, default=0)
     # the in-process server
     ap.add_argument("--max-requests", type=int, default=8)
     ap.add_argument("--num-blocks", type=int, default=32)
     ap.add_argument("--max-blocks", type=int, default=2)
     ap.add_argument("--prefill-chunk", type=int, default=32)
+    ap.add_argument("--prefix-cache-entries", type=int, default=16,
+                    help="in-process server: cached prefixes (0: off)")
     ap.add_argument("--compare-fixed", action="store_true",
                     help="in-process: also time Engine.generate (fixed batches of "
                          "--max-requests, the fused decode loop) on the same prompts")
@@ -123,7 +145,8 @@ def main(argv=None):
     if not 1 <= lo <= hi:
         ap.error("--prompt-len needs 1 <= MIN <= MAX")
     rng = np.random.default_rng(args.seed)
-    prompts = [[int(t) for t in rng.integers(16, 272, int(rng.integers(lo, hi + 1)))]
+    shared = [int(t) for t in rng.integers(16, 272, args.shared_prefix)]
+    prompts = [shared + [int(t) for t in rng.integers(16, 272, int(rng.integers(lo, hi + 1)))]
                for _ in range(args.requests)]
     out = {"machine": None, "args": vars(args)}
     if args.url:
@@ -131,6 +154,7 @@ def main(argv=None):
         model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
         out["load"] = run_load(args.url, model, prompts, args.max_tokens, args.concurrency,
                                args.time_limit)
+        out["prefix_cache"] = prefix_stats(httpx.get(args.url + "/metrics").text)
     else:
         import jax
         from dsv4_jax import config, params as P
@@ -155,11 +179,15 @@ def main(argv=None):
                                   "requests_per_s": len(prompts) / wall,
                                   "output_tokens_per_s": sum(map(len, res)) / wall}
         t0 = time.perf_counter()
-        srv = build(eng, ByteTokenizer(cfg.vocab_size), "tiny", seed=args.seed)
+        from dsv4_jax.serve.scheduler import SchedulerConfig
+        srv = build(eng, ByteTokenizer(cfg.vocab_size), "tiny", seed=args.seed,
+                    config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries))
         out["warm_up_s"] = time.perf_counter() - t0
         with BackgroundServer(srv) as url:
             out["load"] = run_load(url, "tiny", prompts, args.max_tokens, args.concurrency,
                                    args.time_limit)
+            import httpx
+            out["prefix_cache"] = prefix_stats(httpx.get(url + "/metrics").text)
     json.dump(out, sys.stdout, indent=1)
     print()
 

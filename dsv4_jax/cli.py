@@ -459,6 +459,14 @@ def cmd_serve(args):
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     _positive(args, "--prefill-chunks-per-step", "--max-waiting")
+    if args.prefix_cache_entries is None:   # on where it runs: one device
+        args.prefix_cache_entries = 0 if args.devices else 2 * args.max_requests
+    elif args.prefix_cache_entries < 0:
+        raise UsageError(f"--prefix-cache-entries must be 0 (off) or more, got "
+                         f"{args.prefix_cache_entries}")
+    elif args.prefix_cache_entries and args.devices:
+        raise UsageError("--prefix-cache-entries needs a single-device engine; with "
+                         "--devices use --prefix-cache-entries 0")
     try:
         from .serve import run as serve_run
         from .serve.scheduler import SchedulerConfig
@@ -478,8 +486,8 @@ def cmd_serve(args):
           f"{args.max_blocks * BLOCK_TOKENS} tokens; compiling...", file=sys.stderr)
     t0 = time.perf_counter()
     srv = serve_run.build(eng, tok, name, SchedulerConfig(
-        prefill_chunks_per_step=args.prefill_chunks_per_step, max_waiting=args.max_waiting),
-        seed=args.seed)
+        prefill_chunks_per_step=args.prefill_chunks_per_step, max_waiting=args.max_waiting,
+        prefix_cache_entries=args.prefix_cache_entries), seed=args.seed)
     print(f"ready in {time.perf_counter() - t0:.1f} s: http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     serve_run.serve(srv, args.host, args.port, log_level=args.log_level)
@@ -524,6 +532,10 @@ def build_parser():
                     help="prefill chunks of new requests run between two decode steps")
     sv.add_argument("--max-waiting", type=int, default=1024,
                     help="queued requests beyond which new ones get 503")
+    sv.add_argument("--prefix-cache-entries", type=int,
+                    help="prompt prefixes (whole 128-token blocks) kept for reuse across "
+                         "requests; 0: off (default: 2 x --max-requests on one device, off "
+                         "with --devices)")
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(fn=cmd_serve)

@@ -22,7 +22,7 @@ from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
 from dsv4_jax.serve.run import BackgroundServer, build
 from dsv4_jax.serve.api import Server
-from dsv4_jax.serve.scheduler import Output
+from dsv4_jax.serve.scheduler import Output, SchedulerConfig
 from dsv4_jax.serve.text import IncrementalText
 from dsv4_jax.tokenizer import ByteTokenizer
 
@@ -30,6 +30,7 @@ R, CHUNK, NEW = 4, 16, 8
 RNG = np.random.default_rng(600)
 # token-id prompts (plain completions) over one or more prefill chunks
 ID_PROMPTS = [[int(t) for t in RNG.integers(16, 272, n)] for n in (7, 33, 20)]
+LONG = [int(t) for t in RNG.integers(16, 272, 150)]   # a whole block to cache, and more
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name three primes."}]
 
@@ -43,10 +44,10 @@ def server(tiny_model):
     eng = Engine(cfg, params, cache_spec=cs, prefill_chunk=CHUNK, progress=False)
     tok = ByteTokenizer(cfg.vocab_size)
     chat_ids = tok.encode(chat.encode_messages(CHAT, thinking_mode="thinking"))
-    refs = eng.generate(ID_PROMPTS + [chat_ids], max_new_tokens=NEW, jit_loop=False,
+    refs = eng.generate(ID_PROMPTS + [chat_ids, LONG], max_new_tokens=NEW, jit_loop=False,
                         stop_ids=tok.stop_ids)
-    ref = {"ids": refs[:-1], "chat": refs[-1]}
-    srv = build(eng, tok, "tiny", seed=0)
+    ref = {"ids": refs[:-2], "chat": refs[-2], "long": refs[-1]}
+    srv = build(eng, tok, "tiny", SchedulerConfig(prefix_cache_entries=2), seed=0)
     with BackgroundServer(srv) as url:
         yield url, srv, ref
 
@@ -182,8 +183,22 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     t0 = time.monotonic()
     while srv.sch.running and time.monotonic() - t0 < 20:
         time.sleep(0.05)
-    assert not srv.sch.running and srv.sch.blocks_used() == 0
+    assert not srv.sch.running and srv.sch.blocks_used() == srv.sch.prefix.blocks_held
     assert metric(url, 'dsv4_generations_finished_total{reason="abort"}') == aborted + 1
+
+
+def test_prefix_cache_hit_reported_in_usage(server):
+    """The same 150-token prompt twice: the second reuses its first block (128 tokens, as
+    usage and the metrics say) and gives the same greedy text as Engine."""
+    url, srv, ref = server
+    c = client(url)
+    hit0 = metric(url, "dsv4_prefix_cache_hit_tokens_total")
+    got = [c.completions.create(model="tiny", prompt=LONG, max_tokens=NEW, temperature=0)
+           for _ in range(2)]
+    want = text_of(srv.tok, ref["long"], set(srv.tok.stop_ids))
+    assert [r.choices[0].text for r in got] == [want, want]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in got] == [0, 128]
+    assert metric(url, "dsv4_prefix_cache_hit_tokens_total") == hit0 + 128
 
 
 # ---- tool calls and reasoning, through HTTP, from a scripted completion ------------------
@@ -260,3 +275,6 @@ def test_cli_serve_refuses_bad_flags_before_loading(capsys):
     assert cli_main(["serve", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
     assert cli_main(["serve", "--max-waiting", "0"]) == 2
+    assert cli_main(["serve", "--prefix-cache-entries", "-1"]) == 2
+    assert cli_main(["serve", "--devices", "1", "--prefix-cache-entries", "4"]) == 2
+    assert "single-device" in capsys.readouterr().err
