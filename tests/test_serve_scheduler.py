@@ -126,8 +126,9 @@ def test_continuous_batching_greedy_equals_engine(sched):
     prompts = prompts_of(rng, (5, 37, 20, 9, 50, 3, 18))
     n_new = 10
     calls = []
-    run = eng._run
-    eng._run = lambda toks, *a: (calls.append((sched.steps, np.shape(toks))), run(toks, *a))[1]
+    run = sched._run_step
+    sched._run_step = lambda toks, *a: (calls.append((sched.steps, np.shape(toks))),
+                                        run(toks, *a))[1]
     lowered = MX.lowerings()
     try:
         outs = {}
@@ -142,7 +143,7 @@ def test_continuous_batching_greedy_equals_engine(sched):
             outs[i] = collect(sched, p, SamplingParams(temperature=0, max_tokens=n_new))
         sched.run_until_done()
     finally:
-        eng._run = run
+        sched._run_step = run
     assert MX.lowerings() == lowered
     want = eng.generate(prompts, max_new_tokens=n_new, jit_loop=False)
     for i in range(len(prompts)):
@@ -254,8 +255,8 @@ def test_prefix_cache_reuses_whole_blocks(sched):
     ps.prefix.warm_up()
     lowered = MX.lowerings()
     chunks = []
-    run = eng._run
-    eng._run = lambda toks, *x: (chunks.append(np.shape(toks)), run(toks, *x))[1]
+    run = ps._run_step
+    ps._run_step = lambda toks, *x: (chunks.append(np.shape(toks)), run(toks, *x))[1]
     try:
         got = []
         for p in (a, b, a):
@@ -265,7 +266,7 @@ def test_prefix_cache_reuses_whole_blocks(sched):
             got.append((tokens(out), out[-1].cached_tokens,
                         sum(s == (1, CHUNK) for s in chunks[n0:])))
     finally:
-        eng._run = run
+        ps._run_step = run
     assert MX.lowerings() == lowered
     assert got[0] == (want_a, 0, -(-len(a) // CHUNK))
     assert got[1] == (want_b, 128, -(-(len(b) - 128) // CHUNK))

@@ -1,6 +1,6 @@
 """Continuous batching around the engine's compiled step programs (pure Python on the
-host; the programs are Engine's: a prefill chunk [1, C] and the decode step [R, 1], plus
-the per-row sampler of serve.sampling).
+host; the programs: a prefill chunk [1, C] and the decode step [R, 1], each with the
+per-row sampler of serve.sampling inside, serve.programs).
 
 Each `step()`:
 1. takes new requests from the inbox and drops cancelled ones (their slot and blocks are
@@ -32,7 +32,8 @@ import numpy as np
 
 from ..cache import BLOCK_TOKENS, PoolExhausted, blocks_needed
 from .prefix import PrefixCache
-from .sampling import TOP_LOGPROBS, SamplingParams, SamplingRows, sample_rows
+from .programs import run_step
+from .sampling import SamplingParams, SamplingRows
 from .text import IncrementalText
 
 log = logging.getLogger("dsv4.serve")
@@ -258,14 +259,13 @@ class Scheduler:
         part = req.prompt[start:end]
         buf = np.zeros((1, self.C), np.int32)
         buf[0, :len(part)] = part
-        logits = self.eng._run(buf, [s], [start], [len(part)])
+        out = self._run_step(buf, [s], [start], [len(part)], self.rows.take([s]),
+                             np.zeros(1, np.int32))
         self.bm.advance(s, len(part))
         req.n_prefilled += len(part)
         if self.prefix is not None and req.n_prefilled % BLOCK_TOKENS == 0:
             self.prefix.insert(req.prompt, s, req.n_prefilled // BLOCK_TOKENS)
         if req.n_prefilled == len(req.prompt):   # the first token, from the last chunk
-            out = sample_rows(logits, self.rows.take([s]), np.zeros(1, np.int32),
-                              n_top=TOP_LOGPROBS)
             self._accept(req, *(np.asarray(a)[0] for a in out))
         return True
 
@@ -282,12 +282,18 @@ class Scheduler:
             toks[r.slot, 0], nvalid[r.slot], steps[r.slot] = r.out_ids[-1], 1, len(r.out_ids)
         # the blocks were reserved at admission: this allocates nothing
         self.bm.ensure_many({r.slot: int(self.bm.length[r.slot]) + 1 for r in rows})
-        logits = self.eng._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
-        out = sample_rows(logits, self.rows.take(np.arange(R)), steps, n_top=TOP_LOGPROBS)
+        out = self._run_step(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid,
+                             self.rows.take(np.arange(R)), steps)
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in out)
         for r in rows:
             self.bm.advance(r.slot, 1)
             self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])
+
+    def _run_step(self, tokens, slots, pos, nvalid, rows, steps):
+        """The step program with sampling (serve.programs.run_step): tokens [B, T] at pos
+        [B] in slots [B], the first nvalid [B] real; each row sampled with `rows` at token
+        index `steps` [B] -> (tokens [B], logprobs [B], top ids / logprobs [B, K])."""
+        return run_step(self.eng, tokens, slots, pos, nvalid, rows, steps)
 
     def _accept(self, req: Request, tok, lp, top_ids, top_lp) -> None:
         """A sampled token: its text, stop checks and the Output to the sink."""
@@ -351,8 +357,8 @@ class Scheduler:
         raise RuntimeError(f"requests still running after {max_steps} steps")
 
     def warm_up(self) -> None:
-        """Compile every program serving uses (prefill chunk, decode step, both sampler
-        shapes, the prefix cache's copies) with one short request, so no client waits on
+        """Compile every program serving uses (prefill chunk and decode step with their
+        sampling, the prefix cache's copies) with one short request, so no client waits on
         a compilation."""
         if self.prefix is not None:
             self.prefix.warm_up()
