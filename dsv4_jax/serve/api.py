@@ -225,7 +225,7 @@ class Server:
     def token_text(self, t: int) -> str:
         return self.tok.decode([t])
 
-    async def submit(self, prompt, params_list, http: HTTPRequest):
+    async def submit(self, prompt, params_list):
         """Queue one request per SamplingParams -> (requests, asyncio queue of (choice
         index, Output)). Refusals raise ApiError before anything is queued."""
         loop = asyncio.get_running_loop()
@@ -402,7 +402,7 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
                        extra_stop_ids=srv.tok.stop_ids)
         n = _n(body)
         opts = _get(body, "stream_options", "object", {})
-        reqs, q = await srv.submit(prompt, _seeded(sp, n), http)
+        reqs, q = await srv.submit(prompt, _seeded(sp, n))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         parsers = [ChatOutputParser(thinking) for _ in range(n)]
         if stream:
@@ -476,7 +476,7 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
         sp = _sampling(body, mt, logprobs=lp is not None, top_logprobs=lp or 0)
         n = _n(body)
         opts = _get(body, "stream_options", "object", {})
-        reqs, q = await srv.submit(ids, _seeded(sp, n), http)
+        reqs, q = await srv.submit(ids, _seeded(sp, n))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if stream:
             return StreamingResponse(
