@@ -63,6 +63,14 @@ def metric(url, name) -> float:
     raise KeyError(name)
 
 
+def aborted(url) -> float:
+    """Generations finished by a cancel so far (the label appears with the first)."""
+    try:
+        return metric(url, 'dsv4_generations_finished_total{reason="abort"}')
+    except KeyError:
+        return 0.0
+
+
 def text_of(tok, ids, stops):
     """The text a request outputs for tokens `ids`: a final stop id's text is not part."""
     if ids and ids[-1] in stops:
@@ -174,8 +182,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     url, srv, _ = server
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True,
             "ignore_eos": True, "temperature": 0}
-    aborted = metric(url, 'dsv4_generations_finished_total{reason="abort"}') if \
-        'reason="abort"' in httpx.get(url + "/metrics").text else 0
+    n_aborted = aborted(url)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(4)]   # two events (each one line + a blank)
@@ -184,7 +191,22 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     while srv.sch.running and time.monotonic() - t0 < 20:
         time.sleep(0.05)
     assert not srv.sch.running and srv.sch.blocks_used() == srv.sch.prefix.blocks_held
-    assert metric(url, 'dsv4_generations_finished_total{reason="abort"}') == aborted + 1
+    assert aborted(url) == n_aborted + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server):
+    """A non-streaming client that gives up: its request is cancelled too (it would run
+    200 steps otherwise)."""
+    url, srv, _ = server
+    n_aborted = aborted(url)
+    body = {"model": "tiny", "prompt": "wait for it", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+    t0 = time.monotonic()
+    while srv.sch.running and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    assert not srv.sch.running and srv.sch.queue_depth == 0
+    assert aborted(url) == n_aborted + 1
 
 
 def test_prefix_cache_hit_reported_in_usage(server):

@@ -282,3 +282,42 @@ def test_prefix_cache_reuses_whole_blocks(sched):
     while ps.prefix.evict():
         pass
     assert ps.blocks_used() == 0 and not ps.prefix.ref
+
+
+def test_a_failing_step_ends_its_requests_and_serving_goes_on(sched):
+    import threading
+    from dsv4_jax.serve.scheduler import Overloaded, SchedulerConfig
+    rng = np.random.default_rng(508)
+    p = prompts_of(rng, (20,))[0]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    run = sched._run_step
+
+    def fail_once(*a):
+        sched._run_step = run
+        raise RuntimeError("device lost")
+    sched._run_step = fail_once
+    broken, ok = collect(sched, p, sp), []
+    stop = threading.Event()
+    t = threading.Thread(target=sched.run, args=(stop,))
+    t.start()
+    try:
+        for _ in range(600):
+            if broken and broken[-1].finish_reason and not sched.has_work():
+                break
+            threading.Event().wait(0.05)
+        assert broken[-1].finish_reason == "error" and "device lost" in broken[-1].error
+        assert sched.blocks_used() == 0
+        ok = collect(sched, p, sp)   # the engine thread still serves
+        for _ in range(600):
+            if ok and ok[-1].finish_reason:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        stop.set()
+        t.join()
+    assert ok[-1].finish_reason == "length" and len(tokens(ok)) == 4
+    # a full waiting queue refuses at submit
+    small = Scheduler(sched.eng, sched.tok, SchedulerConfig(max_waiting=1))
+    small.submit(Request(p, sp, lambda o: None))
+    with pytest.raises(Overloaded):
+        small.submit(Request(p, sp, lambda o: None))

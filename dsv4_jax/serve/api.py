@@ -288,15 +288,21 @@ def _usage(prompt_tokens, completion_tokens, cached_tokens=0):
 
 async def _outputs(q: asyncio.Queue, reqs, http: HTTPRequest, poll_s: float = 0.5):
     """Yield (choice index, Output) until every request finished. A client that goes away
-    cancels its requests (their slots are freed at the scheduler's next step)."""
+    (checked every poll_s, whether outputs arrive or not) cancels its requests: their
+    slots are freed at the scheduler's next step."""
     left = len(reqs)
+    checked = time.monotonic()
     try:
         while left:
             try:
                 i, o = await asyncio.wait_for(q.get(), poll_s)
             except asyncio.TimeoutError:
+                o = None
+            if time.monotonic() - checked >= poll_s:
                 if await http.is_disconnected():
                     return
+                checked = time.monotonic()
+            if o is None:
                 continue
             if o.finish_reason is not None:
                 left -= 1
@@ -329,6 +335,28 @@ def _error_finish(o: Output):
         raise ApiError(f"generation failed: {o.error}", status=500, type_="server_error")
 
 
+class CountRequests:
+    """ASGI middleware counting requests by path and status. (Starlette's
+    BaseHTTPMiddleware would hide a client's disconnect from the handlers.)"""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            self.metrics.requests.labels(scope["path"], str(status["code"])).inc()
+
+
 def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -357,12 +385,8 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
         return error_response(f"internal error: {type(e).__name__}: {e}", 500,
                               type_="server_error")
 
-    @app.middleware("http")
-    async def _count(request: HTTPRequest, call_next):
-        response = await call_next(request)
-        if srv.metrics is not None:
-            srv.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    if srv.metrics is not None:
+        app.add_middleware(CountRequests, metrics=srv.metrics)
 
     @app.get("/health")
     async def health():
