@@ -6,7 +6,6 @@ Greedy requests are checked against Engine.generate on the same prompts (the fix
 path: its own stream program, no scheduler)."""
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import chat
-from .sampling import TOP_LOGPROBS, SamplingParams
+from .sampling import SamplingParams
 from .scheduler import Output, Overloaded, Request, RequestError, Scheduler
 from .text import ChatOutputParser
 

@@ -14,7 +14,6 @@ argmax of the raw logits, the same token as generate.Greedy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
