@@ -141,7 +141,7 @@ def test_concurrent_mixed_requests(server):
     msg = got["think"]
     assert msg.reasoning_content == want["reasoning_content"]
     assert msg.content == want["content"]
-    assert metric(url, "dsv4_compilations") == lowered
+    assert metric(url, "dsv4_compilations") == lowered == 0   # none since the warm-up
     assert metric(url, "dsv4_cache_slots_used") == 0
 
 

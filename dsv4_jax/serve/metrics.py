@@ -26,7 +26,7 @@ _listening = False
 
 
 def lowerings() -> int:
-    """Programs lowered in this process since the first Metrics (or watch_lowerings)."""
+    """Programs lowered in this process since watch_lowerings was first called."""
     return _lowerings
 
 
@@ -91,8 +91,10 @@ class Metrics:
                                          registry=r)
         self.prefix_blocks = prom.Gauge("dsv4_prefix_cache_blocks",
                                         "pool blocks the cached prefixes hold", registry=r)
-        prom.Gauge("dsv4_compilations", "jax programs lowered in this process (constant "
-                   "after warm-up)", registry=r).set_function(lowerings)
+        start = lowerings()
+        prom.Gauge("dsv4_compilations", "jax programs lowered since the server became ready "
+                   "(0 unless a request compiled one)", registry=r).set_function(
+                       lambda: lowerings() - start)
         prom.Info("dsv4_model", "the served model", registry=r).info({"name": model})
 
     # ---- scheduler hooks (engine thread) ------------------------------------------------
