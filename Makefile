@@ -12,7 +12,7 @@ $(VENV)/.ok: pyproject.toml
 	@test -n "$(PY312)" || (echo "python3.12 not found (jax 0.11 needs Python >= 3.12)"; exit 1)
 	$(PY312) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e ".[test,notebooks]"
+	$(VENV)/bin/pip install -q -e ".[test,notebooks,serve]"
 	$(VENV)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

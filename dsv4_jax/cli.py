@@ -451,6 +451,48 @@ def cmd_logits(args):
     print(f"wrote logits {logits.shape} to {out}", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------------------
+def cmd_serve(args):
+    _check_model_flags(args)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    _positive(args, "--prefill-chunks-per-step", "--max-waiting")
+    if args.prefix_cache_entries is None:   # on where it runs: one device
+        args.prefix_cache_entries = 0 if args.devices else 2 * args.max_requests
+    elif args.prefix_cache_entries < 0:
+        raise UsageError(f"--prefix-cache-entries must be 0 (off) or more, got "
+                         f"{args.prefix_cache_entries}")
+    elif args.prefix_cache_entries and args.devices:
+        raise UsageError("--prefix-cache-entries needs a single-device engine; with "
+                         "--devices use --prefix-cache-entries 0")
+    try:
+        from .serve import run as serve_run
+        from .serve.scheduler import SchedulerConfig
+    except ImportError as e:
+        raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
+                         "pip install 'dsv4-jax[serve]'") from None
+    cfg = _model_config(args)
+    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    _prepare_layout(args, cfg)
+    params = _load_params(args, cfg)
+    eng = _engine(args, cfg, params)
+    eng.progress = False
+    name = args.served_model_name or (Path(args.checkpoint).name if args.checkpoint
+                                      else cfg.name)
+    print(f"model: {name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
+          f"{args.max_requests} request slots, {args.num_blocks} blocks, context "
+          f"{args.max_blocks * BLOCK_TOKENS} tokens; compiling...", file=sys.stderr)
+    t0 = time.perf_counter()
+    srv = serve_run.build(eng, tok, name, SchedulerConfig(
+        prefill_chunks_per_step=args.prefill_chunks_per_step, max_waiting=args.max_waiting,
+        prefix_cache_entries=args.prefix_cache_entries), seed=args.seed)
+    print(f"ready in {time.perf_counter() - t0:.1f} s: http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    serve_run.serve(srv, args.host, args.port, log_level=args.log_level)
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 in JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -479,6 +521,24 @@ def build_parser():
     lg.add_argument("--prefill-len", type=int, required=True)
     lg.add_argument("--out", required=True, help="output .npz with `logits` [B, T-P+1, V]")
     lg.set_defaults(fn=cmd_logits)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous "
+                        "batching (docs/SERVING.md; needs the serve extra)")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="the model's name in the API (default: the "
+                    "checkpoint directory's name, or the preset's)")
+    sv.add_argument("--prefill-chunks-per-step", type=int, default=1,
+                    help="prefill chunks of new requests run between two decode steps")
+    sv.add_argument("--max-waiting", type=int, default=1024,
+                    help="queued requests beyond which new ones get 503")
+    sv.add_argument("--prefix-cache-entries", type=int,
+                    help="prompt prefixes (whole 128-token blocks) kept for reuse across "
+                         "requests; 0: off (default: 2 x --max-requests on one device, off "
+                         "with --devices)")
+    sv.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(fn=cmd_serve)
     try:
         from checkpoints.cli import register
         register(sub)
@@ -520,8 +580,9 @@ def main(argv=None) -> int:
         init_processes_from_env()  # a no-op unless DSV4_COORDINATOR is set
         return args.fn(args)
 
-    note = ("nothing was written" if args.cmd != "generate" else
-            "stopped; the text printed so far is all that was generated")
+    note = ("stopped; the text printed so far is all that was generated"
+            if args.cmd == "generate" else "the server stopped" if args.cmd == "serve"
+            else "nothing was written")
     return run_command(args.cmd, go, on_interrupt=note)
 
 

@@ -1,0 +1,195 @@
+"""Load test of `dsv4 serve`: a bounded number of streaming completions from a fixed number
+of concurrent clients (closed loop) -> requests/s, output tokens/s and the percentiles of
+time to first token and inter-token latency, as the clients see them over HTTP.
+
+    # against a running server
+    python -m benchmarks.serve_load --url http://127.0.0.1:8000 --requests 64 --concurrency 16
+    # or an in-process server on the embedded tiny model (CPU is fine), with the fixed-batch
+    # Engine.generate on the same prompts for comparison
+    PYTHONPATH=. python -m benchmarks.serve_load --requests 32 --concurrency 8 --compare-fixed
+
+    # prefix caching: prompts sharing 160 tokens, with and without the cache
+    PYTHONPATH=. python -m benchmarks.serve_load --shared-prefix 160 --prefix-cache-entries 0
+    PYTHONPATH=. python -m benchmarks.serve_load --shared-prefix 160 --prefix-cache-entries 16
+
+Bounded in count (--requests) and time (--time-limit: clients stop starting requests).
+Prompts are random token ids (seeded), after --shared-prefix common ones; every request
+generates exactly --max-tokens tokens (ignore_eos), so the runs are comparable. The prefix
+cache's hit rate is read from the server's /metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+
+def percentiles(xs, ps=(50, 90, 99)):
+    if not xs:
+        return {f"p{p}": float("nan") for p in ps}
+    return {f"p{p}": float(np.percentile(xs, p)) for p in ps}
+
+
+def one_request(http, url, model, prompt, max_tokens):
+    """One streaming completion -> (ttft s, [inter-event gaps s], tokens)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, last, gaps, tokens = None, None, [], 0
+    with http.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"]["message"])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if not ev["choices"]:
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+    return ttft, gaps, tokens
+
+
+def run_load(url, model, prompts, max_tokens, concurrency, time_limit):
+    import httpx
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+    res, errors = [], []
+    t_end = time.perf_counter() + time_limit
+
+    def client():
+        with httpx.Client(timeout=max(time_limit, 60)) as http:
+            while time.perf_counter() < t_end:
+                with lock:
+                    if not todo:
+                        return
+                    _, p = todo.pop(0)
+                try:
+                    r = one_request(http, url, model, p, max_tokens)
+                except Exception as e:   # reported, not fatal: a load test counts failures
+                    errors.append(repr(e))
+                    continue
+                with lock:
+                    res.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts = [r[0] for r in res]
+    gaps = [g for r in res for g in r[1]]
+    toks = sum(r[2] for r in res)
+    return {"requests": len(res), "errors": len(errors), "wall_s": wall,
+            "requests_per_s": len(res) / wall, "output_tokens_per_s": toks / wall,
+            "ttft_s": percentiles(ttfts), "itl_s": percentiles(gaps),
+            "first_error": errors[0] if errors else None}
+
+
+def prefix_stats(metrics_text: str) -> dict:
+    """Hit rate of the prefix cache from a /metrics page: prompt tokens served from it over
+    all admitted prompt tokens."""
+    vals = {}
+    for line in metrics_text.splitlines():
+        for name in ("dsv4_prefix_cache_queried_tokens_total", "dsv4_prefix_cache_hit_tokens_total"):
+            if line.startswith(name + " "):
+                vals[name] = float(line.split()[1])
+    q = vals.get("dsv4_prefix_cache_queried_tokens_total", 0)
+    h = vals.get("dsv4_prefix_cache_hit_tokens_total", 0)
+    return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else float("nan")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="a running server (default: start one in this process on "
+                    "the embedded tiny model)")
+    ap.add_argument("--model", default=None, help="model name (default: the server's)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
+    ap.add_argument("--time-limit", type=float, default=300.0,
+                    help="seconds after which clients start no new request")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt starts with (before its own MIN..MAX)")
+    ap.add_argument("--seed", type=int, default=0)
+    # the in-process server
+    ap.add_argument("--max-requests", type=int, default=8)
+    ap.add_argument("--num-blocks", type=int, default=32)
+    ap.add_argument("--max-blocks", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=32)
+    ap.add_argument("--prefix-cache-entries", type=int, default=16,
+                    help="in-process server: cached prefixes (0: off)")
+    ap.add_argument("--compare-fixed", action="store_true",
+                    help="in-process: also time Engine.generate (fixed batches of "
+                         "--max-requests, the fused decode loop) on the same prompts")
+    args = ap.parse_args(argv)
+    for f in ("requests", "concurrency", "max_tokens"):
+        if getattr(args, f) < 1:
+            ap.error(f"--{f.replace('_', '-')} must be at least 1")
+    lo, hi = args.prompt_len
+    if not 1 <= lo <= hi:
+        ap.error("--prompt-len needs 1 <= MIN <= MAX")
+    rng = np.random.default_rng(args.seed)
+    shared = [int(t) for t in rng.integers(16, 272, args.shared_prefix)]
+    prompts = [shared + [int(t) for t in rng.integers(16, 272, int(rng.integers(lo, hi + 1)))]
+               for _ in range(args.requests)]
+    out = {"machine": None, "args": vars(args)}
+    if args.url:
+        import httpx
+        model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+        out["load"] = run_load(args.url, model, prompts, args.max_tokens, args.concurrency,
+                               args.time_limit)
+        out["prefix_cache"] = prefix_stats(httpx.get(args.url + "/metrics").text)
+    else:
+        import jax
+        from dsv4_jax import config, params as P
+        from dsv4_jax.cache import CacheSpec
+        from dsv4_jax.generate import Engine
+        from dsv4_jax.serve.run import BackgroundServer, build
+        from dsv4_jax.tokenizer import ByteTokenizer
+        from dsv4_jax.quant import Numerics
+        cfg = config.tiny()
+        cs = CacheSpec.for_numerics(Numerics(), max_requests=args.max_requests,
+                                    num_blocks=args.num_blocks, max_blocks=args.max_blocks)
+        eng = Engine(cfg, P.init_params(cfg, args.seed), cache_spec=cs,
+                     prefill_chunk=args.prefill_chunk, progress=False)
+        out["machine"] = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+        if args.compare_fixed:
+            kw = dict(max_new_tokens=args.max_tokens, stop_ids=())
+            eng.generate(prompts[:args.max_requests], **kw)   # compiles the loop
+            t0 = time.perf_counter()
+            res = eng.generate(prompts, **kw)
+            wall = time.perf_counter() - t0
+            out["fixed_batch"] = {"requests": len(prompts), "wall_s": wall,
+                                  "requests_per_s": len(prompts) / wall,
+                                  "output_tokens_per_s": sum(map(len, res)) / wall}
+        t0 = time.perf_counter()
+        from dsv4_jax.serve.scheduler import SchedulerConfig
+        srv = build(eng, ByteTokenizer(cfg.vocab_size), "tiny", seed=args.seed,
+                    config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries))
+        out["warm_up_s"] = time.perf_counter() - t0
+        with BackgroundServer(srv) as url:
+            out["load"] = run_load(url, "tiny", prompts, args.max_tokens, args.concurrency,
+                                   args.time_limit)
+            import httpx
+            out["prefix_cache"] = prefix_stats(httpx.get(url + "/metrics").text)
+    json.dump(out, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

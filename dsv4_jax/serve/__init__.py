@@ -1,0 +1,11 @@
+"""`dsv4 serve`: an OpenAI-compatible server with continuous batching (docs/SERVING.md).
+
+sampling   per-request sampling settings as data of the compiled step
+programs   the engine's step with the sampler inside (one launch per step)
+text       incremental detokenization, stop strings, the streaming chat output parser
+prefix     prefix caching: shared whole blocks + copied slot state
+scheduler  continuous batching around the step programs (no HTTP)
+metrics    Prometheus metrics (needs the `serve` extra)
+api        the FastAPI app (needs the `serve` extra)
+run        build a server, serve it with uvicorn, or run it on a background thread
+"""
