@@ -52,15 +52,24 @@ def check_draft_count(k) -> None:
                          f"(0 turns speculation off), got {k!r}")
 
 
+def check_mtp_config(cfg: Config, k: int) -> None:
+    """The config has an MTP block, and its window holds the k + 1 verify rows in distinct
+    ring slots (checked before a checkpoint is read)."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("speculative decoding drafts with the MTP block, and this model has "
+                         "none (num_nextn_predict_layers = 0); run with speculative tokens 0")
+    if cfg.sliding_window <= k:
+        raise ValueError(f"speculative decoding with k={k} needs sliding_window > k, "
+                         f"got {cfg.sliding_window}")
+
+
 def check_mtp(cfg: Config, params, spec: Speculation) -> None:
-    """Clear errors before any heavy work: the checkpoint must hold the MTP block, and the
-    window must hold the k + 1 verify rows in distinct ring slots."""
-    if cfg.num_nextn_predict_layers < 1 or not any(k.startswith("mtp.0.") for k in params):
+    """Clear errors before any heavy work: check_mtp_config, and the parameters hold the
+    MTP block."""
+    check_mtp_config(cfg, spec.k)
+    if not any(k.startswith("mtp.0.") for k in params):
         raise ValueError("speculative decoding drafts with the MTP block, and this checkpoint "
                          "has none (no `mtp.0.*` parameters); run with speculative tokens 0")
-    if cfg.sliding_window <= spec.k:
-        raise ValueError(f"speculative decoding with k={spec.k} needs sliding_window > k, "
-                         f"got {cfg.sliding_window}")
 
 
 def init_mtp_cache(cfg: Config, cs: CacheSpec) -> dict:
