@@ -275,8 +275,7 @@ def bench_speculative(cfg, params, cs, cache, table, B: int, ctx: int, k: int, s
         from dsv4_jax.sharding import cache_shardings
         csh = cache_shardings(cfg, cs, mesh)
         msh = SP.mtp_cache_shardings(cfg, cs, csh, mesh)
-        sh = SP._Hashable((state_shardings(cfg, mesh, True, P.x_proj_is_merged(params)), csh,
-                           msh))
+        sh = (state_shardings(cfg, mesh, True, P.x_proj_is_merged(params)), csh, msh)
         mcache = jax.device_put(mcache, msh)
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     _, step = SP.spec_programs(cfg, graphdef, cs, nm, Greedy(), k, mesh, sh)

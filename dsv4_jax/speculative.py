@@ -20,8 +20,6 @@ The host reads back the emitted tokens and their count (one sync per step), and 
 from __future__ import annotations
 
 import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -403,13 +401,13 @@ def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
     return run
 
 
-@functools.lru_cache(maxsize=None)
 def spec_programs(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, sampler, k: int,
                   mesh=None, shardings=None):
     """(prefill, step) jitted on the module state (nnx.split of nnx_model.DeepSeekV4):
     prefill(state, cache, mcache, tokens [1, C], slot, pos, nvalid [1], table, h_prev
     [1, N, D]) -> (logits, last residual, cache, mcache); step(state, cache, mcache, st) ->
-    (cache, mcache, st'). Caches (and st) donated; one compilation each. mesh: run under
+    (cache, mcache, st'). Caches (and st) donated; one compilation each (keep the pair:
+    engine_programs does). mesh: run under
     the mesh's expert parallelism, shardings = (state, cache, mcache) shardings (the
     stream state replicated)."""
     from flax import nnx
@@ -451,33 +449,22 @@ def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: dict, mesh):
 # ---------------------------------------------------------------------------------------
 # Engine.stream / Engine.generate with speculation
 # ---------------------------------------------------------------------------------------
-def _engine_programs(eng, sampler, k: int):
-    if eng.mesh is None:
-        return spec_programs(eng.cfg, eng.graphdef, eng.cs, eng.nm, sampler, k)
-    from .distributed import state_shardings
-    from .sharding import cache_shardings
-    csh = cache_shardings(eng.cfg, eng.cs, eng.mesh)
-    sh = (state_shardings(eng.cfg, eng.mesh, eng._form["include_mtp"],
-                          eng._form["x_proj_merged"]),
-          csh, mtp_cache_shardings(eng.cfg, eng.cs, csh, eng.mesh))
-    return spec_programs(eng.cfg, eng.graphdef, eng.cs, eng.nm, sampler, k, eng.mesh,
-                         _Hashable(sh))
-
-
-class _Hashable:
-    """A pytree of shardings as a static cache key (by identity of its repr)."""
-    def __init__(self, tree):
-        self.tree = tree
-        self._key = repr(tree)
-
-    def __hash__(self):
-        return hash(self._key)
-
-    def __eq__(self, other):
-        return isinstance(other, _Hashable) and self._key == other._key
-
-    def __iter__(self):
-        return iter(self.tree)
+def engine_programs(eng, sampler, k: int):
+    """spec_programs for an Engine (one device or its mesh), kept in the engine's program
+    table: (prefill, step)."""
+    key = ("speculative", sampler, k)
+    if key not in eng._loops:
+        sh = None
+        if eng.mesh is not None:
+            from .distributed import state_shardings
+            from .sharding import cache_shardings
+            csh = cache_shardings(eng.cfg, eng.cs, eng.mesh)
+            sh = (state_shardings(eng.cfg, eng.mesh, eng._form["include_mtp"],
+                                  eng._form["x_proj_merged"]),
+                  csh, mtp_cache_shardings(eng.cfg, eng.cs, csh, eng.mesh))
+        eng._loops[key] = spec_programs(eng.cfg, eng.graphdef, eng.cs, eng.nm, sampler, k,
+                                        eng.mesh, sh)
+    return eng._loops[key]
 
 
 def check_engine(eng, k) -> Speculation:
@@ -523,11 +510,15 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
     slots = eng._admit_all(prompts, max_new_tokens + k)
     key = jax.random.key(seed)
     sample = jax.jit(sampler.get_next_tokens)
-    prefill, step = _engine_programs(eng, sampler, k)
+    prefill, step = engine_programs(eng, sampler, k)
     if eng.mtp_cache is None:
         mc = init_mtp_cache(cfg, cs)
-        eng.mtp_cache = (jax.device_put(mc, jax.devices()[0]) if eng.mesh is None else
-                         jax.device_put(mc, _engine_programs_shardings(eng)))
+        if eng.mesh is None:
+            eng.mtp_cache = jax.device_put(mc, jax.devices()[0])
+        else:
+            from .sharding import cache_shardings
+            eng.mtp_cache = jax.device_put(mc, mtp_cache_shardings(
+                cfg, cs, cache_shardings(cfg, cs, eng.mesh), eng.mesh))
     try:
         t0 = time.perf_counter()
         h0 = jnp.zeros((1, cfg.hc_mult, cfg.hidden_size), eng.nm.jdtype)
@@ -591,12 +582,6 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
     finally:
         for s in slots:
             eng.bm.release(s)
-
-
-def _engine_programs_shardings(eng):
-    from .sharding import cache_shardings
-    return mtp_cache_shardings(eng.cfg, eng.cs, cache_shardings(eng.cfg, eng.cs, eng.mesh),
-                               eng.mesh)
 
 
 def acceptance_report(steps, emitted) -> dict:

@@ -163,7 +163,7 @@ def test_mtp_drafts_match_the_whole_sequence_mtp(tiny, eng):
     rng = np.random.default_rng(3806)
     P_LEN = 45   # two prefill chunks of 32
     seq = rng.integers(0, cfg.vocab_size, (1, P_LEN + 1)).astype(np.int32)
-    prefill, _ = SP.spec_programs(cfg, eng.graphdef, eng.cs, F32, Greedy(), 2)
+    prefill, _ = SP.engine_programs(eng, Greedy(), 2)
     if eng.mtp_cache is None:
         eng.mtp_cache = SP.init_mtp_cache(cfg, eng.cs)
     s = eng.bm.admit(P_LEN)
@@ -199,7 +199,7 @@ def test_greedy_speculative_generation_equals_plain(tiny, eng):
         acc = eng.acceptance
         assert len(acc["per_request"]) == 3 and 1 <= acc["overall"] <= 3
         assert all(3 * s >= len(g) - 1 for s, g in zip(acc["steps"], got)), acc
-        _, step = SP.spec_programs(cfg, eng.graphdef, eng.cs, F32, Greedy(), 2)
+        _, step = SP.engine_programs(eng, Greedy(), 2)
         assert step._cache_size() == 1
     # streamed: the same tokens, 1 .. k+1 per request and step
     streamed = [[] for _ in prompts]
