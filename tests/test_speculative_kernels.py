@@ -96,4 +96,3 @@ def test_speculative_with_kernels_on_one_device_and_an_expert_mesh():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["interpret"] == res["mesh"] == res["off"] == res["plain"], res
-    assert [len(x) for x in res["plain"]] == [4, 4] or 1 in sum(res["plain"], [])
