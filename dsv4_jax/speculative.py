@@ -407,9 +407,8 @@ def spec_programs(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, sampler, k
     prefill(state, cache, mcache, tokens [1, C], slot, pos, nvalid [1], table, h_prev
     [1, N, D]) -> (logits, last residual, cache, mcache); step(state, cache, mcache, st) ->
     (cache, mcache, st'). Caches (and st) donated; one compilation each (keep the pair:
-    engine_programs does). mesh: run under
-    the mesh's expert parallelism, shardings = (state, cache, mcache) shardings (the
-    stream state replicated)."""
+    engine_programs does). mesh: run under the mesh's expert parallelism, shardings =
+    (state, cache, mcache) shardings (the stream state replicated)."""
     from flax import nnx
     flat = lambda state: nnx.merge(graphdef, state).to_params()
     pre = lambda s, c, m, *a: prefill_fn(flat(s), c, m, *a, cfg=cfg, cs=cs, nm=nm)
