@@ -230,3 +230,55 @@ def test_trim_returns_the_blocks_reserved_for_rejected_rows(tiny):
     assert (bm.table[a] >= 0).sum() == blocks_needed(cfg, 129) == 1
     assert bm.table[a, 0] == held[0] and len(bm.free) == free0 + 1
     assert held[1] in bm.free
+
+
+def _cli(argv):
+    from dsv4_jax import cli
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--speculative-tokens", "4"], ["--speculative-tokens", "[1, 3]"]),
+    (["--speculative-tokens", "-1"], ["--speculative-tokens", "[1, 3]"]),
+    (["--speculative-tokens", "1", "--devices", "1", "--layout", "pipeline"],
+     ["--speculative-tokens", "pipeline"]),
+])
+def test_generate_flag_is_checked_before_loading(capsys, monkeypatch, extra, needles):
+    from dsv4_jax import cli
+
+    def fail(*a, **k):
+        raise AssertionError("weights were loaded before the flags were checked")
+    monkeypatch.setattr(cli, "_load_params", fail)
+    assert _cli(["generate", "--prompt", "hi", *extra]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert all(n in line for n in needles), line
+
+
+def test_generate_refuses_a_checkpoint_without_mtp_before_loading(tmp_path, capsys,
+                                                                 monkeypatch):
+    import json
+    from checkpoints.convert import MANIFEST
+    from dsv4_jax import cli
+    monkeypatch.setattr(cli, "_load_params", lambda *a, **k: pytest.fail("weights loaded"))
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    hf = config.tiny().to_hf_dict()
+    hf.update(num_nextn_predict_layers=0, compress_ratios=hf["compress_ratios"][:-1])
+    (d / "config.json").write_text(json.dumps(hf))
+    (d / MANIFEST).write_text("{}")
+    assert _cli(["generate", "--checkpoint", str(d), "--speculative-tokens", "1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--speculative-tokens" in line and "MTP block" in line, line
+
+
+@pytest.mark.parametrize("argv, needle", [(["--speculative-tokens", "5"], "[1, 3]"),
+                                          (["--accept-rates", "1.5"], "--accept-rates")])
+def test_bench_flags_are_checked_first(capsys, monkeypatch, argv, needle):
+    from benchmarks import decode_bench
+    monkeypatch.setattr(decode_bench, "copy_bandwidth",
+                        lambda *a, **k: pytest.fail("the bench started before its flags were checked"))
+    assert _cli(["bench", "decode", "--preset", "tiny", *argv]) == 2
+    assert needle in capsys.readouterr().err.strip().splitlines()[-1]
