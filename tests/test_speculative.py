@@ -171,8 +171,8 @@ def test_greedy_speculative_generation_equals_plain(tiny, eng):
         acc = eng.acceptance
         assert len(acc["per_request"]) == 3 and 1 <= acc["overall"] <= 3
         assert all(3 * s >= len(g) - 1 for s, g in zip(acc["steps"], got)), acc
-        _, step = SP.engine_programs(eng, Greedy(), 2)
-        assert step._cache_size() == 1
+        prefill, step = SP.engine_programs(eng, Greedy(), 2)
+        assert step._cache_size() == 1 and prefill._cache_size() == 1
     # streamed: the same tokens, 1 .. k+1 per request and step
     streamed = [[] for _ in prompts]
     for part in eng.stream(prompts, max_new_tokens=18, speculative_tokens=2):
