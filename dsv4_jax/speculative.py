@@ -520,7 +520,9 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
                 cfg, cs, cache_shardings(cfg, cs, eng.mesh), eng.mesh))
     try:
         t0 = time.perf_counter()
-        h0 = jnp.zeros((1, cfg.hc_mult, cfg.hidden_size), eng.nm.jdtype)
+        # placed as the prefill returns it, or its second call compiles again
+        h0 = D.put_state(np.zeros((1, cfg.hc_mult, cfg.hidden_size), eng.nm.jdtype),
+                         eng._state_sharding)
         res = [_prefill(eng, prefill, s, p, h0) for s, p in zip(slots, prompts)]
         first = np.asarray(sample(jnp.stack([r[0] for r in res]), jax.random.fold_in(key, 0)))
         eng.timing = Timing(prefill_s=time.perf_counter() - t0)
