@@ -37,6 +37,7 @@ from dsv4_jax.generate import Greedy, decode_loop
 from dsv4_jax.nnx_model import DeepSeekV4, step_program, stream_program
 from dsv4_jax.pipeline import Pipeline, PipelineStep, PipelineStream
 from dsv4_jax.quant import Numerics
+from dsv4_jax import speculative as SP
 from dsv4_jax.sharding import param_shardings, shard_cache
 
 ENTRY_BYTES = 448 + 8 + 128  # FP8 nope + e8m0 scales + bf16 rope
@@ -134,7 +135,8 @@ def kernel_counts(cfg, texts) -> dict:
 
 def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: int = 0,
           matmul: str = "xla", mesh=None, loop: bool = False,
-          what=("step", "stream"), index_format: str = "fp4", pipeline=None) -> dict:
+          what=("step", "stream"), index_format: str = "fp4", pipeline=None,
+          spec_k: int = 0) -> dict:
     """ms per decode step, for what = "step" (the plain step program) three ways:
     ms        one step at a time, waiting for each (a latency figure: host launch + GPU);
     ms_pipe   `steps` steps enqueued back to back, one wait at the end (host launch overlaps
@@ -145,12 +147,15 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
               moves; greedy sampling inside), tokens read back one step behind through
               pinned host memory (no device allocation between steps);
     ms_loop   (loop=True) the jitted while-loop decode of `Engine.generate` (greedy), per
-              token. XLA updates a step's CUDA graph whenever a buffer it uses moved.
+              token.
+    ms_spec   (spec_k > 0) the speculative step (MTP drafts, the k+1-row verify, accept,
+              rollback: one program), one at a time with its accepted-count read-back, as
+              Engine.stream runs it; tokens_per_step its measured mean (bench_speculative). XLA updates a step's CUDA graph whenever a buffer it uses moved.
     kernels   the step's kernels (kernel_counts), from the programs compiled ahead of time.
     mesh: expert / tensor parallel over a mesh; pipeline: a pipeline.Pipeline (layers split
     across devices)."""
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
-    mb = -(-(ctx + 3 * steps + 4) // BLOCK_TOKENS)
+    mb = -(-(ctx + 3 * steps + 4 + 2 * (spec_k + 1) * (steps + 4)) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=kernels, index_format=index_format)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
@@ -169,7 +174,8 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     else:
         state = [{k: v for k, v in params.items() if pipeline.stage_of(k) == s}
                  for s in range(pipeline.n)]
-    prog_form = dict(include_mtp=False, x_proj_merged=P.x_proj_is_merged(params))
+    prog_form = dict(include_mtp=any(key.startswith("mtp.") for key in params),
+                     x_proj_merged=P.x_proj_is_merged(params))
     out = {}
     if "step" in what:
         step = (PipelineStep(cfg, cs, nm, pipeline) if pipeline is not None else
@@ -237,6 +243,9 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
             prev = nxt
         np.asarray(prev)
         out["ms_stream"] = 1e3 * (time.perf_counter() - t0) / steps
+    if spec_k:
+        out.update(bench_speculative(cfg, params, cs, cache, table, B, ctx, spec_k, steps,
+                                     seed, nm, mesh))
     if loop and mesh is None and pipeline is None:
         run = decode_loop(graphdef, cs, nm, Greedy(), steps + 1, ())
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
@@ -248,6 +257,56 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         n = int(np.asarray(n_gen).max()) - 1  # decode steps taken (token 0 is given)
         out["ms_loop"] = 1e3 * (time.perf_counter() - t0) / max(n, 1)
     return out
+
+
+def bench_speculative(cfg, params, cs, cache, table, B: int, ctx: int, k: int, steps: int,
+                      seed: int, nm, mesh=None) -> dict:
+    """The speculative step (speculative.spec_programs, greedy) on the random cache from
+    position ctx + 2 * steps + 1 (past the plain steps' writes): ms_spec per step (each
+    step waits for its emitted-token count, as Engine.stream), tokens_per_step (measured
+    mean over the batch: random weights accept almost nothing)."""
+    if not any(key.startswith("mtp.0.") for key in params):
+        raise ValueError("the speculative bench needs the MTP block's weights")
+    graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
+    mcache = jax.device_put(SP.init_mtp_cache(cfg, cs), jax.devices()[0])
+    sh = rep = None
+    if mesh is not None:
+        from dsv4_jax.distributed import state_shardings
+        from dsv4_jax.sharding import cache_shardings
+        csh = cache_shardings(cfg, cs, mesh)
+        msh = SP.mtp_cache_shardings(cfg, cs, csh, mesh)
+        sh = (state_shardings(cfg, mesh, True, P.x_proj_is_merged(params)), csh, msh)
+        mcache = jax.device_put(mcache, msh)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    _, step = SP.spec_programs(cfg, graphdef, cs, nm, Greedy(), k, mesh, sh)
+    pos0 = ctx + 2 * steps + 1
+    h = jax.random.normal(jax.random.key(seed + 2), (B, cfg.hc_mult, cfg.hidden_size))
+    toks = np.asarray(jax.random.randint(jax.random.key(seed + 3), (B,), 0, cfg.vocab_size))
+    st = SP.init_spec_state(k, cfg, toks, np.asarray(h.astype(nm.jdtype)), np.full(B, pos0),
+                            np.ones(B), np.asarray(table), jax.random.key(seed), sharding=rep)
+    t0 = time.perf_counter()
+    step = step.lower(state, cache, mcache, st).compile()
+    cache, mcache, st = step(state, cache, mcache, st)
+    np.asarray(st["n_out"])
+    out = {"compile_spec_s": time.perf_counter() - t0}
+    for _ in range(2):
+        cache, mcache, st = step(state, cache, mcache, st)
+        np.asarray(st["n_out"])
+    ts, n = [], 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        cache, mcache, st = step(state, cache, mcache, st)
+        n += int(np.asarray(st["n_out"]).sum())   # the read-back the stream needs
+        ts.append(time.perf_counter() - t0)
+    out["ms_spec"] = 1e3 * float(np.median(ts))
+    out["tokens_per_step"] = n / (steps * B)
+    return out
+
+
+def expected_tokens_per_step(k: int, rate: float) -> float:
+    """Mean tokens a step emits with k drafts each accepted with probability `rate`
+    (independently, once the ones before it were): 1 + rate + ... + rate^k."""
+    return sum(rate ** j for j in range(k + 1))
 
 
 def _layers_cfg(cfg, ratios):
@@ -269,6 +328,13 @@ def check_args(args, base):
         raise ValueError(f"--devices {args.devices}: this machine has {jax.device_count()} "
                          "device(s)")
     axes = [f"--{a}" for a in ("expert", "model", "data") if getattr(args, a) is not None]
+    if args.speculative_tokens:
+        SP.check_draft_count(args.speculative_tokens)
+    if args.speculative_tokens and args.devices and args.layout == "pipeline":
+        raise ValueError("--speculative-tokens runs on one device or a mesh, not a pipeline")
+    for r in args.accept_rates:
+        if not 0 <= r <= 1:
+            raise ValueError(f"--accept-rates must be in [0, 1], got {r}")
     if axes and (not args.devices or args.layout == "pipeline"):
         raise ValueError(f"{', '.join(axes)} size a mesh: they need --devices and --layout mesh")
 
@@ -294,8 +360,10 @@ def main(args):
           f"{bw / 1e9:.0f} GB/s per device; {cfg.name}: {n} layers, d={cfg.hidden_size}, "
           f"H={cfg.num_attention_heads}; kernels={args.kernels}", flush=True)
     t0 = time.perf_counter()
+    spec = args.speculative_tokens
     params = P.init_params_device(
-        cfg, args.seed, shardings=param_shardings(cfg, mesh, include_mtp=False) if mesh else
+        cfg, args.seed, include_mtp=bool(spec),
+        shardings=param_shardings(cfg, mesh, include_mtp=bool(spec)) if mesh else
         pipe.param_shardings(cfg, include_mtp=False) if pipe else None)
     if not args.unmerged:   # the decode form, as the Engine and the CLI run it
         params = P.merge_x_proj(params, cfg, consume=True)
@@ -308,7 +376,7 @@ def main(args):
         fl = floor_bytes(cfg, B, ctx, mesh)
         r = bench(cfg, params, B, ctx, args.kernels, args.steps, args.seed, mm, mesh,
                   loop=args.loop, what=args.what, index_format=args.index_format,
-                  pipeline=pipe)
+                  pipeline=pipe, spec_k=spec)
         floor_ms = 1e3 * fl["total"] / bw
         parts = []
         for key, label in (("ms", f"model({n}L) matmul={mm}, one step at a time"),
@@ -320,7 +388,26 @@ def main(args):
                 rows.append((label, B, ctx, r[key], floor_ms, fl["total"]))
                 parts.append(f"{label.strip()} {r[key]:.2f} ms ({100 * floor_ms / r[key]:.1f}% of the bandwidth floor, "
                              f"{B / r[key] * 1e3:.1f} tokens/s)")
-        comp = ", ".join(f"{k} {r[k]:.0f} s" for k in ("compile_s", "compile_stream_s") if k in r)
+        if spec:
+            # plain: the stream step Engine.stream runs, else the step one at a time
+            base_key = "ms_stream" if "ms_stream" in r else "ms"
+            base_ms = r.get(base_key)
+            rel = "".join(f", {r['ms_spec'] / r[key]:.2f}x the plain {key} step"
+                          for key in ("ms", "ms_stream") if key in r)
+            print(f"speculative k={spec}: {r['ms_spec']:.2f} ms/step{rel}; measured "
+                  f"{r['tokens_per_step']:.2f} tokens/step -> "
+                  f"{B * r['tokens_per_step'] / r['ms_spec'] * 1e3:.1f} tokens/s"
+                  + (f" (plain: {B / base_ms * 1e3:.1f} tokens/s)" if base_ms else ""),
+                  flush=True)
+            rows.append((f"  speculative step k={spec}", B, ctx, r["ms_spec"], floor_ms,
+                         fl["total"]))
+            for rate in args.accept_rates:
+                tps = expected_tokens_per_step(spec, rate)
+                sp = (f", {tps * base_ms / r['ms_spec']:.2f}x plain" if base_ms else "")
+                print(f"  at draft acceptance {rate:.2f}: {tps:.2f} tokens/step -> "
+                      f"{B * tps / r['ms_spec'] * 1e3:.1f} tokens/s{sp}", flush=True)
+        comp = ", ".join(f"{k} {r[k]:.0f} s" for k in ("compile_s", "compile_stream_s",
+                                                          "compile_spec_s") if k in r)
         for key in ("kernels", "kernels_stream"):
             if key in r:
                 k = r[key]
@@ -373,6 +460,12 @@ def register(sub):
     d.add_argument("--what", nargs="+", choices=["step", "stream"], default=["step", "stream"],
                    help="time the plain step program (sync / pipelined) and/or the stream "
                         "step of Engine.stream (each is its own compilation)")
+    d.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="also time the speculative step with K MTP drafts (1..3; 0 = off) "
+                        "against the plain step, and its tokens/s at the measured and the "
+                        "--accept-rates acceptance")
+    d.add_argument("--accept-rates", type=float, nargs="+", default=[0.6, 0.8, 0.9],
+                   help="per-draft acceptance rates to report speculative tokens/s at")
     d.add_argument("--loop", action="store_true",
                    help="also time the jitted while-loop decode of Engine.generate")
     d.add_argument("--matmul", choices=["xla", "pallas"], nargs="+", default=["xla"],

@@ -197,6 +197,16 @@ def cache_structs(cfg: Config, cs: CacheSpec) -> dict:
 
 
 def init_cache(cfg: Config, cs: CacheSpec) -> dict:
+    return _init_arrays(cfg, cache_structs(cfg, cs))
+
+
+def init_layer_cache(cfg: Config, cs: CacheSpec, layer: int) -> dict:
+    """One layer's cache arrays, e.g. the MTP block's (layer == num_hidden_layers), which
+    the speculative decoder keeps beside the main cache."""
+    return _init_arrays(cfg, layer_structs(cfg, cs, layer))
+
+
+def _init_arrays(cfg: Config, structs: dict) -> dict:
     def make(path, s):
         name = path[-1].key
         if name == "win_pos":
@@ -206,7 +216,7 @@ def init_cache(cfg: Config, cs: CacheSpec) -> dict:
                                   for n, w in cmp_state_parts(cfg, s.shape[1])])
             return jnp.broadcast_to(jnp.asarray(row), s.shape)
         return jnp.zeros(s.shape, s.dtype)
-    return jax.tree_util.tree_map_with_path(make, cache_structs(cfg, cs))
+    return jax.tree_util.tree_map_with_path(make, structs)
 
 
 def cache_bytes(cfg: Config, cs: CacheSpec) -> dict:
@@ -314,6 +324,14 @@ class BlockManager:
 
     def advance(self, slot: int, n: int) -> None:
         self.length[slot] += n
+
+    def trim(self, slot: int) -> None:
+        """Return the blocks past those the request's length needs: a speculative step
+        reserves blocks for draft tokens that may be rejected (nothing visible is in them)."""
+        need = blocks_needed(self.cfg, int(self.length[slot]))
+        extra = [int(b) for b in self.table[slot, need:] if b >= 0]
+        self.free.extend(extra[::-1])
+        self.table[slot, need:] = -1
 
     def release(self, slot: int) -> None:
         if not self.active[slot]:

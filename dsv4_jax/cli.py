@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from . import chat, config as C, generate as G, params as P
+from . import chat, config as C, generate as G, params as P, speculative as SP
 from .cache import BLOCK_TOKENS, CacheSpec, blocks_needed
 from .distributed import init_processes_from_env, make_mesh
 from .errors import UsageError, run_command
@@ -336,13 +336,25 @@ def cmd_generate(args):
     if args.stream and len(prompts) > args.max_requests:
         raise UsageError(f"--stream runs every prompt at once: {len(prompts)} prompts need "
                          f"--max-requests {len(prompts)} (have {args.max_requests})")
-    _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens, "prompt")
+    k = args.speculative_tokens
+    if k:
+        try:
+            SP.check_draft_count(k)
+            SP.check_mtp_config(cfg, k)
+        except ValueError as e:
+            raise UsageError(f"--speculative-tokens: {e}") from None
+        if args.devices and args.layout == "pipeline":
+            raise UsageError("--speculative-tokens runs on one device or a mesh, not with "
+                             "--layout pipeline")
+        if args.layout == "auto":
+            args.layout = "mesh"   # the speculative step runs on one device or a mesh
+    _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens + k, "prompt")
     _prepare_layout(args, cfg)
     params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
     mode = "thinking" if args.thinking else "chat"
     kw = dict(max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
-              stop_ids=list(tok.stop_ids))
+              stop_ids=list(tok.stop_ids), speculative_tokens=k)
     print(f"model: {cfg.name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
           f"{len(prompts)} prompt(s), act-quant {args.act_quant}"
           + (f", mesh {dict(eng.mesh.shape)}" if eng.mesh is not None else "")
@@ -384,6 +396,11 @@ def cmd_generate(args):
     print(f"time to first token {ttft:.2f} s (first call includes compilation), {n} tokens in "
           f"{total:.2f} s; decode compile {tm.compile_s:.1f} s, then {tm.new_tokens} tokens "
           f"in {tm.decode_s:.2f} s = {tm.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+    if k and eng.acceptance is not None:
+        acc = eng.acceptance
+        per = ", ".join(f"{a:.2f}" for a in acc["per_request"])
+        print(f"speculative k={k}: mean tokens per step {acc['overall']:.2f} (accepted drafts "
+              f"+ 1; per request: {per})", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------
@@ -512,6 +529,9 @@ def build_parser():
     g.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1 (needs --temperature)")
     g.add_argument("--min-p", type=float, help="drop tokens below p x the likeliest, 0 <= p < 1 "
                    "(needs --temperature)")
+    g.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="draft K tokens a step with the model's MTP block and verify them in "
+                        "one step (1..3; 0 = off); prints the mean tokens per step")
     g.add_argument("--stream", action="store_true", help="print tokens as they are produced "
                    "(several prompts: one JSON line {\"prompt\": i, \"text\": piece} each)")
     g.set_defaults(fn=cmd_generate)

@@ -27,6 +27,7 @@ from .param_specs import x_proj_is_merged
 from .params import merge_x_proj as merge_decode_form
 from .quant import Numerics
 from . import distributed as dist
+from . import speculative as SP
 from . import pipeline as PL
 from . import sharding as SH
 
@@ -166,6 +167,8 @@ class Engine:
             raise ValueError("Engine: give a mesh or a pipeline, not both")
         self.mesh, self.pipeline = mesh, pipeline
         self.last_stream_state = None  # the device state after the last stream step
+        self.mtp_cache = None  # the MTP block's cache (speculative decoding), made on first use
+        self.acceptance = None  # speculative decoding: mean tokens per step (speculative.py)
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
         self._state_sharding = None if pipeline is None else pipeline.sharding(pipeline.n - 1)
@@ -335,8 +338,8 @@ class Engine:
         return st, nxt
 
     def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
-               sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = ()
-               ) -> Iterator[list[tuple[int, int]]]:
+               sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = (),
+               speculative_tokens: int = 0) -> Iterator[list[tuple[int, int]]]:
         """Yields, per decode step, [(request_index, token)] for requests still running.
         Stop tokens (EOS + stop_ids) end a request and are yielded.
 
@@ -345,7 +348,14 @@ class Engine:
         step n+1 is enqueued before step n's tokens are read back, so the host's launch
         work overlaps the GPU's. A request that stops at step n therefore runs one extra
         step, whose token is dropped; the yielded tokens are the same as without
-        pipelining."""
+        pipelining.
+
+        speculative_tokens k > 0: the MTP block drafts k tokens a step and one program
+        verifies them (speculative.py); a step yields 1 .. k+1 tokens per request."""
+        if speculative_tokens:
+            yield from SP.stream(self, prompts, max_new_tokens=max_new_tokens, sampler=sampler,
+                                 seed=seed, stop_ids=stop_ids, k=speculative_tokens)
+            return
         _check_max_new(max_new_tokens)
         stops = {self.cfg.eos_token_id, *stop_ids}
         slots = self._admit_all(prompts, max_new_tokens)
@@ -397,9 +407,10 @@ class Engine:
     # ---- fully jitted loop -------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                  sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = (),
-                 jit_loop: bool = True) -> list[list[int]]:
+                 jit_loop: bool = True, speculative_tokens: int = 0) -> list[list[int]]:
         """Generated tokens per prompt (including the stop token that ended it, if any).
-        More prompts than request slots run in waves."""
+        More prompts than request slots run in waves. speculative_tokens k > 0: MTP drafts
+        verified k at a time (through stream)."""
         R = self.cs.max_requests
         _check_max_new(max_new_tokens)
         if len(prompts) > R:
@@ -407,12 +418,14 @@ class Engine:
             for i in range(0, len(prompts), R):
                 out += self.generate(prompts[i:i + R], max_new_tokens=max_new_tokens,
                                      sampler=sampler, seed=seed + i, stop_ids=stop_ids,
-                                     jit_loop=jit_loop)
+                                     jit_loop=jit_loop, speculative_tokens=speculative_tokens)
             return out
-        if not jit_loop or self.mesh is not None or self.pipeline is not None:
+        if (speculative_tokens or not jit_loop or self.mesh is not None
+                or self.pipeline is not None):
             res = [[] for _ in prompts]
             for stepv in self.stream(prompts, max_new_tokens=max_new_tokens, sampler=sampler,
-                                     seed=seed, stop_ids=stop_ids):
+                                     seed=seed, stop_ids=stop_ids,
+                                     speculative_tokens=speculative_tokens):
                 for i, t in stepv:
                     res[i].append(t)
             return res

@@ -75,16 +75,24 @@ def forward(params, tokens, cfg: Config, nm: Numerics = Numerics(), debug=None):
     return head(params, forward_hidden(params, tokens, cfg, nm, debug), cfg, nm)
 
 
+def mtp_input(params, X_main, next_tokens, cfg: Config, nm: Numerics, j: int = 0):
+    """The MTP block's input residual: X_main [B, T, N, D] (the main model's final residual
+    at positions t, or the block's own output when drafts are chained), next_tokens [B, T]
+    (the tokens at t+1) -> X [B, T, N, D] = e_proj(enorm(embed)) + h_proj(hnorm(X_main))."""
+    p = f"mtp.{j}."
+    e = L.rms_norm(params["embed.weight"][next_tokens], params[p + "enorm.weight"],
+                   cfg.rms_norm_eps, nm.jdtype)
+    h = L.rms_norm(X_main, params[p + "hnorm.weight"], cfg.rms_norm_eps, nm.jdtype)
+    return (linear(e, params[p + "e_proj"], nm)[..., None, :].astype(jnp.float32)
+            + linear(h, params[p + "h_proj"], nm).astype(jnp.float32)).astype(nm.jdtype)
+
+
 def mtp_forward(params, X_main, next_tokens, cfg: Config, nm: Numerics = Numerics(), j: int = 0):
     """The MTP block over a whole sequence: X_main [B, T, N, D] the main model's final
     residual at positions t, next_tokens [B, T] the tokens at t+1 -> logits [B, T, V] for
     the token at t+2."""
     p = f"mtp.{j}."
-    e = L.rms_norm(params["embed.weight"][next_tokens], params[p + "enorm.weight"],
-                   cfg.rms_norm_eps, nm.jdtype)
-    h = L.rms_norm(X_main, params[p + "hnorm.weight"], cfg.rms_norm_eps, nm.jdtype)
-    X = (linear(e, params[p + "e_proj"], nm)[..., None, :].astype(jnp.float32)
-         + linear(h, params[p + "h_proj"], nm).astype(jnp.float32)).astype(nm.jdtype)
+    X = mtp_input(params, X_main, next_tokens, cfg, nm, j)
     layer = cfg.num_hidden_layers + j
     ratio = cfg.layer_ratio(layer)
     bp = L.block_params(params, p)

@@ -60,7 +60,8 @@ class Block(nnx.Module):
 
 class DeepSeekV4(nnx.Module):
     """The whole model: embedding, `layers` (Block), head, and the MTP block's parameters
-    (`mtp`, kept for checkpoints; no step runs it)."""
+    (`mtp`: the draft model of speculative decoding, speculative.py; no plain step runs
+    it)."""
 
     def __init__(self, cfg: Config, params: dict):
         self.cfg = cfg

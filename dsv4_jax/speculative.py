@@ -1,0 +1,593 @@
+"""Speculative decoding with the model's own MTP block (docs/SPECULATIVE.md).
+
+One jitted program per step (`spec_step_fn`), for every request slot at once:
+  1. MTP catch-up and draft: the MTP block runs on the rows it has not seen (the main
+     model's residuals of the tokens accepted last step, each with the token after it),
+     writing its cache; its last row predicts draft 1. Drafts 2..k chain the block on its
+     own output (ARCHITECTURE.md section 8) against a copy of its cache that is dropped.
+  2. Verify: the main model runs on [token, draft 1..k] (T = k + 1 rows per request).
+  3. Accept: greedy keeps the drafts equal to the main model's argmax; sampling keeps
+     draft j with probability min(1, p/q) and draws the bonus token from the normalised
+     residual max(p - q, 0) (or from p after k accepts). The output is distributed as
+     without speculation.
+  4. Roll back what the rejected rows wrote (`rollback`): window-ring slots and compressed
+     pool entries are restored from copies taken before the verify; the compressor tail
+     state is recomputed from the old state for the accepted rows.
+
+The host reads back the emitted tokens and their count (one sync per step), and reserves
+(then trims) pool blocks for the k + 1 rows (cache.BlockManager.trim).
+"""
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import BLOCK_TOKENS, CacheSpec, init_layer_cache, layer_structs, split_cmp_state
+from .config import Config
+from .quant import Numerics
+from . import decode as D
+from . import layers as L
+from . import model as M
+
+F32 = jnp.float32
+MAX_DRAFTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """k: draft tokens per step from the MTP block (1 .. 3; chained past 1)."""
+    k: int = 1
+
+    def __post_init__(self):
+        check_draft_count(self.k)
+
+
+def check_draft_count(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFTS:
+        raise ValueError(f"speculative tokens must be an integer in [1, {MAX_DRAFTS}] "
+                         f"(0 turns speculation off), got {k!r}")
+
+
+def check_mtp_config(cfg: Config, k: int) -> None:
+    """The config has an MTP block, and its window holds the k + 1 verify rows in distinct
+    ring slots (checked before a checkpoint is read)."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("speculative decoding drafts with the MTP block, and this model has "
+                         "none (num_nextn_predict_layers = 0); run with speculative tokens 0")
+    if cfg.sliding_window <= k:
+        raise ValueError(f"speculative decoding with k={k} needs sliding_window > k, "
+                         f"got {cfg.sliding_window}")
+
+
+def check_mtp(cfg: Config, params, spec: Speculation) -> None:
+    """Clear errors before any heavy work: check_mtp_config, and the parameters hold the
+    MTP block."""
+    check_mtp_config(cfg, spec.k)
+    if not any(k.startswith("mtp.0.") for k in params):
+        raise ValueError("speculative decoding drafts with the MTP block, and this checkpoint "
+                         "has none (no `mtp.0.*` parameters); run with speculative tokens 0")
+
+
+def init_mtp_cache(cfg: Config, cs: CacheSpec) -> dict:
+    """The MTP block's own layer cache (window ring, plus pools when its ratio is > 0),
+    laid out as a main layer's (docs/KV_CACHE.md) and addressed by the same block table."""
+    return init_layer_cache(cfg, cs, cfg.num_hidden_layers)
+
+
+# ---------------------------------------------------------------------------------------
+# Sampler distributions
+# ---------------------------------------------------------------------------------------
+def sampler_logits(sampler, logits):
+    """The logits a sampler draws from (scaled and masked, -inf outside its support):
+    jax.random.categorical(key, sampler_logits(s, l)) is s.get_next_tokens(l, key) for
+    the generate.py samplers (tests/test_speculative.py checks it). Greedy: its one-hot
+    argmax as 0 / -inf."""
+    name = type(sampler).__name__
+    if name == "Greedy":
+        hot = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=bool)
+        return jnp.where(hot, 0.0, -jnp.inf)
+    lg = logits / sampler.temperature
+    if name == "Temperature":
+        return lg
+    if name == "TopK":
+        kth = jax.lax.top_k(lg, min(sampler.k, lg.shape[-1]))[0][..., -1:]
+        return jnp.where(lg >= kth, lg, -jnp.inf)
+    if name == "TopP":
+        probs = jax.nn.softmax(lg, -1)
+        sp = jnp.sort(probs, -1)[..., ::-1]
+        cum = jnp.cumsum(sp, -1)
+        n_keep = jnp.sum((cum - sp) < sampler.p, -1, keepdims=True)
+        thresh = jnp.take_along_axis(sp, n_keep - 1, -1)
+        return jnp.where(probs >= thresh, lg, -jnp.inf)
+    if name == "MinP":
+        probs = jax.nn.softmax(lg, -1)
+        return jnp.where(probs >= sampler.p * probs.max(-1, keepdims=True), lg, -jnp.inf)
+    raise ValueError(f"speculative sampling does not know the sampler {sampler!r}")
+
+
+def draft_tokens(sampler, logits, key):
+    """A draft from the MTP logits [B, V] -> (token [B] int32, q [B, V] its distribution)."""
+    if type(sampler).__name__ == "Greedy":
+        return jnp.argmax(logits, -1).astype(jnp.int32), None
+    lg = sampler_logits(sampler, logits)
+    return (jax.random.categorical(key, lg, -1).astype(jnp.int32), jax.nn.softmax(lg, -1))
+
+
+def accept(sampler, logits, drafts, q, key):
+    """Speculative acceptance. logits [B, k+1, V] (the main model at the verify rows),
+    drafts [B, k] int32, q [B, k, V] (the drafts' distributions; None for greedy) ->
+    (out [B, k+1] int32: the accepted drafts then the bonus token, n [B] int32 in 1..k+1:
+    how many of out are emitted)."""
+    B, T, V = logits.shape
+    k = T - 1
+    j = jnp.arange(T)[None, :]
+    if type(sampler).__name__ == "Greedy":
+        tgt = jnp.argmax(logits, -1).astype(jnp.int32)                      # [B, T]
+        ok = drafts == tgt[:, :k]
+        a = jnp.sum(jnp.cumprod(ok, -1), -1).astype(jnp.int32)
+        return tgt, a + 1   # tgt[:, :a] are the drafts themselves
+    ku, kb = jax.random.split(key)
+    p = jax.nn.softmax(sampler_logits(sampler, logits), -1)                # [B, T, V]
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]       # [B, k]
+    qd = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    u = jax.random.uniform(ku, (B, k))
+    ok = u * qd < pd                     # accept with probability min(1, p / q)
+    a = jnp.sum(jnp.cumprod(ok, -1), -1).astype(jnp.int32)                  # [B]
+    # the bonus row: residual max(p - q, 0) after a rejection, p itself after k accepts
+    resid = jnp.concatenate([jnp.maximum(p[:, :k] - q, 0.0), p[:, k:]], 1)  # [B, T, V]
+    r = jnp.take_along_axis(resid, a[:, None, None], 1)[:, 0]               # [B, V]
+    pa = jnp.take_along_axis(p, a[:, None, None], 1)[:, 0]
+    r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, pa)   # (p == q: float round-off)
+    bonus = jax.random.categorical(kb, jnp.log(r), -1).astype(jnp.int32)
+    dpad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
+    out = jnp.where(j < a[:, None], dpad, bonus[:, None])
+    return out, a + 1
+
+
+# ---------------------------------------------------------------------------------------
+# The MTP block against its cache
+# ---------------------------------------------------------------------------------------
+def mtp_layer(params, mcache, X_main, tokens, slots, pos, nvalid, block_table, cfg: Config,
+              cs: CacheSpec, nm: Numerics):
+    """The MTP block on T rows per batch row: X_main [B, T, N, D] (the main model's final
+    residual at positions pos .. pos+T-1), tokens [B, T] (the token after each) ->
+    (its output residual [B, T, N, D], new MTP cache). Row j predicts the token at
+    pos + j + 2 (mtp_head)."""
+    B, T = tokens.shape
+    tok_pos = pos[:, None] + jnp.arange(T)[None, :]
+    valid = jnp.arange(T)[None, :] < nvalid[:, None]
+    bt_rows = block_table[slots]
+    n = cfg.num_hidden_layers
+    ratio = cfg.layer_ratio(n)
+    holder = {}
+
+    def attn(ap, x, xq=None):
+        out, holder["lc"] = D.attention_cached(ap, mcache, x, tok_pos, valid, slots, pos,
+                                               nvalid, bt_rows, cfg, cs, nm, ratio, xq)
+        return out
+
+    with jax.named_scope("mtp0"):
+        X = M.mtp_input(params, X_main, tokens, cfg, nm)
+        X = M.block(L.block_params(params, "mtp.0."), X, tokens, n, cfg, nm, attn)
+    return X, holder["lc"]
+
+
+def mtp_head(params, X, cfg: Config, nm: Numerics):
+    """The MTP block's residual [..., N, D] -> logits [..., V] f32."""
+    return M.head(params, X, cfg, nm, prefix="mtp.0.")
+
+
+# ---------------------------------------------------------------------------------------
+# Verify with rollback
+# ---------------------------------------------------------------------------------------
+def _ring_slots(pos, T, W):
+    return (pos[:, None] + jnp.arange(T)[None, :]) % W                       # [B, T]
+
+
+def _completed_entries(pos, nvalid, T, ratio):
+    """Entry completed by row j (token pos + j), if any: (entry index [B, T], done [B, T])."""
+    t = pos[:, None] + jnp.arange(T)[None, :]
+    done = ((t + 1) % ratio == 0) & (jnp.arange(T)[None, :] < nvalid[:, None])
+    return (t + 1) // ratio - 1, done
+
+
+def _entry_addr(eidx, done, bt_rows, epb, nb_total):
+    blk = jnp.take_along_axis(bt_rows, jnp.clip(eidx // epb, 0, bt_rows.shape[1] - 1), 1)
+    ok = done & (blk >= 0) & (eidx >= 0) & (eidx // epb < bt_rows.shape[1])
+    return jnp.where(ok, blk, nb_total), eidx % epb                         # [B, T] each
+
+
+def snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg: Config, cs: CacheSpec):
+    """What the T verify rows of one layer may overwrite, read before the step: the ring
+    rows at slots (pos + j) % W and the pool entries the rows complete."""
+    W = cfg.sliding_window
+    B = pos.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rs = _ring_slots(pos, T, W)
+    snap = {"win": jax.tree.map(lambda a: a[rows, rs], lc["win"]),
+            "win_pos": lc["win_pos"][rows, rs]}
+    if ratio > 0:
+        eidx, done = _completed_entries(pos, nvalid, T, ratio)
+        blk, sl = _entry_addr(eidx, done, bt_rows, BLOCK_TOKENS // ratio, cs.num_blocks)
+        get = lambda a: a[jnp.minimum(blk, cs.num_blocks - 1), sl]
+        snap["cmp"] = jax.tree.map(get, lc["cmp"])
+        if ratio == 4:
+            snap["idx"] = jax.tree.map(get, lc["idx"])
+    return snap
+
+
+def rollback(lc, snap, st_old, ap, x, pos, nvalid, keep, bt_rows, ratio, cfg: Config,
+             cs: CacheSpec, nm: Numerics):
+    """Undo one layer's writes by the verify rows j >= keep[b] (of nvalid[b] written):
+    ring slots and completed pool entries get their snapshot back; the compressor state
+    is recomputed from the state before the step (st_old, parts by name) over the `keep`
+    accepted rows of x [B, T, D] (the layer's attention input). Exact: the cache ends as
+    if only the accepted rows had been stepped."""
+    W = cfg.sliding_window
+    B, T = x.shape[:2]
+    j = jnp.arange(T)[None, :]
+    rejected = (j >= keep[:, None]) & (j < nvalid[:, None])                 # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rs = jnp.where(rejected, _ring_slots(pos, T, W), W)                     # W: dropped
+    lc = dict(lc)
+    lc["win"] = D._scatter(lc["win"], (rows, rs), snap["win"])
+    lc["win_pos"] = lc["win_pos"].at[rows, rs].set(snap["win_pos"], mode="drop")
+    if ratio > 0:
+        eidx, done = _completed_entries(pos, nvalid, T, ratio)
+        blk, sl = _entry_addr(eidx, done & rejected, bt_rows, BLOCK_TOKENS // ratio,
+                              cs.num_blocks)
+        lc["cmp"] = D._scatter(lc["cmp"], (blk, sl), snap["cmp"])
+        if ratio == 4:
+            lc["idx"] = D._scatter(lc["idx"], (blk, sl), snap["idx"])
+        # the accepted rows' state: the compressor update again with nvalid = keep. Its
+        # projections are the verify's own (same operands: XLA merges them); its entries
+        # are unused (dead code).
+        tok_pos = pos[:, None] + jnp.arange(T)[None, :]
+        freqs = L.rope_freqs(cfg, ratio)
+        st = dict(st_old)
+        D._compressor_update(ap, st, x, tok_pos, pos, keep, ratio, freqs, cfg, nm, "", cs)
+        if ratio == 4:
+            D._compressor_update(ap, st, x, tok_pos, pos, keep, ratio, freqs, cfg, nm, "i", cs)
+        D._write_state(lc, jnp.arange(B), st, cfg, ratio)
+    return lc
+
+
+def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
+                  cs: CacheSpec, nm: Numerics):
+    """The main model on T rows of every request slot (batch row b = slot b): tokens
+    [R, T] at positions pos [R] .. pos+T-1, the first nvalid [R] real -> (X [R, T, N, D],
+    new cache, undo) where undo(cache, keep [R]) rolls every layer back to its first
+    keep[b] rows (keep <= nvalid)."""
+    B, T = tokens.shape
+    slots = jnp.arange(B)
+    tok_pos = pos[:, None] + jnp.arange(T)[None, :]
+    valid = jnp.arange(T)[None, :] < nvalid[:, None]
+    bt_rows = block_table[slots]
+    X = M.embed(params, tokens, cfg, nm)
+    new_cache, saved = {}, {}
+    for i in range(cfg.num_hidden_layers):
+        ratio = cfg.layer_ratio(i)
+        lc = cache[f"L{i}"]
+        h = {"snap": snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg, cs),
+             "st": split_cmp_state(lc["cst"], cfg, ratio) if ratio > 0 else None}
+
+        def attn(ap, x, i=i, ratio=ratio, h=h, xq=None):
+            out, h["lc"] = D.attention_cached(ap, cache[f"L{i}"], x, tok_pos, valid, slots, pos,
+                                              nvalid, bt_rows, cfg, cs, nm, ratio, xq)
+            h["ap"], h["x"] = ap, x
+            return out
+
+        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
+            X = M.block(L.block_params(params, f"layers.{i}."), X, tokens, i, cfg, nm, attn)
+        new_cache[f"L{i}"] = h["lc"]
+        saved[i] = h
+
+    def undo(cache, keep):
+        out = {}
+        for i in range(cfg.num_hidden_layers):
+            h = saved[i]
+            with jax.named_scope(f"rollback{i}"):
+                out[f"L{i}"] = rollback(cache[f"L{i}"], h["snap"], h["st"], h["ap"], h["x"],
+                                        pos, nvalid, keep, bt_rows, cfg.layer_ratio(i), cfg,
+                                        cs, nm)
+        return out
+    return X, new_cache, undo
+
+
+# ---------------------------------------------------------------------------------------
+# The programs
+# ---------------------------------------------------------------------------------------
+def prefill_fn(params, cache, mcache, tokens, slot, pos, nvalid, block_table, h_prev,
+               cfg: Config, cs: CacheSpec, nm: Numerics):
+    """One prefill chunk of one request with the MTP block kept in step: tokens [1, C] at
+    pos [1] (nvalid [1] real), h_prev [1, N, D] the main residual at pos - 1 (unused at
+    pos 0) -> (logits [1, V], residual at the chunk's last token [1, N, D], cache, mcache).
+    The MTP rows lag one token (each needs the token after it): this chunk writes MTP
+    positions pos-1 .. pos+nvalid-2; the last prompt position waits for the first sampled
+    token (the first decode step's catch-up)."""
+    n = cfg.num_hidden_layers
+    X = M.embed(params, tokens, cfg, nm)
+    X, cache = D.step_layers(params, cache, X, tokens, slot, pos, nvalid, block_table,
+                             range(n), cfg, cs, nm)
+    logits = D.step_head(params, X, nvalid, cfg, nm)
+    first = (pos[0] == 0)
+    shifted = jnp.concatenate([h_prev[:, None], X[:, :-1]], 1)
+    X_in = jnp.where(first, X, shifted)
+    tok_in = jnp.where(first, jnp.concatenate([tokens[:, 1:], tokens[:, :1] * 0], 1), tokens)
+    mpos = jnp.where(first, 0, pos - 1)
+    mn = jnp.where(first, nvalid - 1, nvalid)
+    _, mcache = mtp_layer(params, mcache, X_in, tok_in, slot, mpos, mn, block_table, cfg, cs,
+                          nm)
+    last = X[jnp.arange(1), jnp.maximum(nvalid - 1, 0)]
+    return logits, last, cache, mcache
+
+
+def init_spec_state(k: int, cfg: Config, tokens_R, h_R, pos_R, run_R, block_table, key,
+                    sharding=None):
+    """The device state of a speculative stream (R request slots):
+    pend_X [R, k+1, N, D] / pend_tok [R, k+1] / pend_n [R]: the MTP rows not yet run (the
+      main residual at positions pos - pend_n .. pos - 1, each with the token after it;
+      the last token is the one the next verify feeds), pos [R] (tokens in the cache),
+    run [R] (1: the slot decodes), table [R, MAXB], key, i (step counter for the keys),
+    out [R, k+1] / n_out [R]: the last step's emitted tokens and their count.
+    Starts after the prefill: one pending row, (h_R [R, N, D], tokens_R [R])."""
+    R = len(pos_R)
+    h_R = np.asarray(h_R)
+    pX = np.zeros((R, k + 1, cfg.hc_mult, cfg.hidden_size), h_R.dtype)
+    pX[:, 0] = h_R
+    ptok = np.zeros((R, k + 1), np.int32)
+    ptok[:, 0] = np.asarray(tokens_R, np.int32)
+    st = {"pend_tok": ptok, "pend_n": np.ones(R, np.int32),
+          "pos": np.asarray(pos_R, np.int32), "run": np.asarray(run_R, np.int32),
+          "table": np.asarray(block_table, np.int32), "i": np.asarray(1, np.int32),
+          "out": np.zeros((R, k + 1), np.int32), "n_out": np.zeros(R, np.int32)}
+    st["pend_X"] = pX
+    st = {n: D.put_state(v, sharding) for n, v in st.items()}
+    st["key"] = jax.random.wrap_key_data(D.put_state(np.asarray(jax.random.key_data(key)),
+                                                     sharding), impl=jax.random.key_impl(key))
+    return st
+
+
+def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
+    """-> run(params, cache, mcache, st) -> (cache, mcache, st'): one speculative step of
+    every running slot (module docstring); st'.out / st'.n_out hold what it emitted.
+    params: the flat tree (main and MTP). Jit it with cache, mcache and st donated."""
+    T = k + 1
+
+    def run(params, cache, mcache, st):
+        R = st["pos"].shape[0]
+        slots = jnp.arange(R, dtype=jnp.int32)
+        runs = st["run"] > 0
+        key = jax.random.fold_in(st["key"], st["i"])
+        kd = jax.random.split(jax.random.fold_in(key, 1), k)
+        pend_n = jnp.where(runs, st["pend_n"], 0)
+        pos = st["pos"]
+        # 1. MTP catch-up over the pending rows; the last one drafts token pos + 1
+        Xm, mcache = mtp_layer(params, mcache, st["pend_X"], st["pend_tok"], slots,
+                               pos - st["pend_n"], pend_n, st["table"], cfg, cs, nm)
+        last = jnp.maximum(st["pend_n"] - 1, 0)
+        h = Xm[slots, last]                                                 # [R, N, D]
+        tok = st["pend_tok"][slots, last]                                   # [R]
+        d, q = draft_tokens(sampler, mtp_head(params, h, cfg, nm), kd[0])
+        drafts, qs = [d], [q]
+        mc = mcache   # chained drafts write a copy that is dropped
+        for j in range(1, k):
+            Xc, mc = mtp_layer(params, mc, h[:, None], d[:, None], slots, pos + j - 1,
+                               runs.astype(jnp.int32), st["table"], cfg, cs, nm)
+            h = Xc[:, 0]
+            d, q = draft_tokens(sampler, mtp_head(params, h, cfg, nm), kd[j])
+            drafts.append(d)
+            qs.append(q)
+        drafts = jnp.stack(drafts, 1)                                       # [R, k]
+        q = None if qs[0] is None else jnp.stack(qs, 1)                     # [R, k, V]
+        # 2. verify [token, drafts] on the main model
+        vtok = jnp.concatenate([tok[:, None], drafts], 1)                   # [R, T]
+        nvalid = jnp.where(runs, T, 0).astype(jnp.int32)
+        X, cache, undo = verify_layers(params, cache, vtok, pos, nvalid, st["table"], cfg, cs,
+                                       nm)
+        logits = M.head(params, X, cfg, nm)                                 # [R, T, V]
+        # 3. accept, 4. roll back the rejected rows
+        out, n = accept(sampler, logits, drafts, q, jax.random.fold_in(key, 2))
+        n = jnp.where(runs, n, 0)
+        cache = undo(cache, n)
+        new = dict(st, pos=pos + n, i=st["i"] + 1, out=out, n_out=n,
+                   pend_X=jnp.where(runs[:, None, None, None], X.astype(st["pend_X"].dtype),
+                                    st["pend_X"]),
+                   pend_tok=jnp.where(runs[:, None], out, st["pend_tok"]),
+                   pend_n=jnp.where(runs, n, st["pend_n"]))
+        return cache, mcache, new
+    return run
+
+
+def spec_programs(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, sampler, k: int,
+                  mesh=None, shardings=None):
+    """(prefill, step) jitted on the module state (nnx.split of nnx_model.DeepSeekV4):
+    prefill(state, cache, mcache, tokens [1, C], slot, pos, nvalid [1], table, h_prev
+    [1, N, D]) -> (logits, last residual, cache, mcache); step(state, cache, mcache, st) ->
+    (cache, mcache, st'). Caches (and st) donated; one compilation each (keep the pair:
+    engine_programs does). mesh: run under the mesh's expert parallelism, shardings =
+    (state, cache, mcache) shardings (the stream state replicated)."""
+    from flax import nnx
+    flat = lambda state: nnx.merge(graphdef, state).to_params()
+    pre = lambda s, c, m, *a: prefill_fn(flat(s), c, m, *a, cfg=cfg, cs=cs, nm=nm)
+    stp_ = spec_step_fn(cfg, cs, nm, sampler, k)
+    stp = lambda s, c, m, st: stp_(flat(s), c, m, st)
+    opts = dict(compiler_options=D.STEP_COMPILER_OPTIONS)
+    if mesh is None:
+        return (jax.jit(pre, donate_argnums=(1, 2), **opts),
+                jax.jit(stp, donate_argnums=(1, 2, 3), **opts))
+    from .distributed import expert_parallel
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ssh, csh, msh = shardings
+
+    def in_mesh(f):
+        def g(*a):
+            with expert_parallel(cfg, mesh):
+                return f(*a)
+        return g
+    return (jax.jit(in_mesh(pre), donate_argnums=(1, 2),
+                    in_shardings=(ssh, csh, msh) + (rep,) * 6,
+                    out_shardings=(rep, rep, csh, msh), **opts),
+            jax.jit(in_mesh(stp), donate_argnums=(1, 2, 3), in_shardings=(ssh, csh, msh, rep),
+                    out_shardings=(csh, msh, rep), **opts))
+
+
+def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: dict, mesh):
+    """The MTP cache's shardings: those of a main layer of the same ratio (same arrays),
+    else replicated."""
+    r = cfg.layer_ratio(cfg.num_hidden_layers)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_ratio(i) == r:
+            return cache_sh[f"L{i}"]
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda _: rep, layer_structs(cfg, cs, cfg.num_hidden_layers))
+
+
+# ---------------------------------------------------------------------------------------
+# Engine.stream / Engine.generate with speculation
+# ---------------------------------------------------------------------------------------
+def engine_programs(eng, sampler, k: int):
+    """spec_programs for an Engine (one device or its mesh), kept in the engine's program
+    table: (prefill, step)."""
+    key = ("speculative", sampler, k)
+    if key not in eng._loops:
+        sh = None
+        if eng.mesh is not None:
+            from .distributed import state_shardings
+            from .sharding import cache_shardings
+            csh = cache_shardings(eng.cfg, eng.cs, eng.mesh)
+            sh = (state_shardings(eng.cfg, eng.mesh, eng._form["include_mtp"],
+                                  eng._form["x_proj_merged"]),
+                  csh, mtp_cache_shardings(eng.cfg, eng.cs, csh, eng.mesh))
+        eng._loops[key] = spec_programs(eng.cfg, eng.graphdef, eng.cs, eng.nm, sampler, k,
+                                        eng.mesh, sh)
+    return eng._loops[key]
+
+
+def check_engine(eng, k) -> Speculation:
+    """Validate k and the engine before any heavy work -> Speculation(k)."""
+    spec = Speculation(k)
+    if eng.pipeline is not None:
+        raise ValueError("speculative decoding runs on one device or a mesh, not a pipeline "
+                         "layout")
+    check_mtp(eng.cfg, eng.model.mtp.get_value(), spec)
+    return spec
+
+
+def _prefill(eng, prog, slot: int, prompt, h0):
+    """Engine.prefill with the MTP block: chunk by chunk -> (last logits [V], last main
+    residual [N, D])."""
+    prompt = np.asarray(prompt, np.int32)
+    eng._check_tokens(prompt)
+    h, logits = h0, None
+    for s in range(0, len(prompt), eng.chunk):
+        part = prompt[s:s + eng.chunk]
+        eng.bm.ensure(slot, s + len(part))
+        buf = np.zeros((1, eng.chunk), np.int32)
+        buf[0, :len(part)] = part
+        logits, h, eng.cache, eng.mtp_cache = prog(
+            eng.state, eng.cache, eng.mtp_cache, jnp.asarray(buf), jnp.asarray([slot], jnp.int32),
+            jnp.asarray([s], jnp.int32), jnp.asarray([len(part)], jnp.int32),
+            jnp.asarray(eng.bm.table), h)
+        eng.bm.advance(slot, len(part))
+    return logits[0], h[0]
+
+
+def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k: int):
+    """Engine.stream with k MTP drafts per step: yields, per step, [(request_index, token),
+    ...] with 1 .. k+1 tokens per running request. Sets eng.acceptance (mean tokens per
+    step, per request and overall) and eng.timing."""
+    import time
+    from .generate import Timing, _check_max_new
+    _check_max_new(max_new_tokens)
+    check_engine(eng, k)
+    cfg, cs = eng.cfg, eng.cs
+    R = cs.max_requests
+    stops = {cfg.eos_token_id, *stop_ids}
+    slots = eng._admit_all(prompts, max_new_tokens + k)
+    key = jax.random.key(seed)
+    sample = jax.jit(sampler.get_next_tokens)
+    prefill, step = engine_programs(eng, sampler, k)
+    if eng.mtp_cache is None:
+        mc = init_mtp_cache(cfg, cs)
+        if eng.mesh is None:
+            eng.mtp_cache = jax.device_put(mc, jax.devices()[0])
+        else:
+            from .sharding import cache_shardings
+            eng.mtp_cache = jax.device_put(mc, mtp_cache_shardings(
+                cfg, cs, cache_shardings(cfg, cs, eng.mesh), eng.mesh))
+    try:
+        t0 = time.perf_counter()
+        # placed as the prefill returns it, or its second call compiles again
+        h0 = D.put_state(np.zeros((1, cfg.hc_mult, cfg.hidden_size), eng.nm.jdtype),
+                         eng._state_sharding)
+        res = [_prefill(eng, prefill, s, p, h0) for s, p in zip(slots, prompts)]
+        first = np.asarray(sample(jnp.stack([r[0] for r in res]), jax.random.fold_in(key, 0)))
+        eng.timing = Timing(prefill_s=time.perf_counter() - t0)
+        eng.timing.first_token_s = eng.timing.prefill_s
+        yield [(i, int(first[i])) for i in range(len(prompts))]
+        n_out = [1] * len(prompts)
+        alive = [i for i in range(len(prompts)) if int(first[i]) not in stops]
+        steps, emitted = [0] * len(prompts), [0] * len(prompts)
+        tok_R = np.zeros(R, np.int32)
+        h_R = np.zeros((R, cfg.hc_mult, cfg.hidden_size), np.asarray(h0).dtype)
+        for i, s in enumerate(slots):
+            tok_R[s], h_R[s] = first[i], np.asarray(res[i][1])
+        st, host = None, None
+        t1 = time.perf_counter()
+        alive = [i for i in alive if n_out[i] < max_new_tokens]
+        while alive:
+            run_slots = [slots[i] for i in alive]
+            eng.bm.ensure_many({s: int(eng.bm.length[s]) + k + 1 for s in run_slots})
+            run = np.zeros(R, np.int32)
+            run[run_slots] = 1
+            first_step = st is None
+            if first_step:
+                st = init_spec_state(k, cfg, tok_R, h_R, eng.bm.length, run, eng.bm.table, key,
+                                     sharding=eng._state_sharding)
+            else:
+                if not np.array_equal(host[0], run):
+                    st = dict(st, run=D.put_state(run, eng._state_sharding))
+                if not np.array_equal(host[1], eng.bm.table):
+                    st = dict(st, table=D.put_state(eng.bm.table, eng._state_sharding))
+            host = (run, eng.bm.table.copy())
+            eng.cache, eng.mtp_cache, st = step(eng.state, eng.cache, eng.mtp_cache, st)
+            eng.last_stream_state = st
+            out, n = np.asarray(st["out"]), np.asarray(st["n_out"])   # the step's one sync
+            if first_step:   # the first step carries compilation: not timed
+                eng.timing.compile_s = time.perf_counter() - t1
+                t1 = time.perf_counter()
+            got = []
+            for i in list(alive):
+                s = slots[i]
+                steps[i] += 1
+                emitted[i] += int(n[s])
+                eng.bm.advance(s, int(n[s]))
+                eng.bm.trim(s)
+                for t in out[s, :n[s]]:
+                    if n_out[i] >= max_new_tokens:
+                        break
+                    got.append((i, int(t)))
+                    n_out[i] += 1
+                    if int(t) in stops:
+                        n_out[i] = max_new_tokens   # stopped
+                        break
+            if not first_step:
+                eng.timing.new_tokens += len(got)
+            alive = [i for i in alive if n_out[i] < max_new_tokens]
+            yield got
+        eng.timing.decode_s = time.perf_counter() - t1
+        eng.acceptance = acceptance_report(steps, emitted)
+    finally:
+        for s in slots:
+            eng.bm.release(s)
+
+
+def acceptance_report(steps, emitted) -> dict:
+    """Mean tokens emitted per step (accepted drafts + 1), per request and overall."""
+    per = [e / s if s else float("nan") for s, e in zip(steps, emitted)]
+    tot = sum(steps)
+    return {"per_request": per, "overall": sum(emitted) / tot if tot else float("nan"),
+            "steps": list(steps)}
