@@ -65,15 +65,16 @@ from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
 cfg = config.tiny().replace(num_hidden_layers=3, compress_ratios=(0, 4, 128, 0),
                             num_hash_layers=1)
-seed = int(sys.argv[1])
+seed, runs = int(sys.argv[1]), sys.argv[2].split(",")
 p = P.init_params(cfg, seed)
 nm = Numerics(True, "bfloat16")
 rng = np.random.default_rng(seed)
 # request 0 crosses CSA block ends during decode; request 1 starts short
 prompts = [rng.integers(0, cfg.vocab_size, 61).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
 out = {}
-for name, kernels, mesh in (("interpret", "interpret", None), ("mesh", "interpret", 2),
-                            ("off", "off", None)):
+# a run is KERNELS[-mesh]: "interpret-mesh" (an expert mesh of two), "on" (the GPU), "off"
+for name in runs:
+    kernels, mesh = name.split("-")[0], name.endswith("-mesh")
     cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=2,
                                 kernels=kernels, attention_backend="triton")
     e = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32, progress=False,
@@ -84,15 +85,27 @@ print(json.dumps(out))
 '''
 
 
-@pytest.mark.slow
-def test_speculative_with_kernels_on_one_device_and_an_expert_mesh():
-    """Greedy with k = 2 (the chained draft steps through the T == 1 kernel path) and the
-    kernels interpreted: on one device and on an expert mesh of two, the tokens of the
-    kernels-off run and of greedy without speculation."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT, "3903"], env=env,
-                          capture_output=True, text=True, timeout=1500)
+def _kernel_runs(runs, env):
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT, "3903", ",".join(runs)],
+                          env=dict(os.environ, PYTHONPATH=ROOT, **env), capture_output=True,
+                          text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["interpret"] == res["mesh"] == res["off"] == res["plain"], res
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_speculative_with_kernels_on_an_expert_mesh():
+    """Greedy with k = 2 (the chained draft steps through the T == 1 kernel path) with the
+    kernels interpreted, sharded over an expert mesh of two CPU devices: the tokens of the
+    kernels-off run and of greedy without speculation. (One device interpreted runs the same
+    kernels: left to the GPU test.)"""
+    res = _kernel_runs(["interpret-mesh", "off"],
+                       {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert res["interpret-mesh"] == res["off"] == res["plain"], res
+
+
+@pytest.mark.gpu
+def test_speculative_with_kernels_on_the_gpu():
+    """The same greedy tokens with the Mosaic kernels compiled for the GPU."""
+    res = _kernel_runs(["on", "off"], {})
+    assert res["on"] == res["off"] == res["plain"], res
