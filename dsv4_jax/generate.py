@@ -352,11 +352,11 @@ class Engine:
 
         speculative_tokens k > 0: the MTP block drafts k tokens a step and one program
         verifies them (speculative.py); a step yields 1 .. k+1 tokens per request."""
+        _check_max_new(max_new_tokens)
         if speculative_tokens:
             yield from SP.stream(self, prompts, max_new_tokens=max_new_tokens, sampler=sampler,
                                  seed=seed, stop_ids=stop_ids, k=speculative_tokens)
             return
-        _check_max_new(max_new_tokens)
         stops = {self.cfg.eos_token_id, *stop_ids}
         slots = self._admit_all(prompts, max_new_tokens)
         key = jax.random.key(seed)

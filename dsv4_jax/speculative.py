@@ -500,9 +500,7 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
     ...] with 1 .. k+1 tokens per running request. Sets eng.acceptance (mean tokens per
     step, per request and overall) and eng.timing."""
     import time
-    from .generate import Timing, _check_max_new
-    _check_max_new(max_new_tokens)
-    check_engine(eng, k)
+    check_engine(eng, k)   # max_new_tokens: checked by Engine.stream
     cfg, cs = eng.cfg, eng.cs
     R = cs.max_requests
     stops = {cfg.eos_token_id, *stop_ids}
@@ -525,7 +523,7 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
                          eng._state_sharding)
         res = [_prefill(eng, prefill, s, p, h0) for s, p in zip(slots, prompts)]
         first = np.asarray(sample(jnp.stack([r[0] for r in res]), jax.random.fold_in(key, 0)))
-        eng.timing = Timing(prefill_s=time.perf_counter() - t0)
+        eng.timing = type(eng.timing)(prefill_s=time.perf_counter() - t0)  # generate.Timing
         eng.timing.first_token_s = eng.timing.prefill_s
         yield [(i, int(first[i])) for i in range(len(prompts))]
         n_out = [1] * len(prompts)
