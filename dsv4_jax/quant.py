@@ -48,6 +48,10 @@ class Numerics:
     # The Pallas matmul's FP4 decode exact for every e8m0 scale byte (slower); by default it
     # is exact for scale bytes 59..192, which every trained weight meets (loading checks).
     exact_fp4: bool = False
+    # The Sinkhorn iterations of the mHC mixing matrices (CPU form) as a loop instead of
+    # unrolled: for differentiating (training), whose unrolled gradient XLA-GPU compiles
+    # for many minutes; inference keeps the unrolled form the reference tests pin down.
+    sinkhorn_loop: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):

@@ -90,7 +90,8 @@ def _prepare(a, model: str):
     if vocab > MODELS[model]().vocab_size:
         raise UsageError(f"--vocab-size {vocab} exceeds the model's vocab_size "
                          f"{MODELS[model]().vocab_size}")
-    return D.prepare(a.data, vocab, a.stdlib, include_tests=not a.exclude_tests)
+    m = D.prepare(a.data, vocab, a.stdlib, include_tests=not a.exclude_tests)
+    print(f"wrote {a.data}: {len(m['files'])} files, corpus sha256 {m['corpus_sha256'][:16]}...")
 
 
 def _train(a):

@@ -38,7 +38,7 @@ from . import data as D
 from .config import TrainConfig, training_form
 from .quantize import forward_params, is_frozen
 
-NM = Numerics(act_quant=False, dtype="bfloat16", gpu=False)
+NM = Numerics(act_quant=False, dtype="bfloat16", gpu=False, sinkhorn_loop=True)
 CHECKPOINT = "master.npz"
 STATE = "state.json"
 LOG = "log.jsonl"

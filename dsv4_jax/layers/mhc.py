@@ -97,19 +97,26 @@ def _hc_mix(X, s, q, scale, base, cfg: Config, nm: Numerics):
         return pre, post, C.reshape(*m.shape[:-1], N, N)
     C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
     C = jax.nn.softmax(C, -1) + cfg.hc_eps
-    return pre, post, sinkhorn_reduce(C, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    return pre, post, sinkhorn_reduce(C, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                      loop=nm.sinkhorn_loop)
 
 
-def sinkhorn_reduce(C, iters: int, eps: float):
+def sinkhorn_reduce(C, iters: int, eps: float, loop: bool = False):
     """Column normalisation, then (iters - 1) x (row, column) normalisations of C [..., N, N].
     (On GPU, hc_weights runs the logits, softmax and this loop as one kernel:
     pallas_kernels/hc_sinkhorn. XLA-GPU splits this form into ~11 kernels; written as N^2
     scalar arrays it fuses into one kernel whose single thread runs the whole division
     chain, 50-100 us per site.)"""
     C = C / (C.sum(-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def row_col(_, C):
         C = C / (C.sum(-1, keepdims=True) + eps)
-        C = C / (C.sum(-2, keepdims=True) + eps)
+        return C / (C.sum(-2, keepdims=True) + eps)
+
+    if loop:  # the gradient of the unrolled form stalls XLA-GPU's fusion for minutes
+        return jax.lax.fori_loop(0, iters - 1, row_col, C)
+    for i in range(iters - 1):
+        C = row_col(i, C)
     return C
 
 
