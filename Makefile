@@ -1,4 +1,4 @@
-# Quick start:  make demo   (sets up .venv and generates on the embedded tiny model)
+# Quick start:  make demo   (sets up .venv and generates with the embedded small model)
 #               make test   (sets up .venv + the reference env and runs the tests)
 PY312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' 2>/dev/null && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
 PY311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && python3.11 -c 'import sys' 2>/dev/null && echo python3.11 || ls -d $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | tail -1)
@@ -27,7 +27,7 @@ setup: $(VENV)/.ok
 setup-ref: $(REF)/.ok
 
 demo: setup
-	$(VENV)/bin/dsv4 generate --prompt "The DeepSeek-V4 model" --max-new-tokens 24 --stream
+	$(VENV)/bin/dsv4 generate --prompt "class Queue:" --max-new-tokens 64 --stream
 
 test: setup setup-ref
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

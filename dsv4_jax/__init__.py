@@ -1,10 +1,12 @@
 """dsv4-jax: DeepSeek-V4 (Flash and Pro) inference in JAX.
 
 Public API: `load`, `Engine` (generate / stream / teacher_forced_logits), the samplers,
-`config` presets, `chat` encoding.
+`config` presets, `chat` encoding, `embedded_checkpoint()` (the small trained model that
+ships with the package).
 """
 from . import config, params, quant, chat  # noqa: F401
 from .config import Config  # noqa: F401
+from .embedded import embedded_checkpoint  # noqa: F401
 from .quant import EXACT_COMPILER_OPTIONS, Numerics  # noqa: F401
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from . import chat, config as C, generate as G, params as P, speculative as SP
 from .cache import BLOCK_TOKENS, CacheSpec, blocks_needed
 from .distributed import init_processes_from_env, make_mesh
+from .embedded import EMBEDDED_NAME, embedded_checkpoint
 from .errors import UsageError, run_command
 from .generate import Engine
 from .loading import load
@@ -30,10 +31,12 @@ PIPELINE_MAX_REQUESTS = 8
 
 def _add_model_args(ap):
     ap.add_argument("--checkpoint", help="orbax or safetensors checkpoint directory "
-                    "(default: the embedded tiny model, built deterministically)")
-    ap.add_argument("--preset", help="preset for the embedded model, without --checkpoint "
-                    "(default: tiny)")
-    ap.add_argument("--seed", type=int, default=0, help="seed (embedded model weights and sampling)")
+                    f"(default: the embedded model, {EMBEDDED_NAME}: trained on the Python "
+                    "standard library, docs/TRAINING.md)")
+    ap.add_argument("--preset", help="instead of a checkpoint, a model with random weights "
+                    "built in memory from --seed: 'tiny' (for tests)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed (sampling; the --preset model's weights)")
     ap.add_argument("--act-quant", choices=["on", "off"], default="on",
                     help="simulate the FP8/FP4 activation, KV-cache and indexer rounding the "
                          "checkpoint was trained with (on), or keep activations bf16/fp32 (off)")
@@ -88,15 +91,16 @@ def _check_model_flags(args):
         raise UsageError("--index-format sets the quantised indexer cache: it needs "
                          "--act-quant on")
     if args.checkpoint is not None and args.preset is not None:
-        raise UsageError("--preset builds the embedded model; with --checkpoint the "
+        raise UsageError("--preset builds a random-weight model; with --checkpoint the "
                          "checkpoint's config.json sets the model (drop one of the two)")
-    if args.checkpoint is None:
-        args.preset = args.preset or "tiny"
+    if args.checkpoint is None and args.preset is None:
+        args.checkpoint = str(embedded_checkpoint())
+    elif args.checkpoint is None:
         if args.preset not in C.PRESETS:
             raise UsageError(f"--preset {args.preset!r} is not a preset; choose from "
                              f"{sorted(C.PRESETS)}")
         if args.preset != "tiny":
-            raise UsageError(f"the embedded default only builds the 'tiny' preset in memory; "
+            raise UsageError(f"--preset builds only the 'tiny' preset in memory; "
                              f"for --preset {args.preset} write a checkpoint with "
                              f"`dsv4 make-checkpoint --preset {args.preset} DIR` and pass "
                              "--checkpoint DIR")

@@ -174,7 +174,7 @@ def test_logits_input(tmp_path, capsys, no_model):
     np.save(tmp_path / "ok.npy", ok)
     (tmp_path / "text.npy").write_text("not numpy")
     out = str(tmp_path / "o.npz")
-    base = ["logits", "--prefill-len", "15", "--out", out, "--tokens"]
+    base = ["logits", "--preset", "tiny", "--prefill-len", "15", "--out", out, "--tokens"]
     bad(capsys, base + [str(tmp_path / "big.npy")], str(2 ** 31 + 5), "[1, 3]", "[0, 1024)")
     bad(capsys, base + [str(tmp_path / "neg.npy")], "-2", "[0, 7]")
     bad(capsys, base + [str(tmp_path / "float.npy")], "float.npy", "integers")
@@ -265,7 +265,8 @@ def test_several_prompts_stream_as_json_lines(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_engine", lambda args, cfg, params: Engine())
     p = tmp_path / "p.txt"
     p.write_text("first prompt\n\nsecond one\n")
-    assert run(["generate", "--prompts-file", str(p), "--stream", "--max-new-tokens", "3"]) == 0
+    assert run(["generate", "--preset", "tiny", "--prompts-file", str(p), "--stream",
+                "--max-new-tokens", "3"]) == 0
     lines = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
     tok = load_tokenizer(None, C.tiny().vocab_size)
     assert [(l["prompt"], l["text"]) for l in lines] == \
