@@ -1,5 +1,6 @@
 """`dsv4 serve` end to end: the real HTTP server (uvicorn on a free localhost port) over
-the tiny model, driven by the official `openai` client and raw HTTP.
+the embedded model (dsv4-small-stdlib, its BPE tokenizer), driven by the official `openai`
+client and raw HTTP.
 
 One server per module (its programs compile once, in the warm-up). The greedy references
 come from Engine.generate on the same engine before the server starts (the fixed-batch
@@ -15,7 +16,8 @@ import numpy as np
 import openai
 import pytest
 
-from dsv4_jax import chat
+from dsv4_jax import chat, load
+from dsv4_jax.embedded import EMBEDDED_NAME, embedded_checkpoint
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.cli import main as cli_main
 from dsv4_jax.generate import Engine
@@ -24,30 +26,36 @@ from dsv4_jax.serve.run import BackgroundServer, build
 from dsv4_jax.serve.api import Server
 from dsv4_jax.serve.scheduler import Output, SchedulerConfig
 from dsv4_jax.serve.text import IncrementalText
-from dsv4_jax.tokenizer import ByteTokenizer
+from dsv4_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 R, CHUNK, NEW = 4, 16, 8
 RNG = np.random.default_rng(600)
 # token-id prompts (plain completions) over one or more prefill chunks
 ID_PROMPTS = [[int(t) for t in RNG.integers(16, 272, n)] for n in (7, 33, 20)]
 LONG = [int(t) for t in RNG.integers(16, 272, 150)]   # a whole block to cache, and more
+MODEL = EMBEDDED_NAME
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name three primes."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
+def embedded():
+    cfg, params = load(embedded_checkpoint())
+    return cfg, params, load_tokenizer(str(embedded_checkpoint()), cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
     """-> (base url, Server, references): the greedy tokens Engine gives for ID_PROMPTS and
     for CHAT (thinking on), computed on the same engine before it serves."""
-    cfg, params = tiny_model
+    cfg, params, tok = embedded
     cs = CacheSpec.for_numerics(Numerics(), max_requests=R, num_blocks=6, max_blocks=2)
     eng = Engine(cfg, params, cache_spec=cs, prefill_chunk=CHUNK, progress=False)
-    tok = ByteTokenizer(cfg.vocab_size)
     chat_ids = tok.encode(chat.encode_messages(CHAT, thinking_mode="thinking"))
     refs = eng.generate(ID_PROMPTS + [chat_ids, LONG], max_new_tokens=NEW, jit_loop=False,
                         stop_ids=tok.stop_ids)
     ref = {"ids": refs[:-2], "chat": refs[-2], "long": refs[-1]}
-    srv = build(eng, tok, "tiny", SchedulerConfig(prefix_cache_entries=2), seed=0)
+    srv = build(eng, tok, MODEL, SchedulerConfig(prefix_cache_entries=2), seed=0)
     with BackgroundServer(srv) as url:
         yield url, srv, ref
 
@@ -80,7 +88,7 @@ def text_of(tok, ids, stops):
 
 def test_models_health_metrics(server):
     url, srv, _ = server
-    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+    assert [m.id for m in client(url).models.list().data] == [MODEL]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     text = httpx.get(url + "/metrics").text
     for name in ("dsv4_requests_total", "dsv4_queue_depth", "dsv4_generation_tokens_per_second",
@@ -98,7 +106,7 @@ def test_concurrent_mixed_requests(server):
     lowered = metric(url, "dsv4_compilations")
 
     def completion(i, stream):
-        kw = dict(model="tiny", prompt=ID_PROMPTS[i], max_tokens=NEW, temperature=0)
+        kw = dict(model=MODEL, prompt=ID_PROMPTS[i], max_tokens=NEW, temperature=0)
         if not stream:
             r = c.completions.create(**kw)
             return r.choices[0].text, r.usage.completion_tokens
@@ -106,14 +114,14 @@ def test_concurrent_mixed_requests(server):
                        if ch.choices), None
 
     def sampled_chat(seed, stream, **kw):
-        args = dict(model="tiny", messages=CHAT, max_tokens=NEW, seed=seed, **kw)
+        args = dict(model=MODEL, messages=CHAT, max_tokens=NEW, seed=seed, **kw)
         if not stream:
             return c.chat.completions.create(**args).choices[0].message.content
         return "".join(ch.choices[0].delta.content or "" for ch in
                        c.chat.completions.create(stream=True, **args) if ch.choices)
 
     def thinking_chat():
-        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=NEW,
+        r = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NEW,
                                       temperature=0,
                                       extra_body={"chat_template_kwargs": {"thinking": True}})
         return r.choices[0].message
@@ -126,7 +134,7 @@ def test_concurrent_mixed_requests(server):
                 "s3": pool.submit(sampled_chat, 5, True, temperature=0.7,
                                   extra_body={"top_k": 20, "min_p": 0.05}),
                 "n2": pool.submit(lambda: c.completions.create(
-                    model="tiny", prompt="abc", max_tokens=4, n=2, temperature=1.0, seed=3)),
+                    model=MODEL, prompt="abc", max_tokens=4, n=2, temperature=1.0, seed=3)),
                 "think": pool.submit(thinking_chat),
                 "c0s": pool.submit(completion, 0, True)}
         got = {k: f.result() for k, f in jobs.items()}
@@ -148,7 +156,8 @@ def test_concurrent_mixed_requests(server):
 def test_bad_input_gets_openai_errors_and_serving_goes_on(server):
     url, srv, _ = server
     c = client(url)
-    r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
+    body = b'{"model": "' + MODEL.encode() + b'", "messages": ['   # cut short
+    r = httpx.post(url + "/v1/chat/completions", content=body,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
@@ -164,23 +173,23 @@ def test_bad_input_gets_openai_errors_and_serving_goes_on(server):
               "context_length_exceeded")]
     for kw, param, code in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            c.completions.create(model="tiny", **kw)
+            c.completions.create(model=MODEL, **kw)
         assert e.value.status_code == 400
         assert (e.value.body["param"], e.value.body["code"]) == (param, code), kw
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+        c.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert e.value.body["param"] == "messages"
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="gpt-5", prompt="x")
     assert httpx.get(url + "/v1/nowhere").status_code == 404
     assert srv.sch.queue_depth == 0 and not srv.sch.running
-    r = c.completions.create(model="tiny", prompt="still serving", max_tokens=2)
+    r = c.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
     url, srv, _ = server
-    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True,
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "stream": True,
             "ignore_eos": True, "temperature": 0}
     n_aborted = aborted(url)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -199,7 +208,7 @@ def test_disconnect_while_waiting_for_a_whole_answer(server):
     200 steps otherwise)."""
     url, srv, _ = server
     n_aborted = aborted(url)
-    body = {"model": "tiny", "prompt": "wait for it", "max_tokens": 200, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "wait for it", "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=1.0)
     t0 = time.monotonic()
@@ -215,7 +224,7 @@ def test_prefix_cache_hit_reported_in_usage(server):
     url, srv, ref = server
     c = client(url)
     hit0 = metric(url, "dsv4_prefix_cache_hit_tokens_total")
-    got = [c.completions.create(model="tiny", prompt=LONG, max_tokens=NEW, temperature=0)
+    got = [c.completions.create(model=MODEL, prompt=LONG, max_tokens=NEW, temperature=0)
            for _ in range(2)]
     want = text_of(srv.tok, ref["long"], set(srv.tok.stop_ids))
     assert [r.choices[0].text for r in got] == [want, want]
