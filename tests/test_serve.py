@@ -5,7 +5,7 @@ client and raw HTTP.
 One server per module (its programs compile once, in the warm-up). The greedy references
 come from Engine.generate on the same engine before the server starts (the fixed-batch
 path, no scheduler). Tool calls go through a second server whose "model" replays a
-scripted DSV4 completion: a random-weight model never writes DSML."""
+scripted DSV4 completion: the embedded model was never taught DSML."""
 import json
 import threading
 import time
