@@ -204,3 +204,19 @@ def test_cli_bad_flags_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--model", "huge", "--data", "d", "--run", "r"])
     assert e.value.code == 2
+
+
+def test_cli_prepare_exits_0_and_names_what_it_wrote(tmp_path, capsys, monkeypatch):
+    root = _fake_stdlib(tmp_path / "stdlib")
+    prepare = D.prepare
+    monkeypatch.setattr(D, "prepare", lambda *a, **kw: prepare(
+        *a, heldout_per_mille=HELDOUT_PER_MILLE, log=lambda *_: None, **kw))
+    assert cli.main(["prepare", "--model", "smoke", "--data", str(tmp_path / "data"),
+                     "--stdlib", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "data") in out and "corpus sha256" in out
+    assert (tmp_path / "data" / "train.npy").exists()
+    # a file for --stdlib: one line naming it, exit 2
+    assert cli.main(["prepare", "--data", str(tmp_path / "d2"), "--stdlib",
+                     str(root / "abc.py")]) == 2
+    assert "not a directory" in capsys.readouterr().err
