@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# mesh sizes (data, expert, model) per device count: every axis gets exercised
-MESHES = {1: (1, 1, 1), 2: (1, 2, 1), 4: (1, 2, 2), 8: (2, 2, 2)}
+# mesh sizes (data, expert, model) per device count: every axis gets exercised (8 splits
+# all three; a 4-device (1, 2, 2) mesh added nothing 2 and 8 do not cover)
+MESHES = {1: (1, 1, 1), 2: (1, 2, 1), 8: (2, 2, 2)}
 DECODE_MESHES = (2, 8)  # the decode step (a second big program per mesh) on these
 T_FWD, N_STEPS = 136, 10  # forward crosses an HCA block; decode emits CSA entries
 TOL = 1e-5
@@ -200,7 +201,7 @@ def worker(out_path):
         tk = jnp.asarray(rng.integers(0, cfg.vocab_size, shape), jnp.int32)
         fn = lambda p, x, t: L.moe(p, x, t, cfg, nm, cfg.is_hash_layer(layer))
         want = np.asarray(jax.jit(fn)(bp, x, tk))
-        for n in (2, 4, 8):
+        for n in (2, 8):
             mesh = meshes[n]
             sh = P.block_params(SH.param_shardings(cfg, mesh), f"layers.{layer}.ffn.")
             pb = P.block_params(SH.shard_params(params, cfg, mesh), f"layers.{layer}.ffn.")
@@ -274,7 +275,7 @@ def test_decode_compiles_once_and_donates(results):
 
 
 def test_expert_parallel_moe_both_paths(results):
-    assert set(results["moe"]) == {f"{n}-{t}tok" for n in (2, 4, 8) for t in (1, 16)}
+    assert set(results["moe"]) == {f"{n}-{t}tok" for n in (2, 8) for t in (1, 16)}
     for k, err in results["moe"].items():
         assert err < TOL, f"{k}: {err:.2e}"
 
