@@ -1,4 +1,8 @@
-"""Execute the notebooks top to bottom (tiny preset, CPU) and check the figures they make.
+"""Execute the notebooks top to bottom (CPU) and check the figures they make.
+
+Both notebooks run the embedded trained model (`dsv4_jax.embedded_checkpoint()`,
+dsv4-small-stdlib: about the size of the tiny preset) on Python source prompts; the layer
+explorer also runs the MTP block (its figure `mtp_agreement`).
 
 Each notebook runs in a fresh `python3` kernel (ipykernel; jupyter_client starts it with the
 interpreter running pytest) whose working directory is a temporary folder (the notebooks
@@ -27,7 +31,7 @@ NB_DIR = ROOT / "notebooks"
 FIGURES = {
     "layer_explorer": ["attention_head", "attention_mass", "indexer_selection",
                        "compressor_gates", "router_load", "mhc_comb", "mhc_pre_post",
-                       "logit_lens"],
+                       "logit_lens", "mtp_agreement"],
     "quickstart": ["stream_latency", "sampler_distributions", "step_probabilities"],
 }
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -57,7 +61,7 @@ def execute(name: str, work_dir: Path, monkeypatch):
     return nb
 
 
-@pytest.mark.slow  # ~25 s + ~65 s of CPU, mostly XLA compilation
+@pytest.mark.slow  # ~22 s + ~43 s of CPU (2 cores), mostly XLA compilation
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_notebook_runs_and_draws(name, tmp_path, monkeypatch):
     nb = execute(name, tmp_path, monkeypatch)
