@@ -27,7 +27,7 @@ setup: $(VENV)/.ok
 setup-ref: $(REF)/.ok
 
 demo: setup
-	$(VENV)/bin/dsv4 generate --prompt "class Queue:" --max-new-tokens 64 --stream
+	$(VENV)/bin/dsv4 generate --prompt "def read_config(path):" --max-new-tokens 80 --temperature 0.7 --top-p 0.95 --stream
 
 test: setup setup-ref
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
