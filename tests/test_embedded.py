@@ -58,7 +58,7 @@ def test_greedy_generation_is_deterministic_and_readable(embedded):
         outs.append(eng.generate([prompt], max_new_tokens=24, sampler=Greedy())[0])
     assert outs[0] == outs[1]
     text = tok.decode(outs[0])
-    assert "<|id=" not in text and text.isprintable() or "\n" in text
+    assert "<|id=" not in text and "\ufffd" not in text   # every id a known, whole piece
     # readable: the completion is mostly ASCII letters, spaces and code punctuation
     assert sum(c.isalnum() or c in " \n_.,:()'\"=" for c in text) / len(text) > 0.9
 
