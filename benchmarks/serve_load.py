@@ -4,8 +4,9 @@ time to first token and inter-token latency, as the clients see them over HTTP.
 
     # against a running server
     python -m benchmarks.serve_load --url http://127.0.0.1:8000 --requests 64 --concurrency 16
-    # or an in-process server on the embedded tiny model (CPU is fine), with the fixed-batch
-    # Engine.generate on the same prompts for comparison
+    # or an in-process server, built from the model flags `dsv4 serve` takes (default: the
+    # embedded model; --preset tiny, --checkpoint DIR, --devices N, --kernels ...), with the
+    # fixed-batch Engine.generate on the same prompts for comparison
     PYTHONPATH=. python -m benchmarks.serve_load --requests 32 --concurrency 8 --compare-fixed
 
     # prefix caching: prompts sharing 160 tokens, with and without the cache
@@ -24,6 +25,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -112,11 +114,28 @@ def prefix_stats(metrics_text: str) -> dict:
     return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else float("nan")}
 
 
+def _engine(args):
+    """The engine and tokenizer `dsv4 serve` builds from the same model flags (the embedded
+    model by default; --checkpoint, --preset tiny, --devices, --kernels, ...)."""
+    from dsv4_jax import cli
+    from dsv4_jax.tokenizer import load_tokenizer
+    cli._check_model_flags(args)
+    cfg = cli._model_config(args)
+    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    cli._prepare_layout(args, cfg)
+    eng = cli._engine(args, cfg, cli._load_params(args, cfg))
+    eng.progress = False
+    name = Path(args.checkpoint).name if args.checkpoint else cfg.name
+    return eng, tok, name
+
+
 def main(argv=None):
+    from dsv4_jax import cli
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", help="a running server (default: start one in this process on "
-                    "the embedded tiny model)")
-    ap.add_argument("--model", default=None, help="model name (default: the server's)")
+    ap.add_argument("--url", help="a running server (default: start one in this process with "
+                    "the model flags below, as `dsv4 serve` takes them)")
+    ap.add_argument("--served-model", default=None,
+                    help="with --url: the model name (default: the server's)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -125,12 +144,10 @@ def main(argv=None):
                     help="seconds after which clients start no new request")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens every prompt starts with (before its own MIN..MAX)")
-    ap.add_argument("--seed", type=int, default=0)
-    # the in-process server
-    ap.add_argument("--max-requests", type=int, default=8)
-    ap.add_argument("--num-blocks", type=int, default=32)
-    ap.add_argument("--max-blocks", type=int, default=2)
-    ap.add_argument("--prefill-chunk", type=int, default=32)
+    # the in-process server: the model flags of `dsv4 generate` / `dsv4 serve` (--seed also
+    # draws the prompts)
+    cli._add_model_args(ap)
+    ap.set_defaults(max_requests=8, num_blocks=32, max_blocks=2, prefill_chunk=32)
     ap.add_argument("--prefix-cache-entries", type=int, default=16,
                     help="in-process server: cached prefixes (0: off)")
     ap.add_argument("--compare-fixed", action="store_true",
@@ -150,24 +167,17 @@ def main(argv=None):
     out = {"machine": None, "args": vars(args)}
     if args.url:
         import httpx
-        model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+        model = args.served_model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
         out["load"] = run_load(args.url, model, prompts, args.max_tokens, args.concurrency,
                                args.time_limit)
         out["prefix_cache"] = prefix_stats(httpx.get(args.url + "/metrics").text)
     else:
         import jax
-        from dsv4_jax import config, params as P
-        from dsv4_jax.cache import CacheSpec
-        from dsv4_jax.generate import Engine
         from dsv4_jax.serve.run import BackgroundServer, build
-        from dsv4_jax.tokenizer import ByteTokenizer
-        from dsv4_jax.quant import Numerics
-        cfg = config.tiny()
-        cs = CacheSpec.for_numerics(Numerics(), max_requests=args.max_requests,
-                                    num_blocks=args.num_blocks, max_blocks=args.max_blocks)
-        eng = Engine(cfg, P.init_params(cfg, args.seed), cache_spec=cs,
-                     prefill_chunk=args.prefill_chunk, progress=False)
+        from dsv4_jax.serve.scheduler import SchedulerConfig
+        eng, tok, name = _engine(args)
         out["machine"] = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+        out["model"] = name
         if args.compare_fixed:
             kw = dict(max_new_tokens=args.max_tokens, stop_ids=())
             eng.generate(prompts[:args.max_requests], **kw)   # compiles the loop
@@ -178,16 +188,15 @@ def main(argv=None):
                                   "requests_per_s": len(prompts) / wall,
                                   "output_tokens_per_s": sum(map(len, res)) / wall}
         t0 = time.perf_counter()
-        from dsv4_jax.serve.scheduler import SchedulerConfig
-        srv = build(eng, ByteTokenizer(cfg.vocab_size), "tiny", seed=args.seed,
+        srv = build(eng, tok, name, seed=args.seed,
                     config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries))
         out["warm_up_s"] = time.perf_counter() - t0
         with BackgroundServer(srv) as url:
-            out["load"] = run_load(url, "tiny", prompts, args.max_tokens, args.concurrency,
+            out["load"] = run_load(url, name, prompts, args.max_tokens, args.concurrency,
                                    args.time_limit)
             import httpx
             out["prefix_cache"] = prefix_stats(httpx.get(url + "/metrics").text)
-    json.dump(out, sys.stdout, indent=1)
+    json.dump(out, sys.stdout, indent=1, default=str)
     print()
 
 
