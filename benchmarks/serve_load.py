@@ -25,7 +25,6 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -114,21 +113,6 @@ def prefix_stats(metrics_text: str) -> dict:
     return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else float("nan")}
 
 
-def _engine(args):
-    """The engine and tokenizer `dsv4 serve` builds from the same model flags (the embedded
-    model by default; --checkpoint, --preset tiny, --devices, --kernels, ...)."""
-    from dsv4_jax import cli
-    from dsv4_jax.tokenizer import load_tokenizer
-    cli._check_model_flags(args)
-    cfg = cli._model_config(args)
-    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
-    cli._prepare_layout(args, cfg)
-    eng = cli._engine(args, cfg, cli._load_params(args, cfg))
-    eng.progress = False
-    name = Path(args.checkpoint).name if args.checkpoint else cfg.name
-    return eng, tok, name
-
-
 def main(argv=None):
     from dsv4_jax import cli
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -175,7 +159,7 @@ def main(argv=None):
         import jax
         from dsv4_jax.serve.run import BackgroundServer, build
         from dsv4_jax.serve.scheduler import SchedulerConfig
-        eng, tok, name = _engine(args)
+        eng, tok, name = cli.serving_engine(args)
         out["machine"] = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
         out["model"] = name
         if args.compare_fixed:

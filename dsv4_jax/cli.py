@@ -475,8 +475,20 @@ def cmd_logits(args):
 # ---------------------------------------------------------------------------------------
 # serve
 # ---------------------------------------------------------------------------------------
-def cmd_serve(args):
+def serving_engine(args):
+    """-> (engine, tokenizer, model name) from the model flags (checked first), as `dsv4
+    serve` runs them; benchmarks/serve_load.py builds its in-process server with it too.
+    The name: the checkpoint directory's, or the preset's."""
     _check_model_flags(args)
+    cfg = _model_config(args)
+    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    _prepare_layout(args, cfg)
+    eng = _engine(args, cfg, _load_params(args, cfg))
+    eng.progress = False
+    return eng, tok, Path(args.checkpoint).name if args.checkpoint else cfg.name
+
+
+def cmd_serve(args):
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     _positive(args, "--prefill-chunks-per-step", "--max-waiting")
@@ -494,14 +506,9 @@ def cmd_serve(args):
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          "pip install 'dsv4-jax[serve]'") from None
-    cfg = _model_config(args)
-    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
-    _prepare_layout(args, cfg)
-    params = _load_params(args, cfg)
-    eng = _engine(args, cfg, params)
-    eng.progress = False
-    name = args.served_model_name or (Path(args.checkpoint).name if args.checkpoint
-                                      else cfg.name)
+    eng, tok, name = serving_engine(args)
+    name = args.served_model_name or name
+    cfg = eng.cfg
     print(f"model: {name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
           f"{args.max_requests} request slots, {args.num_blocks} blocks, context "
           f"{args.max_blocks * BLOCK_TOKENS} tokens; compiling...", file=sys.stderr)
