@@ -1,7 +1,6 @@
 """The embedded model (dsv4_jax/models/dsv4-small-stdlib, docs/TRAINING.md): it loads through
 the release-format path a real checkpoint takes, generates deterministically, and has learned
 its text: on held-out standard-library source its loss is far below a random model's."""
-import os
 import sysconfig
 from pathlib import Path
 
@@ -82,12 +81,11 @@ def _heldout_tokens(tok, n_files=4, T=512):
 
 
 def _ce(params, cfg, tokens):
-    f = jax.jit(lambda p, t: M.forward(p, t, cfg, NM))
-    logits = np.asarray(f(params, jnp.asarray(tokens[:, :-1])), np.float32)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                                                             keepdims=True)) \
-        - logits.max(-1, keepdims=True)
-    return float(-np.take_along_axis(logp, tokens[:, 1:, None], -1).mean())
+    """Mean next-token cross-entropy of the whole-sequence forward (nats/token)."""
+    def ce(p, t):
+        logp = jax.nn.log_softmax(M.forward(p, t[:, :-1], cfg, NM).astype(jnp.float32), -1)
+        return -jnp.take_along_axis(logp, t[:, 1:, None], -1).mean()
+    return float(jax.jit(ce)(params, jnp.asarray(tokens)))
 
 
 def test_heldout_loss_is_far_below_a_random_models(embedded):
