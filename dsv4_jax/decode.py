@@ -178,22 +178,42 @@ _DUMMY_POOL = (np.eye(1, 448, dtype=jnp.float8_e4m3fn)[None],   # nope [1, 1, 44
                np.eye(1, 64, dtype=jnp.bfloat16)[None])           # rope [1, 1, 64]
 
 
+# Most rows per request the kernel path takes in one step: a speculative verify's k + 1
+# (speculative.MAX_DRAFTS + 1). At most one compressed entry then completes per request
+# (T <= the smallest compression ratio), so one flush per layer writes it.
+KERNEL_ROWS = 4
+
+
 def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
                       cs: CacheSpec, nm: Numerics, ratio: int, freqs, cqq=None):
-    """Decode (T == 1, batch row b = slot b) through the Pallas kernels: quantise-scatter of
-    the window row and of completed compressed entries / indexer keys, the lightning indexer
-    top-k, and sparse attention reading the FP8 cache directly. -> o [B, 1, H, K] f32."""
+    """T <= KERNEL_ROWS rows of every request (batch row b = slot b; decode T = 1, a
+    speculative verify T = k + 1) through the Pallas kernels: quantise-scatter of the window
+    rows and of the completed compressed entry / indexer key, the lightning indexer top-k
+    of every row, and sparse attention reading the FP8 cache directly. Row j attends after
+    rows 0..j are in the window ring and before row j+1 is: its ring then holds exactly its
+    window (row j+1 overwrites the slot of position t+j+1-W, which row j still sees).
+    -> o [B, T, H, K] f32."""
     interp = cs.kernels == "interpret"   # the Mosaic GPU interpreter (CPU tests)
-    B = x.shape[0]
-    t, ok = tok_pos[:, 0], valid[:, 0]
-    w = lc["win"]
-    win = append_window({"win_nope": w["nope"], "win_scale": w["scale"], "win_rope": w["rope"],
-                         "win_pos": lc["win_pos"]}, kv[:, 0].astype(jnp.bfloat16),
-                        jnp.where(ok, t, -1), interpret=interp)
-    lc["win"] = {"nope": win["win_nope"], "scale": win["win_scale"], "rope": win["win_rope"]}
-    lc["win_pos"] = win["win_pos"]
+    B, T = x.shape[:2]
+    # rows past nvalid (an idle slot, a short MTP catch-up) write nothing and read at row
+    # 0's position, whose blocks exist; their outputs are never used
+    t_rows = tok_pos if T == 1 else jnp.where(valid, tok_pos, tok_pos[:, :1])   # [B, T]
+    if 0 < ratio < T:
+        raise ValueError(f"the kernel path takes at most ratio = {ratio} rows a request, got {T}")
+
+    def append(j):
+        w = lc["win"]
+        win = append_window({"win_nope": w["nope"], "win_scale": w["scale"],
+                             "win_rope": w["rope"], "win_pos": lc["win_pos"]},
+                            kv[:, j].astype(jnp.bfloat16), jnp.where(valid[:, j], tok_pos[:, j], -1),
+                            interpret=interp)
+        lc["win"] = {"nope": win["win_nope"], "scale": win["win_scale"], "rope": win["win_rope"]}
+        lc["win_pos"] = win["win_pos"]
+
+    append(0)
     slots = jnp.arange(B)
     hca = None   # HCA layers: the id list's length (the kernel derives the ids)
+    idx = None
     if ratio > 0:
         st = _read_state(lc, slots, cfg, ratio)
         ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
@@ -206,6 +226,7 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
                                           nm, "i", cs)
             idx_pool, key = dict(lc["idx"]), kI[:, 0].astype(F32)
         _write_state(lc, slots, st, cfg, ratio)
+        # the chunk's first block is the only one T <= ratio rows can complete
         pool, idx_pool = flush_compressed(pool, idx_pool, ent[:, 0].astype(jnp.bfloat16), key,
                                           comp[:, 0].astype(jnp.int32), eidx[:, 0], bt_rows,
                                           fmt=cs.index_format, interpret=interp)
@@ -215,22 +236,31 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
             ip = L.block_params(ap, "indexer.")
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
-            qI = jnp.pad(qI[:, 0], ((0, 0), (0, pad), (0, 0)))
-            wI = jnp.pad(wI[:, 0], ((0, 0), (0, pad)))
-            idx = _indexer_topk_jit(qI, wI, lc["idx"], bt_rows, t, fmt=cs.index_format,
-                                    topk=cfg.index_topk, interpret=interp)
+            qI = jnp.pad(qI.reshape(B * T, *qI.shape[2:]), ((0, 0), (0, pad), (0, 0)))
+            wI = jnp.pad(wI.reshape(B * T, -1), ((0, 0), (0, pad)))
+            bt = bt_rows if T == 1 else jnp.repeat(bt_rows, T, 0)           # [B*T, MAXB]
+            idx = _indexer_topk_jit(qI, wI, lc["idx"], bt, t_rows.reshape(-1),
+                                    fmt=cs.index_format, topk=cfg.index_topk,
+                                    interpret=interp).reshape(B, T, -1)
         else:   # HCA: every visible entry; the kernel derives the ids from t (hca_indices)
-            idx, hca = None, bt_rows.shape[1] * (BLOCK_TOKENS // ratio)
+            hca = bt_rows.shape[1] * (BLOCK_TOKENS // ratio)
         cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
     else:  # window only: an empty compressed list over a one-row dummy pool, never read
         cmp = _DUMMY_POOL
-        idx = np.full((B, 64), -1, np.int32)
-    win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
-    o = _sparse_attention_jit(q[:, 0], win, cmp, bt_rows, idx, t, ap["attn_sink"],
-                              backend=cs.attention_backend,
-                              # top-k output and hca_indices list their valid ids first
-                              ids_prefix=ratio > 0, hca_entries=hca, interpret=interp)
-    return o[:, None].astype(F32)
+    outs = []
+    for j in range(T):
+        if j:
+            append(j)
+        win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
+        ids = (np.full((B, 64), -1, np.int32) if ratio == 0 else
+               None if idx is None else idx[:, j])
+        outs.append(_sparse_attention_jit(q[:, j], win, cmp, bt_rows, ids, t_rows[:, j],
+                                          ap["attn_sink"], backend=cs.attention_backend,
+                                          # top-k output and hca_indices list their valid
+                                          # ids first
+                                          ids_prefix=ratio > 0, hca_entries=hca,
+                                          interpret=interp))
+    return jnp.stack(outs, 1).astype(F32)
 
 
 def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg: Config,
@@ -245,7 +275,9 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     fp8 = cs.kv_format == "fp8"
     q, kv_raw, cq, cqq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm, xq=xq, sim_kv=not fp8)
     lc = dict(lc)
-    if cs.kernels != "off" and T == 1:
+    # the kernels: decode (T = 1) and a speculative verify's rows, all request slots at once;
+    # prefill chunks take the XLA path below
+    if cs.kernels != "off" and (T == 1 or (T <= KERNEL_ROWS and B == cs.max_requests)):
         if B != cs.max_requests:
             raise ValueError("the kernel decode path runs all request slots (B == max_requests)")
         o = _kernel_attention(ap, lc, x, q, kv_raw, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg,

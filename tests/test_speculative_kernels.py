@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax import config, model as M, params as P, speculative as SP
+from dsv4_jax import config, decode as D, model as M, params as P, speculative as SP
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine, Greedy
 from dsv4_jax.quant import Numerics
@@ -72,7 +72,8 @@ rng = np.random.default_rng(seed)
 # request 0 crosses CSA block ends during decode; request 1 starts short
 prompts = [rng.integers(0, cfg.vocab_size, 61).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
 out = {}
-# a run is KERNELS[-mesh]: "interpret-mesh" (an expert mesh of two), "on" (the GPU), "off"
+# a run is KERNELS[-mesh]: "interpret-mesh" (an expert mesh of two), "on" (the GPU), "off";
+# each generates with and without speculation on the same engine
 for name in runs:
     kernels, mesh = name.split("-")[0], name.endswith("-mesh")
     cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=2,
@@ -80,7 +81,7 @@ for name in runs:
     e = Engine(cfg, p, numerics=nm, cache_spec=cs, prefill_chunk=32, progress=False,
                mesh=make_mesh(2, expert=2) if mesh else None)
     out[name] = e.generate(prompts, max_new_tokens=4, speculative_tokens=2)
-out["plain"] = e.generate(prompts, max_new_tokens=4)
+    out[name + "/plain"] = e.generate(prompts, max_new_tokens=4)
 print(json.dumps(out))
 '''
 
@@ -95,17 +96,71 @@ def _kernel_runs(runs, env):
 
 @pytest.mark.slow
 def test_speculative_with_kernels_on_an_expert_mesh():
-    """Greedy with k = 2 (the chained draft steps through the T == 1 kernel path) with the
-    kernels interpreted, sharded over an expert mesh of two CPU devices: the tokens of the
-    kernels-off run and of greedy without speculation. (One device interpreted runs the same
-    kernels: left to the GPU test.)"""
-    res = _kernel_runs(["interpret-mesh", "off"],
+    """Greedy with k = 2 with the kernels interpreted (the verify's 3 rows, the MTP
+    catch-up and the chained drafts all through the kernel path), sharded over an expert
+    mesh of two CPU devices: the tokens of greedy without speculation on the same kernels.
+    (The XLA path may pick other tokens: its attention rounds differently, and this tiny
+    random model has near ties.)"""
+    res = _kernel_runs(["interpret-mesh"],
                        {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    assert res["interpret-mesh"] == res["off"] == res["plain"], res
+    assert res["interpret-mesh"] == res["interpret-mesh/plain"], res
 
 
 @pytest.mark.gpu
 def test_speculative_with_kernels_on_the_gpu():
-    """The same greedy tokens with the Mosaic kernels compiled for the GPU."""
+    """The same greedy tokens with and without speculation, the Mosaic kernels compiled
+    for the GPU, and with the kernels off."""
     res = _kernel_runs(["on", "off"], {})
-    assert res["on"] == res["off"] == res["plain"], res
+    assert res["on"] == res["on/plain"], res
+    assert res["off"] == res["off/plain"], res
+
+
+@pytest.mark.slow
+def test_kernel_path_on_verify_rows_equals_one_row_steps():
+    """The kernel path on T = 3 rows of every request (a speculative verify with k = 2)
+    leaves the cache bit for bit as three one-row decode steps leave it, and gives their
+    residuals, with the kernels interpreted: request 0's rows cross the window ring's wrap
+    (positions 126..128), the HCA block end (127) and a CSA block end; request 1 runs only
+    2 of its 3 rows."""
+    cfg = _cfg()
+    params = P.init_params(cfg, 3904)
+    nm = Numerics(True, "bfloat16")
+    cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=6, max_blocks=3,
+                                kernels="interpret", attention_backend="triton")
+    eng = Engine(cfg, params, numerics=nm, cache_spec=cs, prefill_chunk=64, progress=False)
+    rng = np.random.default_rng(3904)
+    lens = [126, 37]
+    for n in lens:
+        eng.prefill(eng.bm.admit(n), rng.integers(0, cfg.vocab_size, n))
+    T = 3
+    eng.bm.ensure_many({s: n + T for s, n in enumerate(lens)})
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, T)), jnp.int32)
+    pos = jnp.asarray(lens, jnp.int32)
+    nvalid = jnp.asarray([3, 2], jnp.int32)
+    table = jnp.asarray(eng.bm.table)
+    slots = jnp.arange(2)
+    layers = range(cfg.num_hidden_layers)
+
+    def run(cache, tok, p, nv):
+        X = M.embed(params, tok, cfg, nm)
+        return D.step_layers(params, cache, X, tok, slots, p, nv, table, layers, cfg, cs, nm)
+
+    run = jax.jit(run)
+    Xa, ca = run(jax.tree.map(jnp.copy, eng.cache), tokens, pos, nvalid)
+    cb, Xb = jax.tree.map(jnp.copy, eng.cache), []
+    for j in range(T):
+        X, cb = run(cb, tokens[:, j:j + 1], pos + j, (j < nvalid).astype(jnp.int32))
+        Xb.append(X[:, 0])
+    for (pa, a), (pb, b) in zip(jax.tree_util.tree_flatten_with_path(ca)[0],
+                                jax.tree_util.tree_flatten_with_path(cb)[0]):
+        assert pa == pb
+        a, b = np.asarray(a), np.asarray(b)
+        if jax.tree_util.keystr(pa).endswith("['cst']"):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+        else:
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
+                f"cache {jax.tree_util.keystr(pa)} differs"
+    Xa, Xb = np.asarray(Xa, np.float32), np.asarray(jnp.stack(Xb, 1), np.float32)
+    for b in range(2):
+        n = int(nvalid[b])
+        np.testing.assert_allclose(Xa[b, :n], Xb[b, :n], rtol=0, atol=1e-2 * np.abs(Xb).max())
