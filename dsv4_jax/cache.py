@@ -325,14 +325,6 @@ class BlockManager:
     def advance(self, slot: int, n: int) -> None:
         self.length[slot] += n
 
-    def trim(self, slot: int) -> None:
-        """Return the blocks past those the request's length needs: a speculative step
-        reserves blocks for draft tokens that may be rejected (nothing visible is in them)."""
-        need = blocks_needed(self.cfg, int(self.length[slot]))
-        extra = [int(b) for b in self.table[slot, need:] if b >= 0]
-        self.free.extend(extra[::-1])
-        self.table[slot, need:] = -1
-
     def release(self, slot: int) -> None:
         if not self.active[slot]:
             raise CacheError(f"request slot {slot} is not active")

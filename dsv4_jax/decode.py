@@ -465,15 +465,34 @@ def compiled_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, sampler):
 
 def read_tokens(st) -> jax.Array:
     """st -> st.tok[:, 0] [R] int32, in pinned host memory (np.asarray waits for it)."""
-    return _token_reader(st["tok"].sharding)(st)
+    return host_reader("tok")(st)
 
 
 @functools.lru_cache(maxsize=None)
-def _token_reader(tok_sharding):
-    if isinstance(tok_sharding, jax.sharding.NamedSharding):   # the state is replicated
-        host = jax.sharding.NamedSharding(tok_sharding.mesh, jax.sharding.PartitionSpec(),
-                                          memory_kind="pinned_host")
-    else:
-        host = jax.sharding.SingleDeviceSharding(next(iter(tok_sharding.device_set)),
-                                                 memory_kind="pinned_host")
-    return jax.jit(lambda st: st["tok"][:, 0], out_shardings=host)
+def host_reader(*names: str):
+    """-> read(st): the stream state's arrays `names` (st.tok: its first column) copied into
+    pinned host memory by one small program, placed as st is (np.asarray waits for them).
+    One name gives one array, several a tuple."""
+    def read(st):
+        out = tuple(st[n][:, 0] if n == "tok" else st[n] for n in names)
+        return out[0] if len(names) == 1 else out
+    return _HostReader(read, names[0])
+
+
+class _HostReader:
+    """jit(read) with pinned-host outputs, one program per state sharding."""
+
+    def __init__(self, read, name):
+        self.read, self.name, self.progs = read, name, {}
+
+    def __call__(self, st):
+        sh = st[self.name].sharding
+        if sh not in self.progs:
+            if isinstance(sh, jax.sharding.NamedSharding):   # the state is replicated
+                host = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(),
+                                                  memory_kind="pinned_host")
+            else:
+                host = jax.sharding.SingleDeviceSharding(next(iter(sh.device_set)),
+                                                         memory_kind="pinned_host")
+            self.progs[sh] = jax.jit(self.read, out_shardings=host)
+        return self.progs[sh](st)

@@ -252,13 +252,6 @@ class DataParallelBlockManager(BlockManager):
         finally:
             self._sync()
 
-    def trim(self, slot: int) -> None:
-        self.free = self.group_free[self.group(slot)]
-        try:
-            super().trim(slot)
-        finally:
-            self._sync()
-
 
 def check_data_parallel_batch(slots, cs: CacheSpec, groups: int) -> None:
     """The data-parallel step splits the batch rows into `groups` equal contiguous chunks;

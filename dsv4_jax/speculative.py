@@ -14,8 +14,8 @@ One jitted program per step (`spec_step_fn`), for every request slot at once:
      pool entries are restored from copies taken before the verify; the compressor tail
      state is recomputed from the old state for the accepted rows.
 
-The host reads back the emitted tokens and their count (one sync per step), and reserves
-(then trims) pool blocks for the k + 1 rows (cache.BlockManager.trim).
+The host reads back the emitted tokens and their count one step behind (the next step is
+already enqueued), and reserves pool blocks for the rows of the two steps in flight.
 """
 from __future__ import annotations
 
@@ -498,16 +498,23 @@ def _prefill(eng, prog, slot: int, prompt, h0):
 def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k: int):
     """Engine.stream with k MTP drafts per step: yields, per step, [(request_index, token),
     ...] with 1 .. k+1 tokens per running request. Sets eng.acceptance (mean tokens per
-    step, per request and overall) and eng.timing."""
+    step, per request and overall) and eng.timing.
+    Pipelined as Engine.stream: step i+1 is enqueued before step i's emitted tokens are
+    read (through pinned host memory), so the host's launch work overlaps the GPU's. The
+    host thus learns one step late that a request ended: that request runs one step more,
+    whose tokens are dropped, and each request keeps blocks for two steps of k + 1 tokens
+    (given back when it ends)."""
     import time
     check_engine(eng, k)   # max_new_tokens: checked by Engine.stream
     cfg, cs = eng.cfg, eng.cs
     R = cs.max_requests
+    T = k + 1
     stops = {cfg.eos_token_id, *stop_ids}
     slots = eng._admit_all(prompts, max_new_tokens + k)
     key = jax.random.key(seed)
     sample = jax.jit(sampler.get_next_tokens)
     prefill, step = engine_programs(eng, sampler, k)
+    read = D.host_reader("out", "n_out")
     if eng.mtp_cache is None:
         mc = init_mtp_cache(cfg, cs)
         if eng.mesh is None:
@@ -533,49 +540,64 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
         h_R = np.zeros((R, cfg.hc_mult, cfg.hidden_size), np.asarray(h0).dtype)
         for i, s in enumerate(slots):
             tok_R[s], h_R[s] = first[i], np.asarray(res[i][1])
-        st, host = None, None
-        t1 = time.perf_counter()
+        st, host, pending = None, None, None
+        done = set()    # requests ended, as the host has seen
         alive = [i for i in alive if n_out[i] < max_new_tokens]
-        while alive:
-            run_slots = [slots[i] for i in alive]
-            eng.bm.ensure_many({s: int(eng.bm.length[s]) + k + 1 for s in run_slots})
-            run = np.zeros(R, np.int32)
-            run[run_slots] = 1
-            first_step = st is None
-            if first_step:
-                st = init_spec_state(k, cfg, tok_R, h_R, eng.bm.length, run, eng.bm.table, key,
-                                     sharding=eng._state_sharding)
-            else:
-                if not np.array_equal(host[0], run):
-                    st = dict(st, run=D.put_state(run, eng._state_sharding))
-                if not np.array_equal(host[1], eng.bm.table):
-                    st = dict(st, table=D.put_state(eng.bm.table, eng._state_sharding))
-            host = (run, eng.bm.table.copy())
-            eng.cache, eng.mtp_cache, st = step(eng.state, eng.cache, eng.mtp_cache, st)
-            eng.last_stream_state = st
-            out, n = np.asarray(st["out"]), np.asarray(st["n_out"])   # the step's one sync
-            if first_step:   # the first step carries compilation: not timed
-                eng.timing.compile_s = time.perf_counter() - t1
-                t1 = time.perf_counter()
-            got = []
-            for i in list(alive):
-                s = slots[i]
-                steps[i] += 1
-                emitted[i] += int(n[s])
-                eng.bm.advance(s, int(n[s]))
-                eng.bm.trim(s)
-                for t in out[s, :n[s]]:
+        # tokens a slot holds: its length (read), + T for each step enqueued unread
+        cap = cs.capacity
+        t1 = time.perf_counter()
+        while alive or pending is not None:
+            launched = None
+            if alive:
+                run_slots = [slots[i] for i in alive]
+                ahead = T * (2 if pending is not None else 1)
+                eng.bm.ensure_many({s: min(int(eng.bm.length[s]) + ahead, cap)
+                                    for s in run_slots})
+                run = np.zeros(R, np.int32)
+                run[run_slots] = 1
+                first_step = st is None
+                if first_step:
+                    st = init_spec_state(k, cfg, tok_R, h_R, eng.bm.length, run, eng.bm.table,
+                                         key, sharding=eng._state_sharding)
+                else:
+                    if not np.array_equal(host[0], run):
+                        st = dict(st, run=D.put_state(run, eng._state_sharding))
+                    if not np.array_equal(host[1], eng.bm.table):
+                        st = dict(st, table=D.put_state(eng.bm.table, eng._state_sharding))
+                host = (run, eng.bm.table.copy())
+                eng.cache, eng.mtp_cache, st = step(eng.state, eng.cache, eng.mtp_cache, st)
+                eng.last_stream_state = st
+                launched = (read(st), list(alive), first_step)
+                if first_step:   # the first step carries compilation: not timed
+                    np.asarray(launched[0][1])
+                    eng.timing.compile_s = time.perf_counter() - t1
+                    t1 = time.perf_counter()
+            if pending is not None:
+                (out, n), ran, untimed = pending
+                out, n = np.asarray(out), np.asarray(n)   # the step's one read-back
+                got = []
+                for i in ran:
+                    if i in done:
+                        continue   # ended: this step ran before the host knew
+                    s = slots[i]
+                    steps[i] += 1
+                    emitted[i] += int(n[s])
+                    eng.bm.advance(s, int(n[s]))
+                    for t in out[s, :n[s]]:
+                        if n_out[i] >= max_new_tokens:
+                            break
+                        got.append((i, int(t)))
+                        n_out[i] += 1
+                        if int(t) in stops:
+                            n_out[i] = max_new_tokens   # stopped
+                            break
                     if n_out[i] >= max_new_tokens:
-                        break
-                    got.append((i, int(t)))
-                    n_out[i] += 1
-                    if int(t) in stops:
-                        n_out[i] = max_new_tokens   # stopped
-                        break
-            if not first_step:
-                eng.timing.new_tokens += len(got)
-            alive = [i for i in alive if n_out[i] < max_new_tokens]
-            yield got
+                        done.add(i)
+                if not untimed:
+                    eng.timing.new_tokens += len(got)
+                alive = [i for i in alive if i not in done]
+                yield got
+            pending = launched
         eng.timing.decode_s = time.perf_counter() - t1
         eng.acceptance = acceptance_report(steps, emitted)
     finally:

@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from dsv4_jax import config, decode as D, model as M, params as P, speculative as SP
-from dsv4_jax.cache import BlockManager, CacheSpec, blocks_needed
+from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine, Greedy, MinP, Temperature, TopK, TopP
 from dsv4_jax.quant import Numerics
 
@@ -210,26 +210,6 @@ def test_checkpoint_without_mtp_block_is_refused(tiny):
     with pytest.raises(ValueError, match="has none"):
         e.generate([[1, 2, 3]], max_new_tokens=2, speculative_tokens=1)
     assert not e.bm.active.any()
-
-
-def test_trim_returns_the_blocks_reserved_for_rejected_rows(tiny):
-    """A step reserves blocks for pos + k + 1 tokens; after it, the blocks past what the
-    kept length needs go back to the pool, and the rest of the table stays."""
-    cfg, _ = tiny
-    bm = BlockManager(cfg, CacheSpec(max_requests=2, num_blocks=6, max_blocks=3))
-    a, b = bm.admit(128), bm.admit(5)
-    bm.ensure(a, 128)
-    bm.ensure(b, 5)
-    bm.advance(a, 128)
-    bm.ensure(a, 128 + 4)          # 132 tokens: 33 CSA entries, a second block
-    assert (bm.table[a] >= 0).sum() == blocks_needed(cfg, 132) == 2
-    held = bm.table[a].copy()
-    free0 = len(bm.free)
-    bm.advance(a, 1)               # one row kept of 4: 129 tokens, 32 CSA entries
-    bm.trim(a)
-    assert (bm.table[a] >= 0).sum() == blocks_needed(cfg, 129) == 1
-    assert bm.table[a, 0] == held[0] and len(bm.free) == free0 + 1
-    assert held[1] in bm.free
 
 
 def _cli(argv):
