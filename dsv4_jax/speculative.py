@@ -270,11 +270,14 @@ def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
     for i in range(cfg.num_hidden_layers):
         ratio = cfg.layer_ratio(i)
         lc = cache[f"L{i}"]
-        h = {"snap": snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg, cs),
-             "st": split_cmp_state(lc["cst"], cfg, ratio) if ratio > 0 else None}
+        snap = snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg, cs)
+        # the layer's writes (in place, by the kernels) then follow the snapshot's reads in
+        # the program's order; without it XLA copies the ring and pools before each write
+        snap, lc = jax.lax.optimization_barrier((snap, lc))
+        h = {"snap": snap, "st": split_cmp_state(lc["cst"], cfg, ratio) if ratio > 0 else None}
 
-        def attn(ap, x, i=i, ratio=ratio, h=h, xq=None):
-            out, h["lc"] = D.attention_cached(ap, cache[f"L{i}"], x, tok_pos, valid, slots, pos,
+        def attn(ap, x, lc=lc, ratio=ratio, h=h, xq=None):
+            out, h["lc"] = D.attention_cached(ap, lc, x, tok_pos, valid, slots, pos,
                                               nvalid, bt_rows, cfg, cs, nm, ratio, xq)
             h["ap"], h["x"] = ap, x
             return out
