@@ -562,6 +562,9 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
                 if first_step:
                     st = init_spec_state(k, cfg, tok_R, h_R, eng.bm.length, run, eng.bm.table,
                                          key, sharding=eng._state_sharding)
+                    # the reader loads before the step first runs: loading a program later
+                    # drops the step's recorded CUDA graphs (decode.read_tokens)
+                    np.asarray(read(st)[1])
                 else:
                     if not np.array_equal(host[0], run):
                         st = dict(st, run=D.put_state(run, eng._state_sharding))
