@@ -546,15 +546,15 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
         st, host, pending = None, None, None
         done = set()    # requests ended, as the host has seen
         alive = [i for i in alive if n_out[i] < max_new_tokens]
-        # tokens a slot holds: its length (read), + T for each step enqueued unread
-        cap = cs.capacity
         t1 = time.perf_counter()
         while alive or pending is not None:
             launched = None
             if alive:
                 run_slots = [slots[i] for i in alive]
+                # a slot may reach its length as read, + T for each step not yet read
+                # (the one in flight and this one); writes past the capacity are dropped
                 ahead = T * (2 if pending is not None else 1)
-                eng.bm.ensure_many({s: min(int(eng.bm.length[s]) + ahead, cap)
+                eng.bm.ensure_many({s: min(int(eng.bm.length[s]) + ahead, cs.capacity)
                                     for s in run_slots})
                 run = np.zeros(R, np.int32)
                 run[run_slots] = 1
