@@ -1,7 +1,7 @@
 """Compile a decode step for a described GPU on a machine without one, and count its kernels.
 
     PYTHONPATH=.:/opt/jax-cuda python -m benchmarks.kernel_count --preset flash --layers 4 --batch 1
-        [--context 4096] [--kernels on|off] [--matmul pallas|xla] [--spec h200|h100_sxm]
+        [--context 4096] [--kernels on|off] [--matmul pallas|xla] [--spec h200|h100_sxm|b200]
         [--devices 2 --expert 2] [--top 25] [--hlo-out step.hlo]
 
 XLA compiles for a GPU it knows only by description: a compile-only PJRT topology made from
@@ -159,6 +159,9 @@ def main(argv=None):
     cs = CacheSpec.for_numerics(nm, max_requests=a.batch, num_blocks=a.batch * mb,
                                 max_blocks=mb, kernels=a.kernels)
     devices = gpu_devices(a.spec, a.devices)
+    # Mosaic GPU reads the target's compute capability from the default device (no GPU here:
+    # it would assume 9.0), and the kernel packages pick their Hopper / Blackwell variant by it
+    jax.config.update("jax_default_device", devices[0])
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_step(cfg, cs, nm, a.batch, devices, a.expert,

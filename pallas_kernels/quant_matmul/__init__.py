@@ -3,12 +3,16 @@
     y_GMN = grouped_matmul(x_GMK, expert_G, w, impl="pallas" | "interpret" | "xla",
                            rows=None, exact_fp4=False, tuning=None)
 
-Files: kernel.py (the kernel), decode.py (the FP4 decode programs), tiling.py (tiles, K
-splits, pipeline depth, input checks), reference.py (the XLA path).
+Files: kernel.py (the Hopper kernel), blackwell.py (the Blackwell one: tcgen05, TMEM
+accumulator; impl="pallas" takes it when Mosaic GPU targets sm_100), decode.py (the FP4
+decode programs), tiling.py (tiles, K splits, pipeline depth, input checks), reference.py
+(the XLA path).
 """
 import jax.numpy as jnp
 
+from pallas_kernels.arch import is_blackwell
 from pallas_kernels.interpret import gpu_interpret_params
+from pallas_kernels.quant_matmul.blackwell import grouped_matmul_blackwell
 from pallas_kernels.quant_matmul.decode import PLACE_MAX_SCALE_BYTE, fp4_swar_form
 from pallas_kernels.quant_matmul.kernel import grouped_matmul_pallas
 from pallas_kernels.quant_matmul.reference import grouped_matmul_reference
@@ -25,8 +29,8 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", rows=None, exact_fp4=Fa
     [0, E) mark empty groups: zero rows, weights not read), or None: group g uses expert g
     (the kernel then reads no id array); w Fp8Weight [E, N, K] or Fp4Weight. rows=r: only
     the first r rows of each group come back, f32 [G, r, N] (every impl).
-    impl: "pallas" (Hopper kernel), "interpret" (the same kernel on the Mosaic-GPU
-    interpreter, CPU), "xla" (dequantise + einsum). The kernel needs N % 128 == 0 and
+    impl: "pallas" (the Hopper kernel; on sm_100 the Blackwell one), "interpret" (the
+    Hopper kernel on the Mosaic-GPU interpreter, CPU), "xla" (dequantise + einsum). The kernel needs N % 128 == 0 and
     K % 128 == 0 (FP8) / K % 512 == 0 (FP4).
     exact_fp4: the FP4 decode exact for every e8m0 scale byte (decode.py "mad"); the
     default program ("place", faster) is exact for scale bytes 59..192
@@ -40,9 +44,12 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", rows=None, exact_fp4=Fa
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     interpret = gpu_interpret_params(impl == "interpret")
+    if interpret is None and is_blackwell():
+        return grouped_matmul_blackwell(x_GMK, expert_G, w, rows=rows, exact_fp4=exact_fp4,
+                                        tuning=tuning)
     return grouped_matmul_pallas(x_GMK, expert_G, w, rows=rows, exact_fp4=exact_fp4,
                                  tuning=tuning, interpret=interpret)
 
 
 __all__ = ["IMPLS", "PLACE_MAX_SCALE_BYTE", "Tuning", "default_splits", "fp4_swar_form",
-           "grouped_matmul", "grouped_matmul_reference"]
+           "grouped_matmul", "grouped_matmul_blackwell", "grouped_matmul_reference"]
