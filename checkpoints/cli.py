@@ -19,10 +19,13 @@ def _make_checkpoint(a) -> int:
     cfg = get_preset(a.preset)
     if a.layers is not None:
         cfg = truncate_layers(cfg, a.layers)
+    if a.dspark:  # the V4-Flash-0731 layout: mtp.0-2 are a DSpark drafter
+        from dsv4_jax.dspark import with_dspark
+        cfg = with_dspark(cfg)
     s = make_checkpoint(a.out, cfg, a.format, a.seed, shard_bytes=shard_bytes,
                         progress=not a.quiet, fast_experts=a.fast_experts)
     print(f"wrote {s['tensors']} tensors ({s['bytes'] / 1e9:.3f} GB) in {s['shards']} shards "
-          f"to {s['path']} ({a.format} format)")
+          f"to {s['path']} ({a.format} format{', DSpark drafter' if a.dspark else ''})")
     return 0
 
 
@@ -72,6 +75,9 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     p.add_argument("--format", choices=("official", "nvfp4"), default="official",
                    help="official FP8/FP4 release layout, or NVFP4 (ModelOpt, HF names)")
+    p.add_argument("--dspark", action="store_true",
+                   help="the V4-Flash-0731 layout: a DSpark drafter (3 stages mtp.0-2, block "
+                        "5, Markov rank 256) in place of the MTP block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", default="4G", help="target bytes per shard file (e.g. 4G)")
     p.add_argument("--fast-experts", action="store_true",

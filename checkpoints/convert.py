@@ -347,6 +347,7 @@ def convert(src, dst, *, expert_dtype: str | None = None, dtype: str | None = No
     manifest = {"format": "dsv4-orbax", "version": FORMAT_VERSION, "complete": True,
                 "config": out_hf, "source": {"path": state["source"], "format": source.fmt,
                                              "naming": source.naming,
+                                             "layout": source.layout,
                                              "fingerprint": state["fingerprint"]},
                 "options": options, "parts": done_parts,
                 "skipped": {r: n for r, n in source.skipped.items()}, "summary": summary}

@@ -53,3 +53,8 @@ class MemoryBudgetError(CheckpointError):
 
 class NonFiniteError(CheckpointError):
     """A tensor holds NaN/inf values (for e8m0 scales: the NaN byte 0xFF)."""
+
+
+class DrafterMismatchError(CheckpointError):
+    """The checkpoint's mtp.* tensors are one drafter layout (a base-V4 MTP block, or the
+    DSpark drafter of V4-Flash-0731) and its config.json declares the other."""

@@ -13,7 +13,9 @@ HF checkpoint spelling `model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_pro
 Block scales `X.scale` map to `X.weight_scale_inv` (the name the port's FP8 loader uses).
 
 The port has no MTP module; `mtp.J.*` maps to our own convention `mtp.J.<layer-style suffix>`
-plus `mtp.J.{e_proj,h_proj,enorm,hnorm,norm}.weight` and `mtp.J.hc_head.hc_{fn,base,scale}`.
+plus `mtp.J.{e_proj,h_proj,enorm,hnorm,norm}.weight` and `mtp.J.hc_head.hc_{fn,base,scale}`;
+the DSpark drafter's extras (`main_proj`, `main_norm`, `markov_head.*`, `confidence_head.*`)
+keep their official suffixes.
 
 Unknown names raise KeyError naming the key.
 """
@@ -90,6 +92,13 @@ _MTP_EXTRA = {
     "hc_head_fn": "hc_head.hc_fn",
     "hc_head_base": "hc_head.hc_base",
     "hc_head_scale": "hc_head.hc_scale",
+    # the DSpark drafter of V4-Flash-0731 (mtp.0..S-1 are its stages, no e/h_proj)
+    "main_proj.weight": "main_proj.weight",
+    "main_proj.scale": "main_proj.weight_scale_inv",
+    "main_norm.weight": "main_norm.weight",
+    "markov_head.markov_w1.weight": "markov_head.markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_head.markov_w2.weight",
+    "confidence_head.proj.weight": "confidence_head.proj.weight",
 }
 
 _EXPERT_PART = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}

@@ -27,12 +27,13 @@ def _layer_kind(key: str, cfg) -> str:
         return "globals"
     kind, idx = part.split(".")
     if kind == "mtp":
-        return "mtp"
+        return "dspark" if cfg is not None and cfg.dspark else "mtp"
     return {0: "swa", 4: "csa", 128: "hca"}[cfg.layer_ratio(int(idx))] if cfg else "layers"
 
 
 def inspect(path) -> dict:
-    """{kind, format, config, tensors: [{name, key, dtype, shape, bytes}], notes} for a
+    """{kind, format, layout, config, tensors: [{name, key, dtype, shape, bytes}], notes}
+    (layout: the drafter layout, base V4 MTP or V4-Flash-0731 DSpark) for a
     safetensors directory or a finished orbax checkpoint. Anything that `convert` or `load`
     would refuse (corrupt or truncated header, index mismatch, foreign model, unfinished or
     damaged conversion) raises its CheckpointError instead of a report."""
@@ -58,8 +59,8 @@ def _inspect_safetensors(path: Path) -> dict:
         tensors.append({"name": name, "key": classified.get(name), "dtype": i.dtype,
                         "shape": list(i.shape), "bytes": i.nbytes, "file": fname})
     return {"path": str(path), "kind": "safetensors",
-            "format": f"{src.fmt} ({src.naming} names)", "config": src.cfg,
-            "tensors": tensors, "notes": notes}
+            "format": f"{src.fmt} ({src.naming} names)", "layout": src.layout,
+            "config": src.cfg, "tensors": tensors, "notes": notes}
 
 
 def _inspect_orbax(path: Path) -> dict:
@@ -85,8 +86,9 @@ def _inspect_orbax(path: Path) -> dict:
     src = manifest.get("source") or {}
     fmt = (f"orbax, converted from {src.get('format')}-format safetensors "
            f"({src.get('naming')} names)")
-    return {"path": str(path), "kind": "orbax", "format": fmt, "config": cfg,
-            "tensors": tensors, "notes": []}
+    L.check_drafter(cfg, [t["key"] for t in tensors], path)
+    return {"path": str(path), "kind": "orbax", "format": fmt, "layout": L.layout_name(cfg),
+            "config": cfg, "tensors": tensors, "notes": []}
 
 
 def summarize(info: dict) -> dict:
@@ -109,10 +111,12 @@ def format_report(info: dict, tensors: bool = False, match: str | None = None) -
     s = summarize(info)
     cfg = info["config"]
     lines = [f"{info['path']}: {info['kind']}, {info['format']}",
+             f"  layout: {info['layout']}",
              f"  {s['count']} tensors, {_human(s['total_bytes'])}"]
     if cfg is not None:
-        lines.append(f"  config: {cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} "
-                     f"MTP, d={cfg.hidden_size}, heads={cfg.num_attention_heads}, "
+        drafter = (f"{cfg.dspark_num_stages} DSpark stages" if cfg.dspark
+                   else f"{cfg.num_nextn_predict_layers} MTP")
+        lines.append(f"  config: {cfg.num_hidden_layers} layers + {drafter}, d={cfg.hidden_size}, heads={cfg.num_attention_heads}, "
                      f"experts={cfg.n_routed_experts} (top {cfg.num_experts_per_tok}), "
                      f"vocab={cfg.vocab_size}, linear={cfg.linear_dtype}, "
                      f"experts={cfg.expert_dtype}")

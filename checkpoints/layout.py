@@ -28,10 +28,11 @@ from dsv4_jax.config import Config
 from dsv4_jax.params import ParamSpec, describe
 
 from . import hf_names
+from .errors import DrafterMismatchError
 
 NAMINGS = ("official", "hf")
 # Last component of a module-path key (a quantisable linear): its tensors are `<key>.weight`...
-_MODULE_LEAF = re.compile(r"(^|\.)(wq_a|wq_b|wkv|wo_a|wo_b|w1|w2|w3|e_proj|h_proj)$")
+_MODULE_LEAF = re.compile(r"(^|\.)(wq_a|wq_b|wkv|wo_a|wo_b|w1|w2|w3|e_proj|h_proj|main_proj)$")
 _EXPERT_KEY = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(w[123])$")
 _MTP_NAME = {"official": re.compile(r"^mtp\.(\d+)\."), "hf": re.compile(r"^(?:model\.)?mtp\.(\d+)\.")}
 
@@ -140,11 +141,66 @@ def expected_tensors(cfg: Config, naming: str) -> dict[str, DiskTensor]:
 
 
 def extra_mtp_index(name: str, cfg: Config, naming: str) -> int | None:
-    """The MTP block index of a tensor from an MTP block the config does not declare."""
+    """The MTP block index of a tensor from an MTP block the config does not declare.
+    None for a DSpark config: a stage it does not declare is a mismatch, not a block to
+    skip."""
     m = _MTP_NAME[naming].match(name)
-    if m and int(m.group(1)) >= cfg.num_nextn_predict_layers:
+    if m and not cfg.dspark and int(m.group(1)) >= cfg.num_nextn_predict_layers:
         return int(m.group(1))
     return None
+
+
+# Tensors (or parameter keys) under mtp.J. that only one drafter layout has.
+_DRAFTER_ONLY = {"dspark": ("main_proj", "main_norm.", "markov_head.", "confidence_head."),
+                 "mtp": ("e_proj", "h_proj", "enorm.", "hnorm.")}
+_MTP_SUFFIX = re.compile(r"^(?:model\.)?mtp\.\d+\.(.+)$")
+
+
+def drafter_tensors(names) -> dict[str, list[str]]:
+    """{"dspark": [...], "mtp": [...]}: the names (tensor names in either naming, or
+    parameter keys) that only a DSpark drafter / only a base-V4 MTP block has."""
+    out = {k: [] for k in _DRAFTER_ONLY}
+    for n in names:
+        m = _MTP_SUFFIX.match(n)
+        if m:
+            for kind, heads in _DRAFTER_ONLY.items():
+                if m.group(1).startswith(heads):
+                    out[kind].append(n)
+    return out
+
+
+def layout_name(cfg: Config) -> str:
+    """The checkpoint layout a config declares, as `inspect` names it."""
+    if cfg.dspark:
+        return (f"V4-Flash-0731 (DSpark drafter: {cfg.dspark_num_stages} stages mtp.0-"
+                f"{cfg.dspark_num_stages - 1}, block {cfg.dspark_block_size}, Markov rank "
+                f"{cfg.dspark_markov_rank}, target layers "
+                f"{list(cfg.dspark_target_layer_ids)})")
+    if cfg.num_nextn_predict_layers:
+        return f"base V4 ({cfg.num_nextn_predict_layers} MTP block)"
+    return "base V4 (no drafter)"
+
+
+def check_drafter(cfg: Config, names, where) -> None:
+    """Raise DrafterMismatchError if the mtp.* names (tensors or parameter keys) are the
+    other drafter layout than the config declares: a base-V4 config meeting the DSpark
+    drafter would read its stages as MTP blocks (a known silent failure of other engines),
+    a DSpark config meeting an MTP block has no drafter to run."""
+    found = drafter_tensors(names)
+    if not cfg.dspark and found["dspark"]:
+        raise DrafterMismatchError(
+            f"{where}: the tensors hold a DSpark drafter (e.g. "
+            f"{', '.join(repr(n) for n in sorted(found['dspark'])[:3])}: the V4-Flash-0731 "
+            "layout, whose mtp.* are drafter stages), but config.json declares no DSpark "
+            "drafter (no dspark_target_layer_ids) and reads mtp.* as MTP blocks; use the "
+            "config.json that came with these tensors")
+    if cfg.dspark and found["mtp"]:
+        raise DrafterMismatchError(
+            f"{where}: config.json declares a DSpark drafter (dspark_target_layer_ids "
+            f"{list(cfg.dspark_target_layer_ids)}: the V4-Flash-0731 layout), but the "
+            f"tensors hold a base-V4 MTP block (e.g. "
+            f"{', '.join(repr(n) for n in sorted(found['mtp'])[:3])}); use the config.json "
+            "that came with these tensors")
 
 
 def detect_naming(names) -> str | None:
@@ -158,7 +214,8 @@ def detect_naming(names) -> str | None:
 
 
 def part_of(key: str) -> str:
-    """Conversion unit of a parameter key: `layers.N`, `mtp.J` or `globals`."""
+    """Conversion unit of a parameter key: `layers.N`, `mtp.J` (an MTP block or a DSpark
+    stage) or `globals`."""
     m = re.match(r"^(layers|mtp)\.(\d+)\.", key)
     return f"{m.group(1)}.{m.group(2)}" if m else "globals"
 
@@ -184,6 +241,8 @@ def category(key: str) -> str:
         return "embedding/head"
     if k in ("e_proj", "h_proj"):
         return "mtp projections"
+    if k == "main_proj" or k.startswith(("markov_head.", "confidence_head.")):
+        return "dspark heads"
     return "norms"
 
 

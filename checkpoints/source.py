@@ -106,6 +106,11 @@ class Source:
     skipped: dict[str, list[str]]  # reason -> tensor names (extra MTP blocks)
     total_bytes: int
 
+    @property
+    def layout(self) -> str:
+        """The drafter layout: base V4 (MTP) or V4-Flash-0731 (DSpark), layout.layout_name."""
+        return L.layout_name(self.cfg)
+
     def fingerprint(self) -> str:
         """Cheap identity of the source: index + config + shard sizes."""
         h = hashlib.sha256()
@@ -163,6 +168,7 @@ def open_source(path, *, naming: str | None = None) -> Source:
         raise ForeignCheckpointError(f"{path}: NVFP4 tensors (`weight_scale`) but config.json has "
                                      "no modelopt NVFP4 quantization_config")
     fmt = "nvfp4" if cfg.linear_dtype == "nvfp4" else "official"
+    L.check_drafter(cfg, where, path)  # before the per-name errors: name the real problem
     expected = L.expected_tensors(cfg, naming)
     by_leaf: dict[str, list[L.DiskTensor]] = {}
     unknown, skipped = [], {}

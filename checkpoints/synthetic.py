@@ -39,14 +39,19 @@ def format_config(cfg: Config, fmt: str) -> Config:
 
 
 def truncate_layers(cfg: Config, n: int) -> Config:
-    """The first n blocks of a config (ratio pattern prefix + the MTP entries)."""
+    """The first n blocks of a config (ratio pattern prefix + the MTP entries; a DSpark
+    drafter reads the last layers of the n)."""
     if not isinstance(n, (int, np.integer)) or not 1 <= n <= cfg.num_hidden_layers:
         raise ValueError(f"--layers must be in [1, {cfg.num_hidden_layers}], got {n}")
     m = cfg.num_nextn_predict_layers
     ratios = cfg.compress_ratios[:n] + cfg.compress_ratios[cfg.num_hidden_layers:]
     assert len(ratios) == n + m
+    kw = {}
+    if cfg.dspark:  # a DSpark drafter keeps reading the last layers (layer 0 repeats if few)
+        S = cfg.dspark_num_stages
+        kw["dspark_target_layer_ids"] = tuple(max(0, n - S + i) for i in range(S))
     return cfg.replace(num_hidden_layers=n, compress_ratios=ratios,
-                       num_hash_layers=min(cfg.num_hash_layers, n))
+                       num_hash_layers=min(cfg.num_hash_layers, n), **kw)
 
 
 def _dense_row_blocks(key: str, spec: P.ParamSpec, cfg: Config, seed: int, max_elems: int):

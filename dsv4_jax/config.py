@@ -59,6 +59,14 @@ class Config:
     expert_dtype: str = "fp4"
     linear_dtype: str = "fp8"
     name: str = "custom"
+    # The DSpark drafter of V4-Flash-0731 (docs/SPECULATIVE.md, DSpark): its `mtp.0..S-1`
+    # tensors are S drafter stages, S = len(dspark_target_layer_ids), not MTP blocks; such
+    # a config has num_nextn_predict_layers 0 and num_hidden_layers compress_ratios (the
+    # release's config.json carries more: from_hf_dict truncates them). () / 0: no drafter.
+    dspark_target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs it reads
+    dspark_block_size: int = 0  # tokens drafted per forward (the release: 5)
+    dspark_markov_rank: int = 0  # rank of the Markov head's bias (the release: 256)
+    dspark_noise_token_id: int = 0  # the block's filler token (the release: 128799)
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -74,6 +82,15 @@ class Config:
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers  # the MTP block (index n) routes normally
+
+    @property
+    def dspark(self) -> bool:
+        """Whether the checkpoint's mtp.* tensors are a DSpark drafter (V4-Flash-0731)."""
+        return len(self.dspark_target_layer_ids) > 0
+
+    @property
+    def dspark_num_stages(self) -> int:
+        return len(self.dspark_target_layer_ids)
 
     @property
     def num_blocks_total(self) -> int:
@@ -143,6 +160,33 @@ class Config:
              f"unknown {self.expert_dtype!r}")
         need(self.linear_dtype in ("fp8", "nvfp4", "bf16"), "linear_dtype",
              f"unknown {self.linear_dtype!r}")
+        self._check_dspark(need)
+
+    def _check_dspark(self, need):
+        ids = self.dspark_target_layer_ids
+        need(isinstance(ids, tuple) and all(_is_int(i) for i in ids), "dspark_target_layer_ids",
+             f"must be a tuple of layer indices, got {ids!r}")
+        for f in ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id"):
+            v = getattr(self, f)
+            need(_is_int(v) and v >= 0, f, f"must be a non-negative integer, got {v!r}")
+        if not ids:
+            need(self.dspark_block_size == 0 and self.dspark_markov_rank == 0, "dspark_block_size"
+                 if self.dspark_block_size else "dspark_markov_rank",
+                 "set without dspark_target_layer_ids (a DSpark drafter needs its target layers)")
+            return
+        for i in ids:
+            need(0 <= i < self.num_hidden_layers, "dspark_target_layer_ids",
+                 f"layer {i} is outside [0, num_hidden_layers={self.num_hidden_layers})")
+        need(self.dspark_block_size >= 1, "dspark_block_size",
+             f"a DSpark drafter drafts at least 1 token a block, got {self.dspark_block_size}")
+        need(self.dspark_markov_rank >= 1, "dspark_markov_rank",
+             f"the DSpark Markov head needs a rank >= 1, got {self.dspark_markov_rank}")
+        need(self.dspark_noise_token_id < self.vocab_size, "dspark_noise_token_id",
+             f"must be a token id in [0, vocab_size={self.vocab_size}), got "
+             f"{self.dspark_noise_token_id}")
+        need(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers",
+             "a DSpark checkpoint's mtp.* tensors are the drafter's stages, not MTP blocks: "
+             f"must be 0 with dspark_target_layer_ids, got {self.num_nextn_predict_layers}")
 
     # ---- IO ------------------------------------------------------------------------
     @classmethod
@@ -155,6 +199,17 @@ class Config:
                 kw[k] = d[k]
         n = d.get("num_hidden_layers", cls.num_hidden_layers)
         nmtp = d.get("num_nextn_predict_layers", 1)
+        dspark = bool(d.get("dspark_target_layer_ids"))
+        if dspark:  # the mtp.* tensors are the drafter: no MTP block, whatever the file says
+            nmtp = 0
+            kw["num_nextn_predict_layers"] = 0
+            ids = d["dspark_target_layer_ids"]
+            if not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+                raise ValueError(f"invalid config field `dspark_target_layer_ids`: must be a "
+                                 f"list of layer indices, got {ids!r}")
+            kw["dspark_target_layer_ids"] = tuple(ids)
+        else:
+            kw.pop("dspark_target_layer_ids", None)
         # compress ratios: official list, or modern layer_types + compress_rates.
         if "compress_ratios" in d:
             ratios = list(d["compress_ratios"])
@@ -171,6 +226,11 @@ class Config:
             raise ValueError("invalid config: neither `compress_ratios` nor `layer_types` given")
         if len(ratios) == n:  # some exports omit the MTP entry
             ratios += [0] * nmtp
+        if dspark:  # the release lists its drafter stages' (window-only) entries too
+            if len(ratios) < n:
+                raise ValueError(f"invalid config field `compress_ratios`: {len(ratios)} "
+                                 f"entries for {n} layers")
+            ratios = ratios[:n]
         kw["compress_ratios"] = tuple(int(r) for r in ratios)
         if "mlp_layer_types" in d and "num_hash_layers" not in d:
             kw["num_hash_layers"] = sum(t == "hash_moe" for t in d["mlp_layer_types"])
@@ -235,6 +295,14 @@ class Config:
         """The official-release style config.json for this config."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["compress_ratios"] = list(self.compress_ratios)
+        d["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
+        if self.dspark:  # as the V4-Flash-0731 release writes it (from_hf_dict reads neither)
+            d["compress_ratios"] += [0] * self.dspark_num_stages
+            d["num_nextn_predict_layers"] = 1
+        else:
+            for k in ("dspark_target_layer_ids", "dspark_block_size", "dspark_markov_rank",
+                      "dspark_noise_token_id"):
+                d.pop(k)
         for k in ("rope_factor", "rope_original_max_position", "rope_beta_fast",
                   "rope_beta_slow", "name", "linear_dtype"):
             d.pop(k)

@@ -95,6 +95,7 @@ def _load_orbax(path: Path, mesh, rules, include_mtp):
     specs = P.describe(cfg, include_mtp=True)
     where = {k: (part, c) for part, pm in manifest["parts"].items()
              for c, keys in pm["chunks"].items() for k in keys}
+    CL.check_drafter(cfg, where, path)  # a drafter of the other layout: say so by name
     unknown = sorted(set(where) - set(specs))
     if unknown:
         raise UnknownKeyError(f"{path}: checkpoint holds {len(unknown)} parameter(s) that "

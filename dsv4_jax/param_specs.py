@@ -96,8 +96,10 @@ def _row_merged_spec(merged: str, parts: list[ParamSpec]) -> ParamSpec:
                      (*p0.axes[:-2], ROW_MERGE_AXIS[merged], p0.axes[-1]), p0.init)
 
 
-def _block_specs(cfg: Config, p: str, layer: int,
-                 x_proj_merged: bool = False) -> dict[str, ParamSpec]:
+def _block_specs(cfg: Config, p: str, layer: int, x_proj_merged: bool = False,
+                 ratio: int | None = None) -> dict[str, ParamSpec]:
+    """The parameters of one block at prefix `p`; `ratio` overrides the config's ratio of
+    `layer` (the DSpark stages: window-only blocks past the config's compress_ratios)."""
     d, H, hd, ql = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
     G, ol, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
     lin, exp_fmt = cfg.linear_dtype, cfg.expert_dtype
@@ -119,7 +121,7 @@ def _block_specs(cfg: Config, p: str, layer: int,
     s[a + "kv_norm.weight"] = ParamSpec((hd,), "bf16", ("head_dim",), "norm")
     s[a + "wo_a"] = ParamSpec((G * ol, H * hd // G), lin, ("o_groups_lora", "group_hd"))
     s[a + "wo_b"] = ParamSpec((d, G * ol), lin, ("embed", "o_groups_lora"))
-    r = cfg.layer_ratio(layer)
+    r = cfg.layer_ratio(layer) if ratio is None else ratio
     if r > 0:
         coff = 2 if r == 4 else 1
         c = a + "compressor."
@@ -190,6 +192,38 @@ def describe(cfg: Config, include_mtp: bool = True,
             s[p + "hc_head_fn"] = ParamSpec((hc, hc * d), "f32", (None, "embed_hc"), "hc_fn")
             s[p + "hc_head_base"] = ParamSpec((hc,), "f32", (None,), "normal")
             s[p + "hc_head_scale"] = ParamSpec((1,), "f32", (None,), "hc_scale")
+        if cfg.dspark:
+            s.update(dspark_specs(cfg, x_proj_merged))
+    return s
+
+
+def dspark_blocks(cfg: Config) -> list[tuple[str, int]]:
+    """The DSpark drafter's stages as (prefix, layer index): `mtp.j.`, num_hidden_layers + j
+    (score-routed, window-only blocks: the layer index only keeps them off hash routing)."""
+    return [(f"mtp.{j}.", cfg.num_hidden_layers + j) for j in range(cfg.dspark_num_stages)]
+
+
+def dspark_specs(cfg: Config, x_proj_merged: bool = False) -> dict[str, ParamSpec]:
+    """The DSpark drafter of V4-Flash-0731 (S stages, names as the release stores them):
+    every stage a full block (ratio 0); stage 0 also main_proj [D, S*D] (linear format) +
+    main_norm, which project the concatenated target-layer hidden states; the last stage
+    also the head's hc_head_* + norm, the Markov head's markov_w1 [V, r] (bf16 embedding)
+    and markov_w2 [V, r] (f32), and the confidence head's proj [1, D + r] (f32)."""
+    d, V, hc, r = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.dspark_markov_rank
+    s: dict[str, ParamSpec] = {}
+    for p, layer in dspark_blocks(cfg):
+        s.update(_block_specs(cfg, p, layer, x_proj_merged, ratio=0))
+    s["mtp.0.main_proj"] = ParamSpec((d, d * cfg.dspark_num_stages), cfg.linear_dtype,
+                                     ("embed", "embed_in"))
+    s["mtp.0.main_norm.weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
+    p = f"mtp.{cfg.dspark_num_stages - 1}."
+    s[p + "norm.weight"] = ParamSpec((d,), "bf16", ("embed",), "norm")
+    s[p + "hc_head_fn"] = ParamSpec((hc, hc * d), "f32", (None, "embed_hc"), "hc_fn")
+    s[p + "hc_head_base"] = ParamSpec((hc,), "f32", (None,), "normal")
+    s[p + "hc_head_scale"] = ParamSpec((1,), "f32", (None,), "hc_scale")
+    s[p + "markov_head.markov_w1.weight"] = ParamSpec((V, r), "bf16", ("vocab", None), "small")
+    s[p + "markov_head.markov_w2.weight"] = ParamSpec((V, r), "f32", ("vocab", None))
+    s[p + "confidence_head.proj.weight"] = ParamSpec((1, d + r), "f32", (None, None))
     return s
 
 

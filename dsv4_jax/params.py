@@ -23,6 +23,7 @@ from . import quant as Q
 from . import sharding
 from .param_specs import (ROW_MERGE_AXIS, ROW_MERGES, X_PROJ, X_PROJ_PARTS,  # noqa: F401
                           ParamSpec, _block_specs, abstract_params, count_params, describe,
+                          dspark_blocks, dspark_specs,
                           nbytes, row_merge_ok, storage_structs, x_proj_is_merged, x_proj_sizes,
                           x_proj_spec)
 
@@ -205,9 +206,9 @@ def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None
     `<block>attn.x_proj_merged` [sum(x_proj_sizes(cfg)), hidden], their rows concatenated
     in that order (row ranges: x_proj_sizes). Every other parameter is the same array.
 
-    Every block (MTP included) also gets its ROW_MERGES pairs stored as one weight each,
-    rows concatenated in order (every stored array: FP8 values and their block scales):
-    `attn.wqkv_a` = wq_a + wkv, `ffn.shared_experts.w13` = shared w1 + w3,
+    Every block (MTP and DSpark stages included) also gets its ROW_MERGES pairs stored as
+    one weight each, rows concatenated in order (every stored array: FP8 values and their
+    block scales): `attn.wqkv_a` = wq_a + wkv, `ffn.shared_experts.w13` = shared w1 + w3,
     `ffn.experts.w13` = the routed experts' w1 + w3 per expert ([E, 2I, hidden]), where
     row_merge_ok (FP8 with rows in whole 128-row scale blocks, FP4, or plain; NVFP4 stays
     apart). The layer code reads them as row views too, so each pair is one
@@ -244,11 +245,13 @@ def merge_x_proj(params: dict, cfg: Config, *, consume: bool = False, rules=None
     for a in prefixes:
         checks = [lambda n, w, rows=rows: _check_x_proj_part(n, w, rows, cfg) for rows in sizes]
         _merge_one(out, a, X_PROJ, X_PROJ_PARTS, checks, spec, rules, "CSA block")
-    blocks = [(f"layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
-    blocks += [(f"mtp.{j}.", cfg.num_hidden_layers + j)
+    blocks = [(f"layers.{i}.", i, None) for i in range(cfg.num_hidden_layers)]
+    blocks += [(f"mtp.{j}.", cfg.num_hidden_layers + j, None)
                for j in range(cfg.num_nextn_predict_layers)]
-    for b, layer in blocks:
-        specs, merged = _block_specs(cfg, b, layer), _block_specs(cfg, b, layer, True)
+    blocks += [(b, layer, 0) for b, layer in dspark_blocks(cfg)]  # window-only stages
+    for b, layer, ratio in blocks:
+        specs = _block_specs(cfg, b, layer, ratio=ratio)
+        merged = _block_specs(cfg, b, layer, True, ratio=ratio)
         for m, parts in ROW_MERGES.items():
             if b + m not in merged:
                 continue  # not row_merge_ok (e.g. NVFP4 linears): stored apart here too
