@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.arch import is_blackwell
+from pallas_kernels.indexer_decode import blackwell
 from pallas_kernels.indexer_decode.dequant import CHUNK
 from pallas_kernels.interpret import gpu_interpret_params
 from pallas_kernels.indexer_decode.kernel import DIM, EPB, N_HEADS, scores_call
@@ -97,6 +99,12 @@ def _grid(B, block_table, t_B, tuning, fmt):
 
 
 def _scores(qh, w, codes, scales, bt, t, fmt, n_max, cpc, n_ctas, G, interpret, trim):
+    if is_blackwell():   # sm_100: the tcgen05 kernel (blackwell.py), whole 2-chunk steps
+        cpc = blackwell.blackwell_chunks_per_cta(cpc)
+        out = blackwell.scores_call(qh, w, codes, scales, bt, t, fmt=fmt, cpc=cpc,
+                                    n_ctas=-(-(-(-n_max // CHUNK)) // cpc),
+                                    interpret=gpu_interpret_params(interpret))
+        return out[:, :n_max] if trim else out
     out = scores_call(qh, w, codes, scales, bt, t, fmt=fmt, cpc=cpc, n_ctas=n_ctas, G=G,
                       interpret=gpu_interpret_params(interpret))
     return out[:, :n_max] if trim else out

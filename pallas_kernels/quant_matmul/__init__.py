@@ -44,9 +44,9 @@ def grouped_matmul(x_GMK, expert_G, w, *, impl="pallas", rows=None, exact_fp4=Fa
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     interpret = gpu_interpret_params(impl == "interpret")
-    if interpret is None and is_blackwell():
+    if is_blackwell():   # sm_100 (interpreted too: the kernel this target runs)
         return grouped_matmul_blackwell(x_GMK, expert_G, w, rows=rows, exact_fp4=exact_fp4,
-                                        tuning=tuning)
+                                        tuning=tuning, interpret=interpret)
     return grouped_matmul_pallas(x_GMK, expert_G, w, rows=rows, exact_fp4=exact_fp4,
                                  tuning=tuning, interpret=interpret)
 
