@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from .generate import Engine
 from .loading import load
 from .pipeline import Pipeline
 from .quant import Numerics
-from .tokenizer import load_tokenizer
+from .serve.text import IncrementalText
+from .tokenizer import ByteTokenizer, load_tokenizer
 
 
 # --layout auto: the pipeline (each weight read on one device) up to this many request
@@ -50,7 +53,8 @@ def _add_model_args(ap):
     ap.add_argument("--index-format", choices=["fp4", "nvfp4", "fp8"],
                     help="cached indexer keys with --act-quant on (default fp4: the reference's "
                          "e2m1 with a power-of-two scale per 32 dims; nvfp4: e4m3 scale per 16)")
-    ap.add_argument("--prefill-chunk", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=128,
+                    help="prompt tokens fed per prefill step (a program of this width)")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="directory for compiled programs ('off' to disable; default "
                          "$DSV4_COMPILE_CACHE or ~/.cache/dsv4-jax/xla)")
@@ -111,11 +115,15 @@ def _check_model_flags(args):
     elif args.devices > jax.device_count():
         raise UsageError(f"--devices {args.devices}: this machine has {jax.device_count()} "
                          f"{jax.default_backend()} device(s)")
-    hopper = _on_hopper()
-    if (args.matmul == "pallas" or args.kernels == "on") and not hopper:
-        flag = "--matmul pallas" if args.matmul == "pallas" else "--kernels on"
+    if args.matmul == "pallas" or args.kernels == "on":
+        _require_hopper("--matmul pallas" if args.matmul == "pallas" else "--kernels on",
+                        "use auto or leave the flag out")
+
+
+def _require_hopper(flag: str, instead: str):
+    if not _on_hopper():
         raise UsageError(f"{flag} needs a Hopper GPU (sm_90); this run has {_device_name()} "
-                         "(use auto or leave the flag out)")
+                         f"({instead})")
 
 
 def _path(p: str, flag: str) -> Path:
@@ -142,6 +150,31 @@ def _model_config(args) -> C.Config:
         from checkpoints.source import open_source
         return open_source(ckpt).cfg   # headers only: validates every shard
     return load(ckpt)[0]  # not a recognised checkpoint: load names what is wrong
+
+
+def _tokenizer(args, cfg):
+    """The tokenizer (--tokenizer, else the checkpoint's tokenizer.json, else the byte-level
+    one), named on stderr: a checkpoint without tokenizer.json gets a warning, since its
+    text is right only if the model was trained on the byte-level ids (synthetic ones)."""
+    given = getattr(args, "tokenizer", None)
+    if given is not None:
+        path = _path(given, "--tokenizer")
+        if path.is_dir() and not (path / "tokenizer.json").is_file():
+            raise UsageError(f"--tokenizer {given}: holds no tokenizer.json")
+        try:
+            tok = load_tokenizer(path, cfg.vocab_size)
+        except ValueError as e:
+            raise UsageError(f"--tokenizer {given}: {e}") from None
+    else:
+        tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    if isinstance(tok, ByteTokenizer) and args.checkpoint is not None:
+        print(f"warning: {args.checkpoint} has no tokenizer.json: using the byte-level "
+              "tokenizer (ids 16..271 are UTF-8 bytes, unknown ids print as <|id=N|>), "
+              "which only a synthetic checkpoint was made for; for a real model give its "
+              "tokenizer.json with --tokenizer FILE", file=sys.stderr)
+    else:
+        print(f"tokenizer: {tok.source}", file=sys.stderr)
+    return tok
 
 
 def _prepare_layout(args, cfg):
@@ -272,7 +305,7 @@ def _read_text(p: str, flag: str) -> str:
     if path.is_dir():
         raise UsageError(f"{flag} {p}: is a directory, not a file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")   # a BOM is not part of the text
     except UnicodeDecodeError as e:
         raise UsageError(f"{flag} {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -296,6 +329,11 @@ def _chat_messages(args) -> list:
 def _prompt_texts(args) -> tuple[list[str], bool]:
     """-> (prompt texts, whether they are chat-encoded)."""
     is_chat = bool(args.chat or args.user)
+    plain = ("--prompt" if args.prompt is not None else
+             "--prompts-file" if args.prompts_file else None)
+    if is_chat and plain:
+        raise UsageError(f"{plain} is plain text and {'--chat' if args.chat else '--user'} "
+                         "builds a chat prompt: give one kind of prompt per run")
     if not is_chat:
         for flag, v in (("--system", args.system), ("--thinking", args.thinking or None)):
             if v is not None:
@@ -329,12 +367,78 @@ def _prompt_texts(args) -> tuple[list[str], bool]:
     return texts, is_chat
 
 
+def _prompt_header(text: str, keep: int = 60) -> str:
+    """The `--- prompt:` line: the prompt's last `keep` characters, the cut marked."""
+    if len(text) <= keep:
+        return f"--- prompt: {text!r}"
+    return f"--- prompt (its last {keep} of {len(text)} characters): ...{text[-keep:]!r}"
+
+
+def _stream_text(eng, prompts, tok, kw) -> tuple[list[list[int]], float]:
+    """Print each prompt's text as its tokens come -> (tokens per prompt, time to the first
+    token). The text goes through the server's incremental detokenizer, so a character
+    whose bytes span several tokens is printed once whole: the printed text is
+    tok.decode(tokens), as without --stream."""
+    one = len(prompts) == 1
+    outs = [[] for _ in prompts]
+    texts = [IncrementalText(tok.decode) for _ in prompts]
+
+    def emit(i, piece):
+        if not piece:
+            return
+        if one:
+            sys.stdout.write(piece)
+        else:  # one JSON line per new piece: which prompt, and its text
+            sys.stdout.write(json.dumps({"prompt": i, "text": piece}, ensure_ascii=False)
+                             + "\n")
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    first_at = None
+    for step in eng.stream(prompts, **kw):
+        first_at = first_at or time.perf_counter() - t0
+        for i, t in step:
+            outs[i].append(t)
+            emit(i, texts[i].push([t])[0])
+    for i, text in enumerate(texts):   # an incomplete character at the end
+        emit(i, text.finish())
+    if one:
+        print()
+    return outs, first_at
+
+
+def _generate_waves(eng, prompts, kw, seed: int, slots: int):
+    """Engine.generate over waves of `slots` prompts (wave w seeded seed + its first
+    prompt's index, as Engine.generate seeds its own waves) -> (tokens per prompt, the
+    timing of all waves: first token of the first, compile, decode and tokens summed,
+    speculative acceptance over all requests)."""
+    outs, timings, per, steps = [], [], [], []
+    for w in range(0, len(prompts), slots):
+        outs += eng.generate(prompts[w:w + slots], seed=seed + w, **kw)
+        timings.append(eng.timing)
+        acc = getattr(eng, "acceptance", None)
+        if kw.get("speculative_tokens") and acc is not None:
+            per += acc["per_request"]
+            steps += acc["steps"]
+    tm = G.Timing(prefill_s=sum(t.prefill_s for t in timings),
+                  first_token_s=timings[0].first_token_s,
+                  compile_s=sum(t.compile_s for t in timings),
+                  decode_s=sum(t.decode_s for t in timings),
+                  new_tokens=sum(t.new_tokens for t in timings))
+    acc = None
+    if per:
+        emitted = sum(p * s for p, s in zip(per, steps) if s)
+        acc = {"per_request": per, "overall": emitted / sum(steps) if sum(steps) else
+               float("nan"), "steps": steps}
+    return outs, tm, acc
+
+
 def cmd_generate(args):
     _check_model_flags(args)
     _check_sampling_flags(args)
     texts, is_chat = _prompt_texts(args)
     cfg = _model_config(args)
-    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    tok = _tokenizer(args, cfg)
     prompts = [tok.encode(t) if t.startswith(chat.BOS) else [tok.bos_id] + tok.encode(t)
                for t in texts]
     if args.stream and len(prompts) > args.max_requests:
@@ -357,34 +461,28 @@ def cmd_generate(args):
     params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
     mode = "thinking" if args.thinking else "chat"
-    kw = dict(max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
+    kw = dict(max_new_tokens=args.max_new_tokens, sampler=_sampler(args),
               stop_ids=list(tok.stop_ids), speculative_tokens=k)
+    waves = -(-len(prompts) // args.max_requests)
     print(f"model: {cfg.name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
-          f"{len(prompts)} prompt(s), act-quant {args.act_quant}"
+          f"{len(prompts)} prompt(s)"
+          + (f" in {waves} waves of up to {args.max_requests} (--max-requests)"
+             if waves > 1 else "") + f", act-quant {args.act_quant}"
           + (f", mesh {dict(eng.mesh.shape)}" if eng.mesh is not None else "")
           + (f", pipeline stages at layers {eng.pipeline.bounds}" if eng.pipeline else ""),
           file=sys.stderr)
+    print("generating (a first run with these shapes compiles its programs: tens of seconds "
+          "on a CPU; --compile-cache keeps them for the next run)...", file=sys.stderr,
+          flush=True)
     t0 = time.perf_counter()
+    acc = None
     if args.stream:
-        outs = [[] for _ in prompts]
-        first_at = None
-        for step in eng.stream(prompts, **kw):
-            first_at = first_at or time.perf_counter() - t0
-            for i, t in step:
-                piece = tok.decode(outs[i] + [t])[len(tok.decode(outs[i])):]
-                outs[i].append(t)
-                if len(prompts) == 1:
-                    sys.stdout.write(piece)
-                else:  # one JSON line per new piece: which prompt, and its text
-                    sys.stdout.write(json.dumps({"prompt": i, "text": piece},
-                                                ensure_ascii=False) + "\n")
-                sys.stdout.flush()
-        if len(prompts) == 1:
-            print()
-        ttft = first_at
+        outs, ttft = _stream_text(eng, prompts, tok, dict(kw, seed=args.seed))
+        tm = eng.timing
+        acc = eng.acceptance if k else None
     else:
-        outs = eng.generate(prompts, **kw)
-        ttft = eng.timing.first_token_s
+        outs, tm, acc = _generate_waves(eng, prompts, kw, args.seed, args.max_requests)
+        ttft = tm.first_token_s
     total = time.perf_counter() - t0
     if not args.stream:
         for t, o in zip(texts, outs):
@@ -394,14 +492,12 @@ def cmd_generate(args):
                     text = json.dumps(chat.parse_completion(text, mode), ensure_ascii=False)
                 except ValueError:
                     pass
-            print(f"--- prompt: {t[-60:]!r}\n{text}")
+            print(f"{_prompt_header(t)}\n{text}")
     n = sum(len(o) for o in outs)
-    tm = eng.timing
     print(f"time to first token {ttft:.2f} s (first call includes compilation), {n} tokens in "
           f"{total:.2f} s; decode compile {tm.compile_s:.1f} s, then {tm.new_tokens} tokens "
           f"in {tm.decode_s:.2f} s = {tm.tokens_per_s:.1f} tokens/s", file=sys.stderr)
-    if k and eng.acceptance is not None:
-        acc = eng.acceptance
+    if k and acc is not None:
         per = ", ".join(f"{a:.2f}" for a in acc["per_request"])
         print(f"speculative k={k}: mean tokens per step {acc['overall']:.2f} (accepted drafts "
               f"+ 1; per request: {per})", file=sys.stderr)
@@ -481,11 +577,35 @@ def serving_engine(args):
     The name: the checkpoint directory's, or the preset's."""
     _check_model_flags(args)
     cfg = _model_config(args)
-    tok = load_tokenizer(args.checkpoint, cfg.vocab_size)
+    tok = _tokenizer(args, cfg)
     _prepare_layout(args, cfg)
     eng = _engine(args, cfg, _load_params(args, cfg))
     eng.progress = False
     return eng, tok, Path(args.checkpoint).name if args.checkpoint else cfg.name
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), before anything is loaded: a port in use (or a host
+    this machine does not have) is bad input, found in a second, not after the compile.
+    uvicorn listens on it once the server is built."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address of this machine ({e.strerror})") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = {98: "is in use (another server?); pick another --port or stop that one",
+               13: "needs more privileges (ports below 1024); pick a --port above 1023",
+               99: "is not an address of this machine (--host)"}.get(
+                   e.errno, f"cannot be bound ({e.strerror})")
+        raise UsageError(f"--port {port} on {host} {why}") from None
+    return sock
 
 
 def cmd_serve(args):
@@ -500,41 +620,84 @@ def cmd_serve(args):
     elif args.prefix_cache_entries and args.devices:
         raise UsageError("--prefix-cache-entries needs a single-device engine; with "
                          "--devices use --prefix-cache-entries 0")
+    from checkpoints.convert import parse_bytes
+    max_body = parse_bytes(args.max_request_size, "--max-request-size")
     try:
         from .serve import run as serve_run
         from .serve.scheduler import SchedulerConfig
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          "pip install 'dsv4-jax[serve]'") from None
-    eng, tok, name = serving_engine(args)
-    name = args.served_model_name or name
-    cfg = eng.cfg
-    print(f"model: {name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
-          f"{args.max_requests} request slots, {args.num_blocks} blocks, context "
-          f"{args.max_blocks * BLOCK_TOKENS} tokens; compiling...", file=sys.stderr)
-    t0 = time.perf_counter()
-    srv = serve_run.build(eng, tok, name, SchedulerConfig(
-        prefill_chunks_per_step=args.prefill_chunks_per_step, max_waiting=args.max_waiting,
-        prefix_cache_entries=args.prefix_cache_entries), seed=args.seed)
-    print(f"ready in {time.perf_counter() - t0:.1f} s: http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
-    serve_run.serve(srv, args.host, args.port, log_level=args.log_level)
+    sock = _bind(args.host, args.port)
+    try:
+        eng, tok, name = serving_engine(args)
+        name = args.served_model_name or name
+        cfg = eng.cfg
+        print(f"model: {name} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}), "
+              f"{args.max_requests} request slots, {args.num_blocks} blocks, context "
+              f"{args.max_blocks * BLOCK_TOKENS} tokens; compiling...", file=sys.stderr)
+        t0 = time.perf_counter()
+        srv = serve_run.build(eng, tok, name, SchedulerConfig(
+            prefill_chunks_per_step=args.prefill_chunks_per_step,
+            max_waiting=args.max_waiting, prefix_cache_entries=args.prefix_cache_entries),
+            seed=args.seed, max_body_bytes=max_body)
+        host, port = sock.getsockname()[:2]
+
+        def ready():   # uvicorn is listening: requests are answered from now on
+            print(f"ready in {time.perf_counter() - t0:.1f} s: http://{args.host}:{port}/v1",
+                  file=sys.stderr, flush=True)
+        serve_run.serve(srv, sock, log_level=args.log_level, on_ready=ready)
+    finally:
+        sock.close()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """--help names each flag's default, where it has one its text does not state."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (action.option_strings and not (d is None or d is False or d is argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("dsv4-jax")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _add_tokenizer_arg(ap):
+    ap.add_argument("--tokenizer", metavar="FILE",
+                    help="a tokenizer.json (or a directory holding one) instead of the "
+                         "checkpoint's (default: the checkpoint's tokenizer.json; without "
+                         "one, or with --preset, the byte-level tokenizer)")
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 in JAX")
+    fmt = dict(formatter_class=_HelpFormatter)
+    ap = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 in JAX", **fmt)
+    ap.add_argument("--version", action="version", version=f"dsv4 {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text")
+    g = sub.add_parser("generate", help="generate text", **fmt)
     _add_model_args(g)
+    _add_tokenizer_arg(g)
     g.add_argument("--prompt", help="a plain-text prompt")
     g.add_argument("--chat", help="JSON file with a list of chat messages")
     g.add_argument("--user", action="append", help="a user turn (repeatable)")
     g.add_argument("--system", help="a system prompt for --chat/--user")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="thinking mode for chat prompts")
-    g.add_argument("--prompts-file", help="one prompt per line, generated as a batch")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--prompts-file", help="one plain-text prompt per line, generated as a "
+                   "batch (in waves of --max-requests)")
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens generated per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; "
+                   "0 = greedy")
     g.add_argument("--top-k", type=int, help="sample from the k likeliest tokens "
                    "(needs --temperature)")
     g.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1 (needs --temperature)")
@@ -546,17 +709,21 @@ def build_parser():
     g.add_argument("--stream", action="store_true", help="print tokens as they are produced "
                    "(several prompts: one JSON line {\"prompt\": i, \"text\": piece} each)")
     g.set_defaults(fn=cmd_generate)
-    lg = sub.add_parser("logits", help="teacher-forced logits: prefill P tokens, then decode")
+    lg = sub.add_parser("logits", help="teacher-forced logits: prefill P tokens, then decode",
+                        **fmt)
     _add_model_args(lg)
     lg.add_argument("--tokens", required=True, help="int32 [B, T] .npy")
-    lg.add_argument("--prefill-len", type=int, required=True)
+    lg.add_argument("--prefill-len", type=int, required=True,
+                    help="P: tokens prefilled; the rest are fed one per decode step")
     lg.add_argument("--out", required=True, help="output .npz with `logits` [B, T-P+1, V]")
     lg.set_defaults(fn=cmd_logits)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous "
-                        "batching (docs/SERVING.md; needs the serve extra)")
+                        "batching (docs/SERVING.md; needs the serve extra)", **fmt)
     _add_model_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    _add_tokenizer_arg(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: "
+                    "every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one)")
     sv.add_argument("--served-model-name", help="the model's name in the API (default: the "
                     "checkpoint directory's name, or the preset's)")
     sv.add_argument("--prefill-chunks-per-step", type=int, default=1,
@@ -567,8 +734,11 @@ def build_parser():
                     help="prompt prefixes (whole 128-token blocks) kept for reuse across "
                          "requests; 0: off (default: 2 x --max-requests on one device, off "
                          "with --devices)")
+    sv.add_argument("--max-request-size", default="16MiB",
+                    help="request bodies above this get 413 (e.g. 4MiB, 1G, or bytes)")
     sv.add_argument("--log-level", default="info",
-                    choices=["critical", "error", "warning", "info", "debug"])
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level")
     sv.set_defaults(fn=cmd_serve)
     try:
         from checkpoints.cli import register
@@ -585,17 +755,50 @@ def build_parser():
 
 def _compile_cache(args):
     """Keep compiled programs on disk (jax's persistent compilation cache): a full-width
-    decode step compiles for minutes, the next run with the same shapes loads it."""
+    decode step compiles for minutes, the next run with the same shapes loads it. A
+    directory the user named must be writable (checked here, not by jax's warnings at the
+    first compile); the default one is skipped with a note when it is not."""
     d = getattr(args, "compile_cache", None)
+    src = "--compile-cache"
     if d is None:
-        d = os.environ.get("DSV4_COMPILE_CACHE", os.path.expanduser("~/.cache/dsv4-jax/xla"))
+        src = "DSV4_COMPILE_CACHE"
+        d = os.environ.get("DSV4_COMPILE_CACHE")
+    if d is None:
+        src, d = None, os.path.expanduser("~/.cache/dsv4-jax/xla")
     if not d or d == "off":
         return
     d = Path(d).expanduser().absolute()
     if d.exists() and not d.is_dir():
-        raise UsageError(f"--compile-cache {d}: is a file, not a directory (or 'off')")
+        raise UsageError(f"{src or 'the compile cache'} {d}: is a file, not a directory "
+                         "(or 'off')")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):   # what jax will do at the first compile
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        if src is None:
+            print(f"note: the compile cache {d} is not writable ({why}): compiled programs "
+                  "are not kept (--compile-cache DIR to keep them elsewhere)", file=sys.stderr)
+            return
+        raise UsageError(f"{src} {d}: cannot write there ({why}); give a writable "
+                         "directory, or 'off'") from None
     jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def _check_other_commands(args):
+    """Flag checks for the commands other modules define (bench, inspect), before they
+    start any work."""
+    if args.cmd == "bench":
+        if getattr(args, "kernels", None) == "on":
+            _require_hopper("--kernels on", "leave the flag out")
+        if "pallas" in (getattr(args, "matmul", None) or ()):
+            _require_hopper("--matmul pallas", "use --matmul xla")
+    if getattr(args, "checkpoint_cmd", None) == "inspect" and args.match is not None:
+        if not args.tensors or args.json:
+            raise UsageError("--match filters the tensor list of the text report: it needs "
+                             "--tensors (and no --json)")
 
 
 def main(argv=None) -> int:
@@ -603,10 +806,14 @@ def main(argv=None) -> int:
     130 interrupted). Every flag and input file is checked before a model is loaded."""
     args = build_parser().parse_args(argv)
     if hasattr(args, "func"):  # make-checkpoint / convert / inspect (checkpoints.cli)
+        rc = run_command(args.cmd, lambda: _check_other_commands(args))
+        if rc:
+            return rc
         from checkpoints.cli import run
         return run(args)
 
     def go():
+        _check_other_commands(args)
         _compile_cache(args)
         init_processes_from_env()  # a no-op unless DSV4_COORDINATOR is set
         return args.fn(args)

@@ -4,6 +4,7 @@
     encode(text) -> list[int]     never adds BOS; chat prompts already start with chat.BOS
     decode(ids) -> str            special tokens are kept as text (so completions can be parsed)
     bos_id, eos_id, stop_ids, vocab_size, special_ids ({token string: id})
+    source                        what it was loaded from (a path, or "byte-level")
 
 Byte-level fallback (synthetic checkpoints without tokenizer.json), ids:
     0 .. 15      reserved for chat.SPECIAL_TOKENS in order (BOS=0, EOS=1, <｜User｜>=2,
@@ -45,6 +46,8 @@ def _check_ids(ids) -> list[int]:
 
 class ByteTokenizer:
     """Deterministic byte-level tokenizer with the chat special tokens as single ids."""
+
+    source = "byte-level (built in)"
 
     def __init__(self, vocab_size: int):
         if vocab_size < MIN_BYTE_VOCAB:
@@ -94,6 +97,7 @@ class HFTokenizer:
     def __init__(self, tok, vocab_size: int, source: str = "tokenizer.json"):
         self._tok = tok
         self.vocab_size = vocab_size
+        self.source = source
         self.special_ids = {}
         for s in chat.SPECIAL_TOKENS:
             i = tok.token_to_id(s)
@@ -161,4 +165,9 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     import tokenizers  # only needed for real checkpoints
 
-    return HFTokenizer(tokenizers.Tokenizer.from_file(file), vocab_size, source=file)
+    try:
+        tok = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # the Rust library raises a bare Exception for a bad file
+        raise ValueError(f"{file}: not a tokenizer.json the tokenizers library reads "
+                         f"({str(e).strip()[:200]})") from None
+    return HFTokenizer(tok, vocab_size, source=file)

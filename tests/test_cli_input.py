@@ -271,3 +271,195 @@ def test_several_prompts_stream_as_json_lines(tmp_path, capsys, monkeypatch):
     tok = load_tokenizer(None, C.tiny().vocab_size)
     assert [(l["prompt"], l["text"]) for l in lines] == \
         [(i, tok.decode([t])) for s in steps for i, t in s]
+
+
+# ---- what a new user hit (issue 54) -------------------------------------------------------
+NON_ASCII = "🚀 日本語のテキスト, café, naïve, €5, Ωμέγα 😀!"
+
+
+class StandIn:
+    """The Engine surface cmd_generate uses, replaying fixed tokens: `stream` one token a
+    step per prompt, `generate` all at once; `generate` runs prompts beyond `slots` in
+    waves and keeps the last wave's timing, as Engine.generate does."""
+    mesh = pipeline = None
+    acceptance = None
+
+    def __init__(self, outs, slots=4):
+        self.outs, self.slots, self.calls = outs, slots, []
+        self.timing = G.Timing()
+
+    def stream(self, prompts, **kw):
+        for k in range(max(map(len, self.outs))):
+            yield [(i, o[k]) for i, o in enumerate(self.outs[:len(prompts)]) if k < len(o)]
+
+    def generate(self, prompts, *, seed, **kw):
+        if len(prompts) > self.slots:
+            out = []
+            for i in range(0, len(prompts), self.slots):
+                out += self.generate(prompts[i:i + self.slots], seed=seed + i, **kw)
+            return out
+        first = len(self.calls) == 0
+        start = sum(n for n, _, _ in self.calls)
+        self.calls.append((len(prompts), seed, [list(p) for p in prompts]))
+        self.timing = G.Timing(prefill_s=0.5, first_token_s=0.5 + len(self.calls),
+                               compile_s=2.0 if first else 0.0, decode_s=1.0,
+                               new_tokens=10 * len(prompts))
+        return [list(self.outs[(start + i) % len(self.outs)]) for i in range(len(prompts))]
+
+
+def _stand_in(monkeypatch, eng):
+    monkeypatch.setattr(cli, "_load_params", lambda args, cfg: None)
+    monkeypatch.setattr(cli, "_engine", lambda args, cfg, params: eng)
+
+
+@pytest.mark.parametrize("model", [["--preset", "tiny"], []])   # byte-level; embedded BPE
+def test_streamed_text_equals_the_generated_text(capsys, monkeypatch, tmp_path, model):
+    """Non-ASCII text split across tokens (an emoji's 4 bytes are 4 byte-level ids) streams
+    as whole characters: the streamed text is byte for byte the non-streamed one."""
+    cfg = C.tiny() if model else C.Config.from_json(
+        __import__("dsv4_jax").embedded_checkpoint() / "config.json")
+    tok = load_tokenizer(None if model else __import__("dsv4_jax").embedded_checkpoint(),
+                         cfg.vocab_size)
+    rng = np.random.default_rng(54)
+    words = NON_ASCII.split(" ")
+    texts = [" ".join(rng.permutation(words)) for _ in range(2)]
+    outs = [tok.encode(t) for t in texts]
+    assert any(len(tok.decode([i])) == 0 or "\ufffd" in tok.decode([i])
+               for i in outs[0])   # some token is only part of a character
+    _stand_in(monkeypatch, StandIn(outs[:1]))
+    base = ["generate", *model, "--prompt", "hi", "--max-new-tokens", "64"]
+    assert run(base + ["--stream"]) == 0
+    streamed = capsys.readouterr().out
+    assert run(base) == 0
+    whole = capsys.readouterr().out
+    assert streamed == texts[0] + "\n"
+    assert whole.splitlines()[1:] == texts[0].splitlines()
+    # several prompts: JSON lines of whole characters, each prompt's pieces its text
+    _stand_in(monkeypatch, StandIn(outs))
+    p = tmp_path / "p.txt"
+    p.write_text("one\ntwo\n")
+    assert run(["generate", *model, "--prompts-file", str(p), "--stream",
+                "--max-new-tokens", "64"]) == 0
+    got = ["", ""]
+    for line in capsys.readouterr().out.splitlines():
+        d = json.loads(line)
+        assert "\ufffd" not in d["text"] and d["text"]
+        got[d["prompt"]] += d["text"]
+    assert got == texts
+
+
+def test_generate_statistics_cover_every_wave(capsys, monkeypatch, tmp_path):
+    """10 prompts on 4 slots run in 3 waves: the time to first token is the first wave's,
+    the decode rate counts every wave's tokens and time; wave w is seeded as
+    Engine.generate seeds its own waves."""
+    eng = StandIn([[40, 41, 42]], slots=4)
+    _stand_in(monkeypatch, eng)
+    p = tmp_path / "p.txt"
+    p.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    assert run(["generate", "--preset", "tiny", "--prompts-file", str(p), "--seed", "7",
+                "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert [(n, s) for n, s, _ in eng.calls] == [(4, 7), (4, 11), (2, 15)]
+    assert "in 3 waves of up to 4" in err
+    stats = err.strip().splitlines()[-1]
+    assert "time to first token 1.50 s" in stats, stats   # wave 1's
+    assert "decode compile 2.0 s, then 100 tokens in 3.00 s = 33.3 tokens/s" in stats, stats
+
+
+def test_prompts_file_bom_and_prompt_header(capsys, monkeypatch, tmp_path):
+    """A UTF-8 BOM opening --prompts-file is no part of the first prompt; the
+    `--- prompt:` header marks where it cut a long prompt."""
+    eng = StandIn([[40, 41]])
+    _stand_in(monkeypatch, eng)
+    long = "x" * 100 + "the end"
+    p = tmp_path / "bom.txt"
+    p.write_bytes(b"\xef\xbb\xbffirst\n" + long.encode() + b"\n")
+    assert run(["generate", "--preset", "tiny", "--prompts-file", str(p),
+                "--max-new-tokens", "2"]) == 0
+    tok = load_tokenizer(None, C.tiny().vocab_size)
+    assert eng.calls[0][2] == [[tok.bos_id] + tok.encode("first"),
+                               [tok.bos_id] + tok.encode(long)]
+    out = capsys.readouterr().out
+    assert "--- prompt: 'first'\n" in out
+    assert f"--- prompt (its last 60 of {len(long)} characters): ...{long[-60:]!r}" in out
+
+
+def test_plain_and_chat_prompts_are_not_mixed(capsys, no_model, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a prompt\n")
+    bad(capsys, GEN + ["--user", "hello"], "--prompt", "--user", "one kind")
+    bad(capsys, ["generate", "--prompts-file", str(f), "--user", "hi"], "--prompts-file",
+        "--user")
+
+
+def test_an_unwritable_compile_cache_is_refused_first(capsys, no_model, monkeypatch):
+    where = "/proc/self/dsv4-cache"   # not creatable, whoever runs the test
+    bad(capsys, GEN + ["--compile-cache", where], "--compile-cache", where, "cannot write")
+    monkeypatch.setenv("DSV4_COMPILE_CACHE", where)
+    bad(capsys, GEN, "DSV4_COMPILE_CACHE", "cannot write")
+
+
+def test_bench_kernels_need_hopper_before_any_work(capsys, monkeypatch):
+    import jax
+    from benchmarks import decode_bench
+    if jax.default_backend() == "gpu":
+        pytest.skip("CPU-only check")
+
+    def fail(*a, **k):
+        raise AssertionError("the bench started before its flags were checked")
+    monkeypatch.setattr(decode_bench, "copy_bandwidth", fail)
+    bad(capsys, ["bench", "decode", "--layers", "1", "--kernels", "on"], "--kernels on",
+        "Hopper", "cpu")
+    bad(capsys, ["bench", "decode", "--layers", "1", "--matmul", "xla", "pallas"],
+        "--matmul pallas", "Hopper")
+
+
+def test_inspect_match_needs_tensors(capsys, tmp_path):
+    bad(capsys, ["inspect", str(tmp_path), "--match", "attn"], "--match", "--tensors")
+    bad(capsys, ["inspect", str(tmp_path), "--match", "attn", "--tensors", "--json"],
+        "--match", "--json")
+
+
+def test_the_tokenizer_is_named_and_a_fallback_warned(tmp_path, capsys, monkeypatch):
+    """Which tokenizer runs is said before anything loads: the checkpoint's tokenizer.json,
+    or a warning that a checkpoint without one gets the byte-level tokenizer; --tokenizer
+    gives one, checked like the checkpoint's."""
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_load_params", interrupt)
+    ckpt = _fake_checkpoint(tmp_path / "ckpt")
+    assert run(["generate", "--checkpoint", str(ckpt), "--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert f"warning: {ckpt} has no tokenizer.json" in err and "--tokenizer" in err
+    from dsv4_jax.embedded import embedded_checkpoint
+    tj = embedded_checkpoint() / "tokenizer.json"
+    assert run(GEN) == 130   # the embedded model
+    assert f"tokenizer: {tj}" in capsys.readouterr().err
+    assert run(["generate", "--checkpoint", str(ckpt), "--tokenizer", str(tj),
+                "--prompt", "hi"]) == 2   # 129k-token vocabulary, the model's is 1024
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--tokenizer" in line and "vocab_size" in line
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    bad(capsys, ["generate", "--checkpoint", str(ckpt), "--tokenizer", str(junk),
+                 "--prompt", "hi"], "--tokenizer", "junk.json", "not a tokenizer.json")
+    bad(capsys, ["generate", "--checkpoint", str(ckpt), "--tokenizer", str(tmp_path),
+                 "--prompt", "hi"], "--tokenizer", "no tokenizer.json")
+
+
+def test_version_and_help(capsys):
+    from importlib.metadata import version
+    assert run(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dsv4 {version('dsv4-jax')}"
+    ap = cli.build_parser()
+    subs = next(a for a in ap._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for name in ("generate", "logits", "serve"):
+        p = subs.choices[name]
+        for a in p._actions:
+            assert a.help, (name, a.option_strings)
+        text = p.format_help()
+        for a in p._actions:
+            if a.option_strings and a.default not in (None, False) and a.default is not \
+                    __import__("argparse").SUPPRESS and "default" not in a.help:
+                assert f"(default: {a.default})" in " ".join(text.split()), (name, a.dest)
+    assert "(default: 32)" in subs.choices["generate"].format_help()

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions (both
-streaming as server-sent events ending in `data: [DONE]`, and not), /v1/models, /health,
-/metrics.
+streaming as server-sent events ending in `data: [DONE]`, and not), /v1/models,
+/v1/models/{id}, /health, /metrics.
 
 The scheduler runs on its own engine thread (started and stopped with the app); a handler
 submits its requests and reads their outputs from an asyncio queue that the engine thread
 fills. Bad input is answered 4xx with an OpenAI error body
-{"error": {"message", "type", "param", "code"}} before anything is queued.
+{"error": {"message", "type", "param", "code"}} before anything is queued. The event loop
+only moves bytes: a body is capped (413 above Server.max_body_bytes) and prompts are
+tokenized on worker threads, so one large request never stalls the others or /health.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import uuid
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .. import chat
 from .sampling import SamplingParams
@@ -30,6 +33,7 @@ from .text import ChatOutputParser
 log = logging.getLogger("dsv4.serve")
 
 MAX_N = 16   # choices per request
+MAX_BODY_BYTES = 16 << 20   # request bodies above get 413 (`dsv4 serve --max-request-size`)
 
 
 class ApiError(Exception):
@@ -63,9 +67,37 @@ def _get(body: dict, name: str, kind: str, default=None):
           "object": lambda: isinstance(v, dict),
           "array": lambda: isinstance(v, list)}[kind]()
     if not ok:
-        raise ApiError(f"'{name}' must be a {kind}, got {json.dumps(v)[:80]}", param=name,
-                       code="invalid_type")
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ApiError(f"'{name}' must be {article} {kind}, got {json.dumps(v)[:80]}",
+                       param=name, code="invalid_type")
     return v
+
+
+# Fields that change what is generated and that this server does not implement: refused,
+# never silently ignored ({field: the values that mean "off"}). Fields that change nothing
+# generated (user, metadata, store, ...) are ignored.
+_UNSUPPORTED = {
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "functions": ([],), "function_call": ("none", "auto"),   # the legacy form of tools
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "prediction": (), "audio": (),
+    "modalities": (["text"],),
+}
+
+
+def _refuse_unsupported(body: dict):
+    for name, off in _UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and v not in off:
+            raise ApiError(f"'{name}' is not supported", param=name,
+                           code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        raise ApiError(f"'response_format' {json.dumps(kind or fmt)[:40]} is not supported: "
+                       "no constrained (JSON) decoding here; only {\"type\": \"text\"}",
+                       param="response_format", code="unsupported_parameter")
 
 
 def _stop_strings(body) -> tuple[str, ...]:
@@ -200,9 +232,11 @@ class Server:
     """What the handlers share: the scheduler (and its engine thread), the tokenizer, the
     served model's name and the metrics."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, metrics=None):
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, metrics=None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.sch, self.tok, self.model = scheduler, tokenizer, model_name
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
         self.capacity = scheduler.cs.capacity
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
@@ -221,6 +255,11 @@ class Server:
     def encode_prompt(self, text: str) -> list[int]:
         ids = self.tok.encode(text)
         return ids if text.startswith(chat.BOS) else [self.tok.bos_id] + ids
+
+    async def encode_prompt_async(self, text: str) -> list[int]:
+        """encode_prompt on a worker thread: megabytes of text take seconds to tokenize
+        (the tokenizers library releases the GIL meanwhile)."""
+        return await asyncio.to_thread(self.encode_prompt, text)
 
     def token_text(self, t: int) -> str:
         return self.tok.decode([t])
@@ -244,7 +283,7 @@ class Server:
             for r in reqs:
                 self.sch.submit(r)
         except RequestError as e:
-            raise ApiError(str(e), param=e.param, code=e.code) from None
+            raise ApiError(str(e), param=e.param, code=e.code or "invalid_value") from None
         except Overloaded as e:
             for r in reqs:
                 r.cancel()
@@ -258,8 +297,25 @@ def _seeded(sp: SamplingParams, n: int) -> list[SamplingParams]:
             for i in range(n)]
 
 
-async def _json_body(http: HTTPRequest) -> dict:
-    raw = await http.body()
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(f"the request body is {size} bytes, more than this server takes "
+                    f"({limit} bytes: dsv4 serve --max-request-size)", status=413,
+                    code="request_too_large")
+
+
+async def _json_body(http: HTTPRequest, limit: int) -> dict:
+    """The body as a JSON object, read up to `limit` bytes (413 beyond: refused from its
+    Content-Length before it is read, or when the bytes read pass the limit)."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(declared, limit)
+    parts, size = [], 0
+    async for part in http.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(f"more than {limit}", limit)
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -336,11 +392,19 @@ def _error_finish(o: Output):
 
 
 class CountRequests:
-    """ASGI middleware counting requests by path and status. (Starlette's
-    BaseHTTPMiddleware would hide a client's disconnect from the handlers.)"""
+    """ASGI middleware counting requests by endpoint and status. The endpoint is the
+    matched route's path template ("/v1/models/{model_id}"), and "other" for a path no
+    route matches, so clients cannot grow the label set. (Starlette's BaseHTTPMiddleware
+    would hide a client's disconnect from the handlers.)"""
 
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics, router):
+        self.app, self.metrics, self.router = app, metrics, router
+
+    def endpoint(self, scope) -> str:
+        for route in self.router.routes:
+            if route.matches(scope)[0] != Match.NONE:   # PARTIAL: a wrong method (405)
+                return route.path
+        return "other"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -354,7 +418,7 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_)
         finally:
-            self.metrics.requests.labels(scope["path"], str(status["code"])).inc()
+            self.metrics.requests.labels(self.endpoint(scope), str(status["code"])).inc()
 
 
 def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
@@ -386,7 +450,7 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
                               type_="server_error")
 
     if srv.metrics is not None:
-        app.add_middleware(CountRequests, metrics=srv.metrics)
+        app.add_middleware(CountRequests, metrics=srv.metrics, router=app.router)
 
     @app.get("/health")
     async def health():
@@ -394,11 +458,21 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
         return JSONResponse({"status": "ok" if alive else "engine stopped"},
                             status_code=200 if alive else 503)
 
+    def model_card():
+        return {"id": srv.model, "object": "model", "created": 0, "owned_by": "dsv4-jax",
+                "max_model_len": srv.capacity}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0,
-                                            "owned_by": "dsv4-jax",
-                                            "max_model_len": srv.capacity}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != srv.model:
+            raise ApiError(f"the model '{model_id}' does not exist; this server serves "
+                           f"'{srv.model}'", status=404, param="model",
+                           code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -410,10 +484,11 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
     # ---- chat ----------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
-        body = await _json_body(http)
+        body = await _json_body(http, srv.max_body_bytes)
         _check_model(srv, body)
+        _refuse_unsupported(body)
         text, thinking = _chat_prompt(body)
-        prompt = srv.encode_prompt(text)
+        prompt = await srv.encode_prompt_async(text)
         stream = _get(body, "stream", "boolean", False)
         want_lp = _get(body, "logprobs", "boolean", False)
         top = _get(body, "top_logprobs", "integer", 0)
@@ -471,26 +546,27 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
     # ---- completions ---------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        body = await _json_body(http)
+        body = await _json_body(http, srv.max_body_bytes)
         _check_model(srv, body)
+        _refuse_unsupported(body)
+        if _get(body, "echo", "boolean", False):
+            raise ApiError("'echo' is not supported", param="echo", code="unsupported_parameter")
+        if body.get("suffix") is not None:
+            raise ApiError("'suffix' is not supported", param="suffix",
+                           code="unsupported_parameter")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]   # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError("'prompt' is empty", param="prompt", code="invalid_value")
-            ids = srv.encode_prompt(prompt)
+            ids = await srv.encode_prompt_async(prompt)
         elif (isinstance(prompt, list) and prompt
               and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             ids = prompt
         else:
             raise ApiError("'prompt' must be a string or a list of token ids (one prompt per "
                            "request)", param="prompt", code="invalid_type")
-        if _get(body, "echo", "boolean", False):
-            raise ApiError("'echo' is not supported", param="echo", code="unsupported_parameter")
-        if body.get("suffix") is not None:
-            raise ApiError("'suffix' is not supported", param="suffix",
-                           code="unsupported_parameter")
         stream = _get(body, "stream", "boolean", False)
         lp = _get(body, "logprobs", "integer")
         if lp is not None and not 0 <= lp <= 5:

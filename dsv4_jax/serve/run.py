@@ -8,26 +8,54 @@ import time
 
 import uvicorn
 
-from .api import Server, create_app
+from .api import MAX_BODY_BYTES, Server, create_app
 from .metrics import Metrics
 from .scheduler import Scheduler, SchedulerConfig
 
 
 def build(engine, tokenizer, model_name: str, config: SchedulerConfig = SchedulerConfig(),
-          warm_up: bool = True, seed: int | None = None) -> Server:
+          warm_up: bool = True, seed: int | None = None,
+          max_body_bytes: int = MAX_BODY_BYTES) -> Server:
     """A Server over `engine` with Prometheus metrics; warm_up compiles every program
     serving uses before the first request."""
     sch = Scheduler(engine, tokenizer, config, seed=seed)
     if warm_up:
         sch.warm_up()
     metrics = Metrics(model_name)   # after the warm-up: its request is no client's
+    metrics.on_step(sch)   # the pool's gauges read right before the first request too
     sch.observer = metrics
-    return Server(sch, tokenizer, model_name, metrics)
+    return Server(sch, tokenizer, model_name, metrics, max_body_bytes=max_body_bytes)
 
 
-def serve(srv: Server, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until interrupted (uvicorn handles Ctrl-C and SIGTERM)."""
-    uvicorn.run(create_app(srv), host=host, port=port, log_level=log_level)
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, calling on_ready() once it listens."""
+
+    def __init__(self, config: uvicorn.Config, on_ready=None):
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit and self.on_ready is not None:
+            self.on_ready()
+
+
+def http_server(srv: Server, log_level: str = "info", on_ready=None, **config) -> _Uvicorn:
+    """The uvicorn server of `srv`'s app (config: more uvicorn.Config fields)."""
+    return _Uvicorn(uvicorn.Config(create_app(srv), log_level=log_level, **config), on_ready)
+
+
+def serve(srv: Server, sock: socket.socket, log_level: str = "info", on_ready=None) -> None:
+    """Serve on a bound socket until interrupted (uvicorn handles Ctrl-C and SIGTERM);
+    on_ready() runs once it listens. A start that fails is a RuntimeError (exit 1), not
+    uvicorn's own exit status."""
+    server = http_server(srv, log_level, on_ready)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as e:   # uvicorn exits 3 when the app's startup fails
+        if e.code:
+            raise RuntimeError(f"the HTTP server did not start (uvicorn exit {e.code}; its "
+                               "log above says why)") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,8 +71,7 @@ class BackgroundServer:
     def __init__(self, srv: Server, host: str = "127.0.0.1", port: int | None = None):
         self.srv, self.host, self.port = srv, host, port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self._uv = uvicorn.Server(uvicorn.Config(create_app(srv), host=host, port=self.port,
-                                                 log_level="warning"))
+        self._uv = http_server(srv, "warning", host=host, port=self.port)
         self._thread = threading.Thread(target=self._uv.run, name="dsv4-http", daemon=True)
 
     def __enter__(self) -> str:
