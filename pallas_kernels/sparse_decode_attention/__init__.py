@@ -8,14 +8,17 @@ in SMEM and run the wgmma (consumer.py). Two kernels share that frame: double_k.
 tiles, both consumers score every block) and seesaw.py (each block scored once); which one
 runs: use_seesaw. Key splits (flash-decoding) when there are too few CTAs to fill the
 GPU: inputs.default_splits; their merge: merge.py.
+On Blackwell (sm_100: no wgmma) backend="mosaic" runs blackwell.py instead: tcgen05 MMA
+with the scores and the output accumulator in TMEM, block pairs of 128 keys a step.
 backend="triton": the portable kernel for GPUs without wgmma (triton.py).
 
 Files: layout.py (shapes, SMEM layouts, compiler settings), inputs.py (XLA side), gather.py,
-consumer.py, double_k.py, seesaw.py, merge.py, triton.py, reference.py.
+consumer.py, double_k.py, seesaw.py, blackwell.py, merge.py, triton.py, reference.py.
 """
 import dataclasses
 
-from pallas_kernels.sparse_decode_attention import double_k, seesaw, triton
+from pallas_kernels.arch import is_blackwell
+from pallas_kernels.sparse_decode_attention import blackwell, double_k, seesaw, triton
 from pallas_kernels.sparse_decode_attention.inputs import default_splits, prepare_inputs
 from pallas_kernels.interpret import gpu_interpret_params
 from pallas_kernels.sparse_decode_attention.layout import BLOCK_TOKENS, HT
@@ -106,6 +109,8 @@ def sparse_decode_attention(q_BHD, win, cmp, block_table, idx_BK, t_B, sink_H, *
     # the GPU): the GPU interpreter (jax 0.11.2) deadlocks on the seesaw kernel.
     kernel = (seesaw if (use_seesaw(B, H) and not interpret if tuning.seesaw is None
                          else tuning.seesaw) else double_k)
+    if is_blackwell():   # sm_100 (interpreted too: the kernel this target runs)
+        kernel = blackwell
     o, lse = kernel.attention(*args, NS=NS, epb=cmp[0].shape[1], used_from_t=ids_prefix,
                               implicit=implicit, interpret=params)
     sink = args[-1]
