@@ -506,3 +506,141 @@ def with_scale_byte_arr(scale, byte, rng):
     sc = np.array(jax.lax.bitcast_convert_type(scale, jnp.uint8))
     sc[tuple(int(rng.integers(n)) for n in sc.shape)] = byte
     return jax.lax.bitcast_convert_type(jnp.asarray(sc), jnp.float8_e8m0fnu)
+
+
+# ---------------------------------------------------------------------------------------
+# V4-Flash-0731: the DSpark drafter layout
+# ---------------------------------------------------------------------------------------
+def tiny3_dspark():
+    """tiny3 with the DSpark drafter in place of its MTP block (3 stages mtp.0-2)."""
+    from dsv4_jax.dspark import with_dspark
+    return with_dspark(tiny3())
+
+
+@pytest.fixture(scope="module")
+def dspark_ckpts(tmp_path_factory):
+    """A synthetic 0731-format checkpoint of tiny3 and its conversion."""
+    root = tmp_path_factory.mktemp("dspark")
+    S.make_checkpoint(root / "st", tiny3_dspark(), "official", SEED, shard_bytes=1 << 20,
+                      row_block_elems=3000)
+    C.convert(root / "st", root / "ob", progress=False, log=lambda *a: None)
+    return root / "st", root / "ob"
+
+
+def test_dspark_layout_at_flash_shapes():
+    from dsv4_jax.dspark import with_dspark
+    cfg = with_dspark(get_preset("flash"))
+    ex = L.expected_tensors(cfg, "official")
+    want = {"mtp.0.main_proj.weight": ("F8_E4M3", (4096, 12288)),
+            "mtp.0.main_proj.scale": ("F8_E8M0", (32, 96)),
+            "mtp.0.main_norm.weight": ("BF16", (4096,)),
+            "mtp.2.markov_head.markov_w1.weight": ("BF16", (129280, 256)),
+            "mtp.2.markov_head.markov_w2.weight": ("F32", (129280, 256)),
+            "mtp.2.confidence_head.proj.weight": ("F32", (1, 4352)),
+            "mtp.2.hc_head_fn": ("F32", (4, 16384)), "mtp.2.norm.weight": ("BF16", (4096,)),
+            "mtp.1.ffn.experts.255.w2.weight": ("I8", (4096, 1024)),
+            "mtp.1.ffn.gate.bias": ("F32", (256,)), "mtp.2.attn.wkv.weight": ("F8_E4M3", (512, 4096))}
+    for n, (dt, shp) in want.items():
+        assert (ex[n].dtype, ex[n].shape) == (dt, shp), n
+    mtp = [n for n in ex if n.startswith("mtp.")]
+    assert not any(".compressor." in n or ".indexer." in n or "tid2eid" in n for n in mtp)
+    assert not any(n.startswith(("mtp.3.", "mtp.0.e_proj", "mtp.0.enorm")) for n in mtp)
+    assert "mtp.0.markov_head.markov_w1.weight" not in ex and "mtp.1.main_proj.weight" not in ex
+    base = L.expected_tensors(get_preset("flash"), "official")
+    # three blocks for one; beyond its blocks each drafter has 10 tensors (MTP: e/h_proj
+    # weight + scale, enorm, hnorm, norm, hc_head x 3; DSpark: main_proj x 2, main_norm,
+    # norm, hc_head x 3, markov_w1, markov_w2, confidence proj)
+    assert len(ex) - len(base) == 2 * (len([n for n in base if n.startswith("mtp.0.")]) - 10)
+    assert "DSpark drafter: 3 stages" in L.layout_name(cfg)
+    assert L.layout_name(get_preset("flash")) == "base V4 (1 MTP block)"
+
+
+def test_dspark_checkpoint_round_trip(dspark_ckpts):
+    st, ob = dspark_ckpts
+    conf = json.loads((st / "config.json").read_text())
+    assert conf["dspark_target_layer_ids"] == [0, 1, 2] and conf["dspark_block_size"] == 5
+    assert len(conf["compress_ratios"]) == 3 + 3 and conf["num_nextn_predict_layers"] == 1
+    want = P.init_params(tiny3_dspark(), SEED)
+    assert "mtp.2.markov_head.markov_w2.weight" in want and "mtp.0.e_proj" not in want
+    for path in (st, ob):  # direct safetensors read, and the orbax conversion
+        cfg, params = loading.load(path)
+        assert cfg == tiny3_dspark().replace(name=cfg.name)
+        assert_trees_bit_equal(want, params)
+        info = inspect(path)
+        assert "V4-Flash-0731 (DSpark drafter: 3 stages" in info["layout"]
+        assert "dspark" in summarize(info)["by_layer_kind"]
+    man = json.loads((ob / C.MANIFEST).read_text())
+    assert "DSpark" in man["source"]["layout"]
+    cfg, params = loading.load(ob, include_mtp=False)
+    assert not any(k.startswith("mtp.") for k in params)
+
+
+def base_config_json(cfg) -> str:
+    return json.dumps(cfg.to_hf_dict())
+
+
+def test_each_layout_refuses_the_others_drafter(ckpts, converted, dspark_ckpts, tmp_path):
+    from checkpoints.errors import DrafterMismatchError
+    from checkpoints.source import open_source
+    st, ob = dspark_ckpts
+    # 0731 tensors, base-V4 config.json: would read the drafter's stages as MTP blocks
+    c = copy_ckpt(st, tmp_path / "a")
+    (c / "config.json").write_text(base_config_json(tiny3()))
+    for f in (open_source, loading.load, inspect):
+        with pytest.raises(DrafterMismatchError, match=r"hold a DSpark drafter .*mtp\.0\.main_proj"):
+            f(c)
+    o = copy_ckpt(ob, tmp_path / "ao")
+    (o / "config.json").write_text(base_config_json(tiny3()))
+    for f in (loading.load, inspect):
+        with pytest.raises(DrafterMismatchError, match="hold a DSpark drafter"):
+            f(o)
+    # base-V4 tensors, 0731 config.json: no drafter to run
+    c = copy_ckpt(ckpts["official"], tmp_path / "b")
+    (c / "config.json").write_text(base_config_json(tiny3_dspark()))
+    with pytest.raises(DrafterMismatchError, match=r"declares a DSpark drafter .*mtp\.0\.e_proj"):
+        loading.load(c)
+    o = copy_ckpt(converted["official"], tmp_path / "bo")
+    (o / "config.json").write_text(base_config_json(tiny3_dspark()))
+    with pytest.raises(DrafterMismatchError, match="hold a base-V4 MTP block"):
+        loading.load(o)
+    # a stage the config does not declare is not skipped as an extra MTP block
+    c = copy_ckpt(st, tmp_path / "c")
+    name = "mtp.2.attn_norm.weight"
+    rewrite_shard(shard_of(c, name), lambda t: {**t, "mtp.3.attn_norm.weight": t[name]})
+    with pytest.raises(UnknownKeyError, match=r"mtp\.3\.attn_norm"):
+        open_source(c)
+
+
+def test_dspark_truncated_and_foreign_stay_clear(dspark_ckpts, tmp_path):
+    st, _ = dspark_ckpts
+    c = copy_ckpt(st, tmp_path / "t")
+    p = shard_of(c, "mtp.2.markov_head.markov_w2.weight")
+    p.write_bytes(p.read_bytes()[:-100])
+    with pytest.raises(TruncatedShardError, match=p.name):
+        loading.load(c)
+    c = copy_ckpt(st, tmp_path / "f")
+    conf = json.loads((c / "config.json").read_text())
+    conf["model_type"], conf["architectures"] = "llama", ["LlamaForCausalLM"]
+    (c / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ForeignCheckpointError, match="not a DeepSeek-V4"):
+        loading.load(c)
+    c = copy_ckpt(st, tmp_path / "s")  # a drafter head of the wrong rank
+    conf = json.loads((c / "config.json").read_text())
+    conf["dspark_markov_rank"] = 128
+    (c / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ShapeMismatchError, match="markov_w1"):
+        loading.load(c)
+
+
+def test_cli_make_checkpoint_dspark(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli_main(["make-checkpoint", "--preset", "tiny", "--layers", "2", "--dspark",
+                     "--seed", "4", "--quiet", str(out)]) == 0
+    assert "DSpark drafter" in capsys.readouterr().out
+    assert cli_main(["inspect", str(out)]) == 0
+    rep = capsys.readouterr().out
+    assert "layout: V4-Flash-0731 (DSpark drafter: 3 stages mtp.0-2" in rep
+    assert "dspark heads" in rep and "3 DSpark stages" in rep
+    cfg, params = loading.load(out)
+    assert cfg.dspark_target_layer_ids == (0, 0, 1) and cfg.num_hidden_layers == 2
+    assert_trees_bit_equal(P.init_params(cfg, 4), params)
