@@ -6,7 +6,9 @@ One server per module (its programs compile once, in the warm-up). The greedy re
 come from Engine.generate on the same engine before the server starts (the fixed-batch
 path, no scheduler). Tool calls go through a second server whose "model" replays a
 scripted DSV4 completion: the embedded model was never taught DSML."""
+import asyncio
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,14 +18,15 @@ import numpy as np
 import openai
 import pytest
 
-from dsv4_jax import chat, load
+from dsv4_jax import chat, config, load
 from dsv4_jax.embedded import EMBEDDED_NAME, embedded_checkpoint
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.cli import main as cli_main
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
-from dsv4_jax.serve.run import BackgroundServer, build
+from dsv4_jax.serve.run import BackgroundServer, build, free_port
 from dsv4_jax.serve.api import Server
+from dsv4_jax.serve.metrics import Metrics
 from dsv4_jax.serve.scheduler import Output, SchedulerConfig
 from dsv4_jax.serve.text import IncrementalText
 from dsv4_jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -90,6 +93,8 @@ def test_models_health_metrics(server):
     url, srv, _ = server
     assert [m.id for m in client(url).models.list().data] == [MODEL]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+    # the pool's size reads right before any client's request
+    assert metric(url, "dsv4_cache_blocks_total") == srv.sch.cs.num_blocks == 6
     text = httpx.get(url + "/metrics").text
     for name in ("dsv4_requests_total", "dsv4_queue_depth", "dsv4_generation_tokens_per_second",
                  "dsv4_time_to_first_token_seconds", "dsv4_inter_token_latency_seconds",
@@ -170,12 +175,15 @@ def test_bad_input_gets_openai_errors_and_serving_goes_on(server):
              (dict(prompt=[5] * srv.capacity, max_tokens=4), "prompt",
               "context_length_exceeded"),
              (dict(prompt="x", max_tokens=10 * srv.capacity), "max_tokens",
-              "context_length_exceeded")]
+              "context_length_exceeded"),
+             (dict(prompt=[5, 10 ** 7], max_tokens=2), "prompt", "invalid_value")]
     for kw, param, code in cases:
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model=MODEL, **kw)
         assert e.value.status_code == 400
         assert (e.value.body["param"], e.value.body["code"]) == (param, code), kw
+        if kw.get("max_tokens") == "many":
+            assert "'max_tokens' must be an integer" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert e.value.body["param"] == "messages"
@@ -309,3 +317,178 @@ def test_cli_serve_refuses_bad_flags_before_loading(capsys):
     assert cli_main(["serve", "--prefix-cache-entries", "-1"]) == 2
     assert cli_main(["serve", "--devices", "1", "--prefix-cache-entries", "4"]) == 2
     assert "single-device" in capsys.readouterr().err
+
+
+# ---- what a new user hit (issue 54): a scripted server, no model ------------------------
+LIMIT = 100_000   # request body bytes
+
+
+class SlowTokenizer(ByteTokenizer):
+    """Tokenizes a prompt longer than 10k characters only once the test lets it go (as
+    megabytes of text take seconds)."""
+
+    def __init__(self):
+        super().__init__(1024)
+        self.busy, self.go = threading.Event(), threading.Event()
+
+    def encode(self, text):
+        if len(text) > 10_000:
+            self.busy.set()
+            self.go.wait(10)
+        return super().encode(text)
+
+
+@pytest.fixture(scope="module")
+def slow():
+    tok = SlowTokenizer()
+    srv = Server(ScriptedScheduler(tok), tok, "scripted", Metrics("scripted"),
+                 max_body_bytes=LIMIT)
+    with BackgroundServer(srv) as url:
+        yield url, tok
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(slow):
+    url, tok = slow
+    tok.go.clear()
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, url + "/v1/completions", timeout=60,
+                          json={"model": "scripted", "prompt": "x" * (LIMIT // 2),
+                                "max_tokens": 4})
+        try:
+            assert tok.busy.wait(10), "the long prompt never reached the tokenizer"
+            t0 = time.monotonic()
+            health = httpx.get(url + "/health", timeout=5)
+            took = time.monotonic() - t0
+        finally:
+            tok.go.set()
+        assert health.status_code == 200 and took < 2.0, took
+        assert big.result().status_code == 200
+
+
+def test_an_oversized_body_gets_413_and_serving_goes_on(slow):
+    url, _ = slow
+    body = json.dumps({"model": "scripted", "prompt": "y" * LIMIT}).encode()
+    for content in (body, (body[i:i + 8192] for i in range(0, len(body), 8192))):
+        # with a Content-Length, then chunked (counted as it arrives)
+        r = httpx.post(url + "/v1/completions", content=content, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and str(LIMIT) in err["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    assert client(url).completions.create(model="scripted", prompt="ok", max_tokens=2)
+
+
+def test_unsupported_generation_fields_are_refused(slow):
+    """response_format asks for constrained (JSON) decoding, which this server does not
+    do: 400, never a silent plain-text answer; likewise logit_bias and vLLM's guided_*."""
+    url, _ = slow
+    c = client(url)
+    msgs = [{"role": "user", "content": "json please"}]
+    for kw in (dict(response_format={"type": "json_object"}),
+               dict(response_format={"type": "json_schema", "json_schema": {
+                   "name": "x", "schema": {"type": "object"}}}),
+               dict(logit_bias={"5": 10}),
+               dict(extra_body={"guided_json": {"type": "object"}})):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="scripted", messages=msgs, max_tokens=4, **kw)
+        param = next(iter(kw.get("extra_body", kw)))
+        assert (e.value.body["param"], e.value.body["code"]) == (param,
+                                                                 "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="scripted", prompt="x", best_of=3)
+    assert e.value.body["param"] == "best_of"
+    r = c.chat.completions.create(model="scripted", messages=msgs, max_tokens=4,
+                                  response_format={"type": "text"})
+    assert r.choices[0].finish_reason
+
+
+def endpoint_counts(url) -> dict:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("dsv4_requests_total{"):
+            ep = line.split('endpoint="')[1].split('"')[0]
+            out[ep] = out.get(ep, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_model_retrieve(slow):
+    """GET /v1/models/{id} (the openai client's models.retrieve), counted under its
+    route's template."""
+    url, _ = slow
+    c = client(url)
+    assert c.models.retrieve("scripted").id == "scripted"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-5")
+    assert e.value.body["code"] == "model_not_found"
+    got = endpoint_counts(url)
+    assert got["/v1/models/{model_id:path}"] >= 2 and "/v1/models/gpt-5" not in got, got
+
+
+def test_endpoint_labels_are_bounded(slow):
+    """Every unknown path counts as one "other" endpoint, not a label series each."""
+    url, _ = slow
+    assert httpx.get(f"{url}/v1/models").status_code == 200
+    for i in range(5):
+        assert httpx.get(f"{url}/v1/nowhere-{i}").status_code == 404
+    got = endpoint_counts(url)
+    assert not [e for e in got if "nowhere" in e], got
+    assert got["other"] >= 5 and got["/v1/models"] >= 1
+
+
+def test_cli_serve_on_a_busy_port_exits_2_before_loading(capsys, monkeypatch):
+    from dsv4_jax import cli
+    monkeypatch.setattr(cli, "serving_engine",
+                        lambda args: pytest.fail("the model loaded before the port was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_main(["serve", "--port", str(port)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("dsv4 serve: error: ") and f"--port {port}" in line \
+        and "in use" in line
+    assert cli_main(["serve", "--host", "10.255.255.1", "--port", str(port)]) == 2
+    assert "not an address of this machine" in capsys.readouterr().err
+
+
+def test_cli_serve_says_ready_once_it_listens(capsys, monkeypatch):
+    """`ready` is printed when the port answers (uvicorn's start slowed down here by a
+    second, so a line printed before it would find the port closed)."""
+    import uvicorn
+    from dsv4_jax import cli
+    from dsv4_jax.serve import run as serve_run
+    tok = ByteTokenizer(1024)
+
+    class Eng:
+        cfg = config.tiny()
+    monkeypatch.setattr(cli, "serving_engine", lambda args: (Eng(), tok, "scripted"))
+    monkeypatch.setattr(serve_run, "build", lambda *a, **k: Server(ScriptedScheduler(tok),
+                                                                   tok, "scripted"))
+    started = uvicorn.Server.startup
+
+    async def slow_startup(self, sockets=None):
+        await asyncio.sleep(1.0)
+        await started(self, sockets=sockets)
+    monkeypatch.setattr(uvicorn.Server, "startup", slow_startup)
+    servers = []
+    make = getattr(serve_run, "http_server", None)
+    monkeypatch.setattr(serve_run, "http_server",
+                        lambda *a, **k: servers.append(make(*a, **k)) or servers[-1],
+                        raising=False)
+    port, rc = free_port(), []
+    th = threading.Thread(target=lambda: rc.append(cli_main(
+        ["serve", "--port", str(port), "--log-level", "warning"])), daemon=True)
+    th.start()
+    err, t0 = "", time.monotonic()
+    try:
+        while "ready" not in err and th.is_alive() and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+            err += capsys.readouterr().err
+        assert f"http://127.0.0.1:{port}/v1" in err, err
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    finally:
+        for s in servers:
+            s.should_exit = True
+        th.join(30)
+    assert rc == [0]
