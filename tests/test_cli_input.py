@@ -361,6 +361,7 @@ def test_generate_statistics_cover_every_wave(capsys, monkeypatch, tmp_path):
     err = capsys.readouterr().err
     assert [(n, s) for n, s, _ in eng.calls] == [(4, 7), (4, 11), (2, 15)]
     assert "in 3 waves of up to 4" in err
+    assert "compiles its programs" in err   # said before the silent compile
     stats = err.strip().splitlines()[-1]
     assert "time to first token 1.50 s" in stats, stats   # wave 1's
     assert "decode compile 2.0 s, then 100 tokens in 3.00 s = 33.3 tokens/s" in stats, stats

@@ -113,3 +113,21 @@ def test_chat_parser_keeps_an_unclosed_block_as_content():
     ev = p.feed("hi\n\n" + chat.TOOL_CALLS_START + "\n<broken") + p.finish()
     assert "".join(v for k, v in ev if k == "content") == "hi" + chat.TOOL_CALLS_START + "\n<broken"
     assert all(k == "content" for k, _ in ev)
+
+
+def test_incremental_text_with_a_bpe_tokenizer():
+    """The embedded model's byte-level BPE: emoji, CJK and accents whose bytes span
+    several ids come out whole, and the pieces join into decode(ids) exactly."""
+    from dsv4_jax.embedded import embedded_checkpoint
+    from dsv4_jax.tokenizer import load_tokenizer
+    tok = load_tokenizer(embedded_checkpoint(), 1 << 20)
+    rng = np.random.default_rng(54)
+    words = ["🚀", "日本語", "café", "naïve", "€", "Ωμέγα", "😀", " ", "\n", "def f(x):",
+             "ß", "한국어"]
+    for _ in range(5):
+        text = "".join(words[i] for i in rng.integers(0, len(words), 30))
+        ids = tok.encode(text)
+        inc = IncrementalText(tok.decode)
+        pieces = [inc.push([t])[0] for t in ids] + [inc.finish()]
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) == tok.decode(ids) == text

@@ -155,3 +155,14 @@ def test_hf_tokenizer_errors(hf_dir, tmp_path):
     no_user.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="missing chat special tokens"):
         tk.load_tokenizer(tmp_path, 10_000)
+
+
+def test_source_is_named_and_a_broken_file_is_a_value_error(hf_dir, tmp_path):
+    d, ref = hf_dir
+    n = ref.get_vocab_size(with_added_tokens=True)
+    assert tk.load_tokenizer(d, n).source == str(d / "tokenizer.json")
+    assert "byte-level" in tk.load_tokenizer(tmp_path, 1024).source
+    junk = tmp_path / "tokenizer.json"
+    junk.write_text('{"model": ')
+    with pytest.raises(ValueError, match="not a tokenizer.json"):
+        tk.load_tokenizer(junk, 10_000)
