@@ -247,3 +247,33 @@ def test_gpu_matches_reference(fmt, tm):
     x = rand_x(rng, 6 * tm, K)
     f = jax.jit(functools.partial(grouped_expert_matmul, tuning=Tuning(tm=tm)))
     check(f(x, ex, w), tiled_np(x, ex, w, tm))
+
+
+# ---- the model's prefill MoE path ----
+
+def test_moe_prefill_path_matches_dense_loop():
+    """routed_experts for many tokens with nm.matmul="interpret" (pairs sorted into row
+    tiles through the kernel) = the XLA path (a loop over all experts with a combine
+    mask), to f32 summation order; w1 and w3 as row views of one merged w13 (the decode
+    form); a dropped pair (expert id E) contributes nothing."""
+    from dsv4_jax import config as C
+    from dsv4_jax.layers import experts as X
+    from dsv4_jax.quant import Numerics, WeightRows
+    rng = np.random.default_rng(7)
+    E, D, I, k, N = 4, 256, 256, 2, 130          # 260 pairs: past the decode kernels' 256
+    cfg = C.test().replace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E,
+                           num_experts_per_tok=k)
+    w13 = rand_fp8(rng, E, 2 * I, D)
+    p = {"experts.w1": WeightRows(w13, 0, I), "experts.w3": WeightRows(w13, I, 2 * I),
+         "experts.w2": rand_fp8(rng, E, D, I)}
+    x = jnp.asarray(rng.standard_normal((1, N, D)) * 0.5, jnp.bfloat16)
+    # distinct experts a token (as top-k routes; a repeated one is weighted once by the loop)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])[None]
+    idx = jnp.asarray(idx, jnp.int32).at[0, 5, 1].set(E)
+    w = jnp.asarray(rng.random((1, N, k)), jnp.float32)
+    assert X.grouped_kernel_ok(p["experts.w1"]) and X.grouped_kernel_ok(p["experts.w2"])
+    f = lambda nm: jax.jit(lambda p, x, i, w: X.routed_experts(p, x, i, w, cfg, nm))(p, x, idx, w)
+    got = np.asarray(f(Numerics(matmul="interpret")))
+    want = np.asarray(f(Numerics()))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-5, err

@@ -8,14 +8,18 @@ routed experts grouped by expert, and the shared expert.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_expert_matmul import (Tuning as GroupedTuning,
+                                                  grouped_expert_matmul, tile_layout)
+
 from ..config import Config
-from ..quant import (KERNEL_MAX_ROWS, Numerics, f32_dot_bf16, fp8_block_sim, grouped_linear,
-                     linear)
+from ..quant import (KERNEL_MAX_ROWS, Fp4Weight, Fp8Weight, Numerics, WeightRows,
+                     f32_dot_bf16, fp8_block_sim, grouped_linear, linear)
 
 F32 = jnp.float32
 
@@ -86,7 +90,10 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False
     sort or scatters). Few tokens (decode batches): the pairs are grouped by expert into
     tiles (`expert_schedule`) and each tile reads its expert's stored weights once (the
     Pallas weight-streaming kernel with nm.matmul="pallas"). Many tokens: loop over all E
-    experts with a combine mask."""
+    experts with a combine mask, or, with nm.matmul != "xla" and kernel-shaped FP8 / FP4
+    experts (`grouped_kernel_ok`), the pairs sorted by expert into row tiles through the
+    grouped expert matmul (`_moe_grouped`: each expert's weights read once per tile of
+    PREFILL_TILE rows, at tensor-core rate)."""
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     k = idx.shape[-1]
     B, T, D = x.shape
@@ -97,6 +104,10 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False
     if pairs < E or (nm.matmul != "xla" and pairs <= KERNEL_MAX_ROWS * k):
         return _moe_scheduled(p, x.reshape(B * T, D), idx.reshape(B * T, k),
                               w.reshape(B * T, k), cfg, nm, 8, presim).reshape(B, T, D)
+    if nm.matmul != "xla" and nm.bf16_operands and all(
+            grouped_kernel_ok(p[n]) for n in ("experts.w1", "experts.w3", "experts.w2")):
+        return _moe_grouped(p, x.reshape(B * T, D), idx.reshape(B * T, k),
+                            w.reshape(B * T, k), cfg, nm, presim).reshape(B, T, D)
     comb = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, E, dtype=F32))  # [B,T,E]
 
     def one(e, acc):
@@ -188,3 +199,73 @@ def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int,
     Wr = jnp.concatenate([w_NK.reshape(-1).astype(F32), jnp.zeros((1,), F32)])[src]
     y = _grouped_swiglu(p, X.reshape(S, tile, D), slot_expert, Wr.reshape(S, tile), cfg, nm)
     return jnp.zeros((N, D), F32).at[tok].add(y[slot, row])
+
+
+# Token rows per tile of the prefill path's grouped expert matmul (its wgmma M side): each
+# tile reads its expert's weights once. Each expert wastes under one tile of padding.
+PREFILL_TILE = 128
+
+
+def grouped_kernel_ok(w) -> bool:
+    """Whether the grouped expert matmul takes this stacked weight [E, N, K] (a WeightRows
+    view: its stored weight): FP8 with K % 256 == 0, FP4 with K % 512 == 0 and K <= 8192;
+    N % 128 == 0."""
+    w = w.w if isinstance(w, WeightRows) else w
+    if not isinstance(w, (Fp8Weight, Fp4Weight)) or len(w.shape) != 3:
+        return False
+    _, N, K = w.shape
+    if isinstance(w, Fp8Weight):
+        return N % 128 == 0 and K % 256 == 0
+    return N % 128 == 0 and K % 512 == 0 and K <= 8192
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "exact_fp4", "tm"))
+def _grouped_expert_matmul_jit(x_RK, tile_expert_S, w, impl, exact_fp4, tm):
+    """One lowered kernel per weight shape in the step (the layers share it)."""
+    return grouped_expert_matmul(x_RK, tile_expert_S, w, impl=impl, exact_fp4=exact_fp4,
+                                 tuning=GroupedTuning(tm=tm))
+
+
+def _tiles_linear(x_RK, tile_expert_S, w, nm: Numerics, tm: int):
+    """f32 [R, out] = the row tiles of x times their experts' W.T. A WeightRows view: the
+    product with the whole stored weight, columns sliced (the two views' calls are one
+    after XLA's CSE)."""
+    if isinstance(w, WeightRows):
+        return _tiles_linear(x_RK, tile_expert_S, w.w, nm, tm)[:, w.start:w.stop]
+    return _grouped_expert_matmul_jit(x_RK.astype(jnp.bfloat16), tile_expert_S, w,
+                                      impl=nm.matmul, exact_fp4=nm.exact_fp4, tm=tm)
+
+
+def _moe_grouped(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, presim=False,
+                 tm: int = PREFILL_TILE):
+    """Routed experts for many tokens: x [N, D], idx/w [N, k] -> [N, D] f32.
+
+    pairs [P = N k] --sort by expert--> row tiles [S * tm] (tile s: one expert's pairs,
+    zero rows after them; schedule.tile_layout) --gather x, weights--> h1, h3 = grouped
+    expert matmuls [S tm, I] --swiglu * w--> W2 matmul [S tm, D] --scatter-add by token-->
+    [N, D]. The same per-pair math as the dense loop (bf16 rounding points, FP8
+    simulation of the W2 input), summed over a token's k experts in pair order."""
+    N, D = x_ND.shape
+    k = idx_NK.shape[1]
+    P = N * k
+    E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
+    e = idx_NK.reshape(P).astype(jnp.int32)
+    e = jnp.where((e >= 0) & (e < E), e, E)            # invalid -> after every expert
+    order = jnp.argsort(e, stable=True)
+    sizes = jnp.zeros(E + 1, jnp.int32).at[e].add(1)[:E]
+    lay = tile_layout(sizes, P, tm)
+    pair_R = jnp.concatenate([order.astype(jnp.int32), jnp.full((1,), P, jnp.int32)])[
+        lay.src_R]                                      # [S tm]: P for padding rows
+    tok_R = jnp.where(pair_R < P, pair_R // k, N)
+    xq = fp8_block_sim(x_ND, 128) if nm.act_quant and not presim else x_ND
+    X = jnp.concatenate([xq, jnp.zeros((1, D), xq.dtype)])[tok_R]
+    Wr = jnp.concatenate([w_NK.reshape(P).astype(F32), jnp.zeros((1,), F32)])[pair_R]
+    te = lay.tile_expert_S
+    h1 = _tiles_linear(X, te, p["experts.w1"], nm, tm)
+    h3 = _tiles_linear(X, te, p["experts.w3"], nm, tm)
+    h = swiglu(h1.astype(nm.jdtype), h3.astype(nm.jdtype), cfg.swiglu_limit) * Wr[:, None]
+    h = h.astype(nm.jdtype)
+    if nm.act_quant:
+        h = fp8_block_sim(h, 128)
+    y = _tiles_linear(h, te, p["experts.w2"], nm, tm)
+    return jnp.zeros((N, D), F32).at[tok_R].add(y, mode="drop")
