@@ -4,7 +4,8 @@
         [--context 4096] [--kernels on|off] [--matmul pallas|xla] [--spec h200|h100_sxm|b200]
         [--devices 2 --expert 2] [--top 25] [--hlo-out step.hlo]
 
-XLA compiles for a GPU it knows only by description: a compile-only PJRT topology made from
+--spec b200 compiles for a described B200 (sm_100a): the kernel packages then take their
+Blackwell variants (docs/KERNELS.md). XLA compiles for a GPU it knows only by description: a compile-only PJRT topology made from
 a GpuTargetConfig (benchmarks/gpu_specs/<spec>.txtpb, which carries the CUDA versions XLA
 needs to put custom calls into CUDA graphs). The optimised HLO is what the GPU would run:
 fusions, library GEMMs and the Pallas kernels. At batch 1 a step's GPU time follows its
