@@ -104,7 +104,7 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False
     if pairs < E or (nm.matmul != "xla" and pairs <= KERNEL_MAX_ROWS * k):
         return _moe_scheduled(p, x.reshape(B * T, D), idx.reshape(B * T, k),
                               w.reshape(B * T, k), cfg, nm, 8, presim).reshape(B, T, D)
-    if nm.matmul != "xla" and nm.bf16_operands and all(
+    if GROUPED_PREFILL and nm.matmul != "xla" and nm.bf16_operands and all(
             grouped_kernel_ok(p[n]) for n in ("experts.w1", "experts.w3", "experts.w2")):
         return _moe_grouped(p, x.reshape(B * T, D), idx.reshape(B * T, k),
                             w.reshape(B * T, k), cfg, nm, presim).reshape(B, T, D)
@@ -200,6 +200,10 @@ def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int,
     y = _grouped_swiglu(p, X.reshape(S, tile, D), slot_expert, Wr.reshape(S, tile), cfg, nm)
     return jnp.zeros((N, D), F32).at[tok].add(y[slot, row])
 
+
+# The many-token path through the grouped expert matmul (with nm.matmul != "xla"); False
+# restores the loop over all experts (benchmarks/prefill_bench.py's comparison).
+GROUPED_PREFILL = True
 
 # Token rows per tile of the prefill path's grouped expert matmul (its wgmma M side): each
 # tile reads its expert's weights once. Each expert wastes under one tile of padding.
