@@ -492,3 +492,24 @@ def test_cli_serve_says_ready_once_it_listens(capsys, monkeypatch):
             s.should_exit = True
         th.join(30)
     assert rc == [0]
+
+
+def test_cli_serve_start_failure_exits_1(capsys, monkeypatch):
+    """A server that fails to start exits 1 with one line (uvicorn's own status would be
+    3, which the CLI does not document)."""
+    from dsv4_jax import cli
+    from dsv4_jax.serve import run as serve_run
+    tok = ByteTokenizer(1024)
+
+    class Eng:
+        cfg = config.tiny()
+
+    class Broken(Server):
+        def start(self):
+            raise RuntimeError("the engine thread did not start")
+    monkeypatch.setattr(cli, "serving_engine", lambda args: (Eng(), tok, "scripted"))
+    monkeypatch.setattr(serve_run, "build", lambda *a, **k: Broken(ScriptedScheduler(tok),
+                                                                   tok, "scripted"))
+    assert cli_main(["serve", "--port", str(free_port()), "--log-level", "critical"]) == 1
+    err = capsys.readouterr().err
+    assert "dsv4 serve: failed" in err and "ready" not in err, err

@@ -2,7 +2,9 @@
 command), or run it on a background thread (tests, benchmarks/serve_load.py)."""
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 import time
 
@@ -27,6 +29,41 @@ def build(engine, tokenizer, model_name: str, config: SchedulerConfig = Schedule
     return Server(sch, tokenizer, model_name, metrics, max_body_bytes=max_body_bytes)
 
 
+class _CurrentStream(logging.StreamHandler):
+    """A StreamHandler writing to sys.stderr / sys.stdout as they are when a record comes
+    (a test's captured stream is closed after it)."""
+
+    def __init__(self, which: str):
+        self.which = which
+        super().__init__()
+
+    @property
+    def stream(self):
+        return getattr(sys, self.which)
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _uvicorn_logging() -> None:
+    """uvicorn's log lines (its formats, stderr and the access log on stdout), set up
+    without its logging.config.dictConfig: that closes every handler in the process,
+    jax's and a test runner's included."""
+    from uvicorn.logging import AccessFormatter, DefaultFormatter
+    for name, fmt, which in (
+            ("uvicorn", DefaultFormatter("%(levelprefix)s %(message)s"), "stderr"),
+            ("uvicorn.access", AccessFormatter(
+                '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'),
+             "stdout")):
+        log = logging.getLogger(name)
+        if not any(isinstance(h, _CurrentStream) for h in log.handlers):
+            h = _CurrentStream(which)
+            h.setFormatter(fmt)
+            log.addHandler(h)
+        log.propagate = False
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, calling on_ready() once it listens."""
 
@@ -42,7 +79,9 @@ class _Uvicorn(uvicorn.Server):
 
 def http_server(srv: Server, log_level: str = "info", on_ready=None, **config) -> _Uvicorn:
     """The uvicorn server of `srv`'s app (config: more uvicorn.Config fields)."""
-    return _Uvicorn(uvicorn.Config(create_app(srv), log_level=log_level, **config), on_ready)
+    _uvicorn_logging()
+    return _Uvicorn(uvicorn.Config(create_app(srv), log_level=log_level, log_config=None,
+                                   **config), on_ready)
 
 
 def serve(srv: Server, sock: socket.socket, log_level: str = "info", on_ready=None) -> None:
