@@ -434,15 +434,21 @@ def stream_step_fn(step_fn, sampler):
     """step_fn(params, cache, tokens, slots, pos, nvalid, table) -> (logits, cache) ->
     run(params, cache, st) -> (cache, st'): one decode step of every running slot of st,
     the next tokens sampled in the same program and written into st'.tok; st'.pos advances
-    by nvalid. Jit it with the cache and st donated: every output then aliases an input."""
+    by nvalid. sampler: a generate.py sampler (one key for the batch: st.key, st.i) or one
+    with draw(logits, st) -> (tokens, state updates) (serve.sampling.RowSampler). Jit it
+    with the cache and st donated: every output then aliases an input."""
     def run(params, cache, st):
         R = st["tok"].shape[0]
         logits, cache = step_fn(params, cache, st["tok"], jnp.arange(R, dtype=jnp.int32),
                                 st["pos"], st["nvalid"], st["table"])
-        nxt = sampler.get_next_tokens(logits, jax.random.fold_in(st["key"], st["i"]))
+        if hasattr(sampler, "draw"):   # per-row settings in the state (RowSampler)
+            nxt, upd = sampler.draw(logits, st)
+        else:
+            nxt = sampler.get_next_tokens(logits, jax.random.fold_in(st["key"], st["i"]))
+            upd = {"i": st["i"] + 1}
         run_ = st["nvalid"] > 0
-        return cache, dict(st, tok=jnp.where(run_[:, None], nxt[:, None], st["tok"]),
-                           pos=st["pos"] + st["nvalid"], i=st["i"] + 1)
+        return cache, dict(st, **upd, tok=jnp.where(run_[:, None], nxt[:, None], st["tok"]),
+                           pos=st["pos"] + st["nvalid"])
     return run
 
 

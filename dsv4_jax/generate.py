@@ -16,20 +16,16 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
-from .cache import BlockManager, CacheSpec, CapacityExceeded, PoolExhausted, init_cache
+from .cache import CacheSpec, CapacityExceeded, PoolExhausted
 from .config import Config
 from .decode import STEP_COMPILER_OPTIONS, init_stream_state, put_state, read_tokens
-from .nnx_model import DeepSeekV4, apply_step, step_program, stream_program
-from .param_specs import x_proj_is_merged
-from .params import merge_x_proj as merge_decode_form
+from .nnx_model import apply_step
 from .quant import Numerics
-from . import distributed as dist
+from .runner import ModelRunner
 from . import speculative as SP
 from . import pipeline as PL
-from . import sharding as SH
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,84 +151,42 @@ class Engine:
         (params.merge_x_proj; same results, no per-step weight concat). The engine merges
         into a new tree, so `params` keeps its five weights alive while the caller holds
         it; pass a tree merged with consume=True (as the CLI does) to hold them once."""
-        if merge_x_proj:
-            params = merge_decode_form(params, cfg)   # a no-op on a merged tree
-        self.cfg, self.nm = cfg, numerics
-        self.progress = progress
-        self.cs = cache_spec or CacheSpec.for_numerics(numerics)
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.runner = ModelRunner(cfg, params, numerics=numerics, cache_spec=cache_spec,
+                                  chunk=prefill_chunk, mesh=mesh, pipeline=pipeline,
+                                  merge_x_proj=merge_x_proj)
+        self.cfg, self.nm, self.cs = cfg, numerics, self.runner.cs
         self.chunk = prefill_chunk
-        if mesh is not None and pipeline is not None:
-            raise ValueError("Engine: give a mesh or a pipeline, not both")
         self.mesh, self.pipeline = mesh, pipeline
+        self.progress = progress
         self.last_stream_state = None  # the device state after the last stream step
-        self.mtp_cache = None  # the MTP block's cache (speculative decoding), made on first use
         self.acceptance = None  # speculative decoding: mean tokens per step (speculative.py)
         self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
         self.timing = Timing()
-        self._state_sharding = None if pipeline is None else pipeline.sharding(pipeline.n - 1)
-        if pipeline is not None:
-            # no NNX module: it would keep every array alive on one device besides the stages
-            self.model = self.graphdef = None
-            self.state = PL.split_params(params, pipeline)
-            self.cache = PL.init_cache(cfg, self.cs, pipeline)
-            self.bm = BlockManager(cfg, self.cs)
-            self._step = PL.PipelineStep(cfg, self.cs, numerics, pipeline)
-            return
-        self.cache = init_cache(cfg, self.cs)
-        if mesh is None:
-            # placed (committed) as the step returns it: an uncommitted cache makes the second
-            # step compile again (a 4-layer Flash check lost ~36 s a step to it on the H100)
-            self.cache = jax.device_put(self.cache, jax.devices()[0])
-            self.bm = BlockManager(cfg, self.cs)
-        else:
-            params = SH.shard_params(params, cfg, mesh)
-            self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
-            self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
-        # the model as an NNX module; the compiled programs take its split state
-        self.model = DeepSeekV4.from_params(cfg, params)
-        self.graphdef, self.state = nnx.split(self.model)
-        if mesh is None:
-            self._step = step_program(self.graphdef, self.cs, numerics)
-        else:
-            # a checkpoint loaded without its MTP block steps without it (the step never
-            # runs MTP; its shardings must match the tree it is given)
-            self._form = dict(include_mtp=any(k.startswith("mtp.") for k in params),
-                              x_proj_merged=x_proj_is_merged(params))
-            self._step = dist.sharded_step_program(cfg, self.graphdef, self.cs, numerics, mesh,
-                                                   **self._form)
-        # where the stream state lives: the default device, or replicated on the mesh
-        self._state_sharding = (None if mesh is None else
-                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    # the runner's parameters, cache and block table, as the drivers below use them
+    model = property(lambda self: self.runner.model)
+    graphdef = property(lambda self: self.runner.graphdef)
+    state = property(lambda self: self.runner.state)
+    bm = property(lambda self: self.runner.bm)
+    cache = property(lambda self: self.runner.cache,
+                     lambda self, c: setattr(self.runner, "cache", c))
+    mtp_cache = property(lambda self: self.runner.mtp_cache,
+                         lambda self, c: setattr(self.runner, "mtp_cache", c))
 
     @property
     def params(self) -> dict:
         """The flat parameter tree the module (or the pipeline's stages) holds (the same
         arrays)."""
-        if self.pipeline is not None:
-            return {k: v for part in self.state for k, v in part.items()}
-        return self.model.to_params()
+        return self.runner.params
 
     # ---- building blocks -------------------------------------------------------------
-    def _run(self, tokens, slots, pos, nvalid):
-        logits, self.cache = self._step(self.state, self.cache, jnp.asarray(tokens, jnp.int32),
-                                        jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32),
-                                        jnp.asarray(nvalid, jnp.int32), jnp.asarray(self.bm.table))
-        return logits
-
-    def _check_tokens(self, toks):
-        toks = np.asarray(toks)
-        if toks.size and (toks.dtype == bool or not np.issubdtype(toks.dtype, np.integer)):
-            raise ValueError(f"token ids must be integers, got {toks.dtype}")
-        if toks.size and (toks.min() < 0 or toks.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{toks.min()}, {toks.max()}]")
+    def check_tokens(self, toks):
+        self.runner.check_tokens(toks)
 
     def prefill(self, slot: int, prompt: Sequence[int]):
         """Feed a prompt into an admitted slot in fixed-size chunks -> last logits [V]."""
         prompt = np.asarray(prompt, np.int32)
-        self._check_tokens(prompt)
+        self.check_tokens(prompt)
         start = int(self.bm.length[slot])
         logits = None
         starts = range(0, len(prompt), self.chunk)
@@ -243,7 +197,7 @@ class Engine:
             self.bm.ensure(slot, start + s + len(part))
             buf = np.zeros((1, self.chunk), np.int32)
             buf[0, :len(part)] = part
-            logits = self._run(buf, [slot], [start + s], [len(part)])[0]
+            logits = self.runner.run_step(buf, [slot], [start + s], [len(part)])[0]
             self.bm.advance(slot, len(part))
         return logits
 
@@ -259,15 +213,15 @@ class Engine:
         toks = np.zeros((R, 1), np.int32)
         for s, t in tokens_by_slot.items():
             toks[s, 0] = t
-        self._check_tokens(toks)
-        logits = self._run(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
+        self.check_tokens(toks)
+        logits = self.runner.run_step(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid)
         for s in slots:
             self.bm.advance(s, 1)
         return logits
 
-    def _admit_all(self, prompts, extra: int):
+    def admit_all(self, prompts, extra: int):
         for p in prompts:
-            self._check_tokens(p)
+            self.check_tokens(p)
         if len(prompts) > self.cs.max_requests:
             raise ValueError(f"{len(prompts)} prompts but the cache has "
                              f"{self.cs.max_requests} request slots (CacheSpec.max_requests)")
@@ -285,19 +239,6 @@ class Engine:
             self.bm.release(int(s))
 
     # ---- streaming -------------------------------------------------------------------
-    def _stream_program(self, sampler):
-        """The stream step (decode.stream_step_fn) for this engine and sampler."""
-        if self.pipeline is not None:
-            key = ("pipeline", sampler)
-            if key not in self._loops:
-                self._loops[key] = PL.PipelineStream(self.cfg, self.cs, self.nm, self.pipeline,
-                                                     sampler)
-            return self._loops[key]
-        if self.mesh is None:
-            return stream_program(self.graphdef, self.cs, self.nm, sampler)
-        return dist.sharded_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
-                                           self.mesh, sampler, **self._form)
-
     def _launch(self, prog, st, run_slots: list[int], first=None, key=None):
         """Enqueue one stream step for `run_slots` -> (new state, device tokens [R]).
         st None: a fresh state fed with `first` (host tokens by slot). Otherwise only the
@@ -313,7 +254,7 @@ class Engine:
             for s, t in first.items():
                 toks[s] = t
             st = init_stream_state(toks, self.bm.length.astype(np.int32), nvalid,
-                                   self.bm.table, key, sharding=self._state_sharding)
+                                   self.bm.table, key, sharding=self.runner.state_sharding)
             # load the token reader before the step's first run: XLA drops every loaded
             # program's CUDA graphs when a new one loads, and the step would re-record its
             # graphs at its second run
@@ -322,18 +263,16 @@ class Engine:
         else:
             nv0, tb0 = self._st_host
             if not np.array_equal(nv0, nvalid):
-                st = dict(st, nvalid=put_state(nvalid, self._state_sharding))
+                st = dict(st, nvalid=put_state(nvalid, self.runner.state_sharding))
             if not np.array_equal(tb0, self.bm.table):
-                st = dict(st, table=put_state(self.bm.table, self._state_sharding))
+                st = dict(st, table=put_state(self.bm.table, self.runner.state_sharding))
             self._st_host = (nvalid, self.bm.table.copy())
         self.cache, st = prog(self.state, self.cache, st)
         self.last_stream_state = st   # for inspection (e.g. in a notebook)
         nxt = read_tokens(st)   # into pinned host memory, when the step ends
         for s in run_slots:
             self.bm.advance(s, 1)
-        if "interpret" in (self.nm.matmul, self.cs.kernels):
-            # the Mosaic-GPU interpreter runs jax ops inside its callbacks; a second step
-            # dispatched while one is in flight can deadlock the CPU client
+        if self.runner.interpreted:
             jax.block_until_ready(nxt)
         return st, nxt
 
@@ -358,10 +297,10 @@ class Engine:
                                  seed=seed, stop_ids=stop_ids, k=speculative_tokens)
             return
         stops = {self.cfg.eos_token_id, *stop_ids}
-        slots = self._admit_all(prompts, max_new_tokens)
+        slots = self.admit_all(prompts, max_new_tokens)
         key = jax.random.key(seed)
         sample = jax.jit(sampler.get_next_tokens)
-        prog = self._stream_program(sampler)
+        prog = self.runner.stream_program(sampler)
         try:
             t0 = time.perf_counter()
             last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
@@ -429,7 +368,7 @@ class Engine:
                 for i, t in stepv:
                     res[i].append(t)
             return res
-        slots = self._admit_all(prompts, max_new_tokens)
+        slots = self.admit_all(prompts, max_new_tokens)
         try:
             t0 = time.perf_counter()
             last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
@@ -464,14 +403,14 @@ class Engine:
         one per decode step -> logits f32 [B, T-P+1, V] (row 0: after the prefill, row i:
         after feeding token P-1+i)."""
         tokens = np.asarray(tokens)
-        self._check_tokens(tokens)   # before the int32 cast, which would wrap large ids
+        self.check_tokens(tokens)   # before the int32 cast, which would wrap large ids
         tokens = tokens.astype(np.int32)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
         B, T = tokens.shape
         if not 1 <= prefill_len <= T:
             raise ValueError(f"prefill_len must be in [1, {T}], got {prefill_len}")
-        slots = self._admit_all(list(tokens), 0)
+        slots = self.admit_all(list(tokens), 0)
         try:
             out = [np.stack([np.asarray(self.prefill(s, row[:prefill_len]))
                              for s, row in zip(slots, tokens)])]

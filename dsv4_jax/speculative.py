@@ -30,6 +30,7 @@ from .quant import Numerics
 from . import decode as D
 from . import layers as L
 from . import model as M
+from .serve.sampling import ROW_KEYS, filter_logits
 
 F32 = jnp.float32
 MAX_DRAFTS = 3
@@ -144,6 +145,41 @@ def accept(sampler, logits, drafts, q, key):
     dpad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
     out = jnp.where(j < a[:, None], dpad, bonus[:, None])
     return out, a + 1
+
+
+def row_probs(rows, logits):
+    """Each request's sampling distribution under its own settings (serve.sampling rows
+    {name: [R]}): logits [R, ..., V] -> probabilities [R, ..., V]; a greedy row
+    (temperature 0) is its one-hot argmax, so the stochastic accept rule below is then
+    exactly greedy verification."""
+    shp, V = logits.shape, logits.shape[-1]
+    n = int(np.prod(shp[1:-1], dtype=np.int64))
+    rep = lambda a: jnp.repeat(a, n)
+    lg = filter_logits(logits.reshape(-1, V), *(rep(rows[k]) for k in ROW_KEYS[:4]))
+    hot = jax.nn.one_hot(jnp.argmax(logits, -1), V, dtype=F32)
+    greedy = (rows["temperature"] == 0).reshape(shp[0], *([1] * (len(shp) - 1)))
+    return jnp.where(greedy, hot, jax.nn.softmax(lg.reshape(shp), -1))
+
+
+def accept_rows(rows, logits, drafts, q, key_u, key_b):
+    """accept() with per-request settings and keys: logits [R, k+1, V], drafts [R, k],
+    q [R, k, V] (row_probs of the draft logits), key_u / key_b [R] -> (out [R, k+1], n [R])."""
+    B, T, V = logits.shape
+    k = T - 1
+    j = jnp.arange(T)[None, :]
+    p = row_probs(rows, logits)                                             # [B, T, V]
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]       # [B, k]
+    qd = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(key_u)
+    ok = u * qd < pd
+    a = jnp.sum(jnp.cumprod(ok, -1), -1).astype(jnp.int32)
+    resid = jnp.concatenate([jnp.maximum(p[:, :k] - q, 0.0), p[:, k:]], 1)
+    r = jnp.take_along_axis(resid, a[:, None, None], 1)[:, 0]
+    pa = jnp.take_along_axis(p, a[:, None, None], 1)[:, 0]
+    r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, pa)
+    bonus = jax.vmap(jax.random.categorical)(key_b, jnp.log(r)).astype(jnp.int32)
+    dpad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
+    return jnp.where(j < a[:, None], dpad, bonus[:, None]), a + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,12 +395,26 @@ def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
     params: the flat tree (main and MTP). Jit it with cache, mcache and st donated."""
     T = k + 1
 
+    per_row = hasattr(sampler, "draw")   # serve.sampling.RowSampler: settings in st
+
     def run(params, cache, mcache, st):
         R = st["pos"].shape[0]
         slots = jnp.arange(R, dtype=jnp.int32)
         runs = st["run"] > 0
-        key = jax.random.fold_in(st["key"], st["i"])
-        kd = jax.random.split(jax.random.fold_in(key, 1), k)
+        if per_row:   # a request's draws depend on its seed and token index only
+            rows = {n: st[n] for n in ROW_KEYS}
+            rkey = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+                st["seed"], st["draw"])
+            sub = lambda j: jax.vmap(lambda kk: jax.random.fold_in(kk, j))(rkey)
+
+            def draft(logits, j):
+                qj = row_probs(rows, logits)
+                return (jax.vmap(jax.random.categorical)(sub(j + 1), jnp.log(qj))
+                        .astype(jnp.int32), qj)
+        else:
+            key = jax.random.fold_in(st["key"], st["i"])
+            kd = jax.random.split(jax.random.fold_in(key, 1), k)
+            draft = lambda logits, j: draft_tokens(sampler, logits, kd[j])
         pend_n = jnp.where(runs, st["pend_n"], 0)
         pos = st["pos"]
         # 1. MTP catch-up over the pending rows; the last one drafts token pos + 1
@@ -373,14 +423,14 @@ def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
         last = jnp.maximum(st["pend_n"] - 1, 0)
         h = Xm[slots, last]                                                 # [R, N, D]
         tok = st["pend_tok"][slots, last]                                   # [R]
-        d, q = draft_tokens(sampler, mtp_head(params, h, cfg, nm), kd[0])
+        d, q = draft(mtp_head(params, h, cfg, nm), 0)
         drafts, qs = [d], [q]
         mc = mcache   # chained drafts write a copy that is dropped
         for j in range(1, k):
             Xc, mc = mtp_layer(params, mc, h[:, None], d[:, None], slots, pos + j - 1,
                                runs.astype(jnp.int32), st["table"], cfg, cs, nm)
             h = Xc[:, 0]
-            d, q = draft_tokens(sampler, mtp_head(params, h, cfg, nm), kd[j])
+            d, q = draft(mtp_head(params, h, cfg, nm), j)
             drafts.append(d)
             qs.append(q)
         drafts = jnp.stack(drafts, 1)                                       # [R, k]
@@ -392,10 +442,19 @@ def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
                                        nm)
         logits = M.head(params, X, cfg, nm)                                 # [R, T, V]
         # 3. accept, 4. roll back the rejected rows
-        out, n = accept(sampler, logits, drafts, q, jax.random.fold_in(key, 2))
+        extra = {}
+        if per_row:
+            out, n = accept_rows(rows, logits, drafts, q, sub(k + 1), sub(k + 2))
+            logp = jax.nn.log_softmax(logits.astype(F32), -1)
+            top_lp, top_ids = jax.lax.top_k(logp, sampler.n_top)
+            extra = dict(lp=jnp.take_along_axis(logp, out[..., None], -1)[..., 0],
+                         top_ids=top_ids.astype(jnp.int32), top_lp=top_lp,
+                         draw=st["draw"] + jnp.where(runs, n, 0))
+        else:
+            out, n = accept(sampler, logits, drafts, q, jax.random.fold_in(key, 2))
         n = jnp.where(runs, n, 0)
         cache = undo(cache, n)
-        new = dict(st, pos=pos + n, i=st["i"] + 1, out=out, n_out=n,
+        new = dict(st, **extra, pos=pos + n, i=st["i"] + 1, out=out, n_out=n,
                    pend_X=jnp.where(runs[:, None, None, None], X.astype(st["pend_X"].dtype),
                                     st["pend_X"]),
                    pend_tok=jnp.where(runs[:, None], out, st["pend_tok"]),
@@ -410,7 +469,7 @@ def spec_programs(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, sampler, k
     prefill(state, cache, mcache, tokens [1, C], slot, pos, nvalid [1], table, h_prev
     [1, N, D]) -> (logits, last residual, cache, mcache); step(state, cache, mcache, st) ->
     (cache, mcache, st'). Caches (and st) donated; one compilation each (keep the pair:
-    engine_programs does). mesh: run under the mesh's expert parallelism, shardings =
+    ModelRunner.spec_programs does). mesh: run under the mesh's expert parallelism, shardings =
     (state, cache, mcache) shardings (the stream state replicated)."""
     from flax import nnx
     flat = lambda state: nnx.merge(graphdef, state).to_params()
@@ -451,39 +510,11 @@ def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: dict, mesh):
 # ---------------------------------------------------------------------------------------
 # Engine.stream / Engine.generate with speculation
 # ---------------------------------------------------------------------------------------
-def engine_programs(eng, sampler, k: int):
-    """spec_programs for an Engine (one device or its mesh), kept in the engine's program
-    table: (prefill, step)."""
-    key = ("speculative", sampler, k)
-    if key not in eng._loops:
-        sh = None
-        if eng.mesh is not None:
-            from .distributed import state_shardings
-            from .sharding import cache_shardings
-            csh = cache_shardings(eng.cfg, eng.cs, eng.mesh)
-            sh = (state_shardings(eng.cfg, eng.mesh, eng._form["include_mtp"],
-                                  eng._form["x_proj_merged"]),
-                  csh, mtp_cache_shardings(eng.cfg, eng.cs, csh, eng.mesh))
-        eng._loops[key] = spec_programs(eng.cfg, eng.graphdef, eng.cs, eng.nm, sampler, k,
-                                        eng.mesh, sh)
-    return eng._loops[key]
-
-
-def check_engine(eng, k) -> Speculation:
-    """Validate k and the engine before any heavy work -> Speculation(k)."""
-    spec = Speculation(k)
-    if eng.pipeline is not None:
-        raise ValueError("speculative decoding runs on one device or a mesh, not a pipeline "
-                         "layout")
-    check_mtp(eng.cfg, eng.model.mtp.get_value(), spec)
-    return spec
-
-
 def _prefill(eng, prog, slot: int, prompt, h0):
     """Engine.prefill with the MTP block: chunk by chunk -> (last logits [V], last main
     residual [N, D])."""
     prompt = np.asarray(prompt, np.int32)
-    eng._check_tokens(prompt)
+    eng.check_tokens(prompt)
     h, logits = h0, None
     for s in range(0, len(prompt), eng.chunk):
         part = prompt[s:s + eng.chunk]
@@ -508,29 +539,22 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
     whose tokens are dropped, and each request keeps blocks for two steps of k + 1 tokens
     (given back when it ends)."""
     import time
-    check_engine(eng, k)   # max_new_tokens: checked by Engine.stream
+    eng.runner.check_speculation(k)   # max_new_tokens: checked by Engine.stream
     cfg, cs = eng.cfg, eng.cs
     R = cs.max_requests
     T = k + 1
     stops = {cfg.eos_token_id, *stop_ids}
-    slots = eng._admit_all(prompts, max_new_tokens + k)
+    slots = eng.admit_all(prompts, max_new_tokens + k)
     key = jax.random.key(seed)
     sample = jax.jit(sampler.get_next_tokens)
-    prefill, step = engine_programs(eng, sampler, k)
+    prefill, step = eng.runner.spec_programs(sampler, k)
     read = D.host_reader("out", "n_out")
-    if eng.mtp_cache is None:
-        mc = init_mtp_cache(cfg, cs)
-        if eng.mesh is None:
-            eng.mtp_cache = jax.device_put(mc, jax.devices()[0])
-        else:
-            from .sharding import cache_shardings
-            eng.mtp_cache = jax.device_put(mc, mtp_cache_shardings(
-                cfg, cs, cache_shardings(cfg, cs, eng.mesh), eng.mesh))
+    eng.runner.ensure_mtp_cache()
     try:
         t0 = time.perf_counter()
         # placed as the prefill returns it, or its second call compiles again
         h0 = D.put_state(np.zeros((1, cfg.hc_mult, cfg.hidden_size), eng.nm.jdtype),
-                         eng._state_sharding)
+                         eng.runner.state_sharding)
         res = [_prefill(eng, prefill, s, p, h0) for s, p in zip(slots, prompts)]
         first = np.asarray(sample(jnp.stack([r[0] for r in res]), jax.random.fold_in(key, 0)))
         eng.timing = type(eng.timing)(prefill_s=time.perf_counter() - t0)  # generate.Timing
@@ -561,15 +585,15 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
                 first_step = st is None
                 if first_step:
                     st = init_spec_state(k, cfg, tok_R, h_R, eng.bm.length, run, eng.bm.table,
-                                         key, sharding=eng._state_sharding)
+                                         key, sharding=eng.runner.state_sharding)
                     # the reader loads before the step first runs: loading a program later
                     # drops the step's recorded CUDA graphs (decode.read_tokens)
                     np.asarray(read(st)[1])
                 else:
                     if not np.array_equal(host[0], run):
-                        st = dict(st, run=D.put_state(run, eng._state_sharding))
+                        st = dict(st, run=D.put_state(run, eng.runner.state_sharding))
                     if not np.array_equal(host[1], eng.bm.table):
-                        st = dict(st, table=D.put_state(eng.bm.table, eng._state_sharding))
+                        st = dict(st, table=D.put_state(eng.bm.table, eng.runner.state_sharding))
                 host = (run, eng.bm.table.copy())
                 eng.cache, eng.mtp_cache, st = step(eng.state, eng.cache, eng.mtp_cache, st)
                 eng.last_stream_state = st

@@ -171,7 +171,7 @@ def test_greedy_speculative_generation_equals_plain(tiny, eng):
         acc = eng.acceptance
         assert len(acc["per_request"]) == 3 and 1 <= acc["overall"] <= 3
         assert all(3 * s >= len(g) - 1 for s, g in zip(acc["steps"], got)), acc
-        prefill, step = SP.engine_programs(eng, Greedy(), 2)
+        prefill, step = eng.runner.spec_programs(Greedy(), 2)
         assert step._cache_size() == 1 and prefill._cache_size() == 1
     # streamed: the same tokens, 1 .. k+1 per request and step
     streamed = [[] for _ in prompts]

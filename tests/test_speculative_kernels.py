@@ -39,7 +39,7 @@ def test_mtp_drafts_match_the_whole_sequence_mtp():
     rng = np.random.default_rng(3806)
     P_LEN = 45   # two prefill chunks of 32
     seq = rng.integers(0, cfg.vocab_size, (1, P_LEN + 1)).astype(np.int32)
-    prefill, _ = SP.engine_programs(eng, Greedy(), 1)
+    prefill, _ = eng.runner.spec_programs(Greedy(), 1)
     eng.mtp_cache = SP.init_mtp_cache(cfg, cs)
     s = eng.bm.admit(P_LEN)
     h0 = jnp.zeros((1, cfg.hc_mult, cfg.hidden_size), jnp.float32)

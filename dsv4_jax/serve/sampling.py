@@ -104,6 +104,13 @@ class SamplingRows:
         self.min_p[slot] = sp.min_p
         self.seed[slot] = seed_word(seed)
 
+    @staticmethod
+    def row(sp: SamplingParams, seed: int) -> tuple:
+        """One request's settings as the values of a row (temperature, top_k, top_p, min_p,
+        seed word)."""
+        return (float(sp.temperature), max(int(sp.top_k), 0), float(sp.top_p),
+                float(sp.min_p), seed_word(seed))
+
     def take(self, slots) -> dict:
         """The rows of `slots` as a dict of arrays [B] (the program's `rows` argument)."""
         return {f.name: getattr(self, f.name)[slots] for f in dataclasses.fields(self)}
@@ -150,3 +157,21 @@ def _sample_rows(logits_BV, rows, steps_B, *, n_top: int):
 
 # One program per logits shape [B, V]: the decode step's [R, V] and a prefill's [1, V].
 sample_rows = jax.jit(_sample_rows, static_argnames=("n_top",))
+
+ROW_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampler:
+    """The per-row sampler as a stream step's sampler (decode.stream_step_fn): each slot
+    draws with its own settings, held in the step's device state (st[name] [R] for
+    ROW_KEYS), at its own draw index st["draw"] [R]; the step also writes each token's
+    logprob st["lp"] [R] and the n_top likeliest (st["top_ids"] / st["top_lp"] [R, n_top])."""
+    n_top: int = TOP_LOGPROBS
+
+    def draw(self, logits_RV, st):
+        """-> (tokens [R], the state's updated entries)."""
+        tok, lp, ti, tl = _sample_rows(logits_RV, {k: st[k] for k in ROW_KEYS}, st["draw"],
+                                       n_top=self.n_top)
+        return tok, {"lp": lp, "top_ids": ti, "top_lp": tl,
+                     "draw": st["draw"] + (st["nvalid"] > 0)}

@@ -1,19 +1,24 @@
-"""Continuous batching around the engine's compiled step programs (pure Python on the
-host; the programs: a prefill chunk [1, C] and the decode step [R, 1], each with the
-per-row sampler of serve.sampling inside, serve.programs).
+"""Continuous batching: the host policy of serving, over the engine's ModelRunner
+(dsv4_jax.runner). Pure Python; no device work of its own.
 
 Each `step()`:
 1. takes new requests from the inbox and drops cancelled ones (their slot and blocks are
    freed at once);
-2. admits waiting requests, first come first served, into free cache slots, reserving the
-   blocks of the prompt + max_tokens: a request that does not fit now waits in the queue
-   (a request that can never fit was refused at submit);
-3. runs `prefill_chunks_per_step` prefill chunks of admitted requests (the oldest first);
-   a request whose prompt is complete samples its first token from the chunk's logits;
-4. runs one decode step of every request that has a token to feed, samples each row with
-   its own settings, and retires requests that hit a stop id, a stop string or
-   max_tokens.
-So new requests' prefill interleaves with running requests' decode, chunk by chunk.
+2. admits waiting requests, first come first served, into free cache slots, with the
+   blocks of their prompt (blocks for generated tokens are allocated as they grow);
+3. grows the blocks of the decoding requests by what this step writes; when the pool runs
+   out, the youngest request is preempted (recompute: its blocks are freed and it waits
+   again with its prompt + the tokens generated so far, which a later prefill restores);
+4. emits one StepBatch to the runner: `prefill_chunks_per_step` prefill chunks (the
+   oldest request first; a final chunk samples the first token and starts the row
+   decoding), and the decode step of every decoding request, sampled per row on the
+   device;
+5. then reads the *previous* step's tokens (the step just enqueued runs meanwhile),
+   detokenises them, checks stop ids, stop strings and max_tokens, and streams them.
+A request that stops is thus decoded one step past its stop; that token is dropped.
+
+With `speculative_tokens` k, the decode step drafts k tokens per request with the MTP
+block and verifies them (speculative.py), emitting 1 .. k+1 tokens a step.
 
 Requests talk to the outside through `sink(Output)`, called on the scheduler's thread.
 """
@@ -31,8 +36,8 @@ from typing import Callable
 import numpy as np
 
 from ..cache import BLOCK_TOKENS, PoolExhausted, blocks_needed
+from ..runner import PrefillChunk, RowStart, Speculation, StepBatch
 from .prefix import PrefixCache
-from .programs import run_step
 from .sampling import SamplingParams, SamplingRows
 from .text import IncrementalText
 
@@ -44,6 +49,7 @@ class SchedulerConfig:
     prefill_chunks_per_step: int = 1   # prefill chunks run between two decode steps
     max_waiting: int = 1024            # queued requests beyond which submit refuses
     prefix_cache_entries: int = 0      # cached prompt prefixes (serve.prefix); 0: off
+    speculative_tokens: int = 0        # MTP drafts verified per decode step; 0: off
 
     def __post_init__(self):
         if self.prefill_chunks_per_step < 1 or self.max_waiting < 1:
@@ -52,6 +58,11 @@ class SchedulerConfig:
         if self.prefix_cache_entries < 0:
             raise ValueError(f"SchedulerConfig.prefix_cache_entries must be >= 0, got "
                              f"{self.prefix_cache_entries}")
+        if self.speculative_tokens:
+            Speculation(self.speculative_tokens)   # its own range check
+            if self.prefix_cache_entries:
+                raise ValueError("speculative decoding and the prefix cache do not combine "
+                                 "(the prefix snapshots do not hold the MTP block's cache)")
 
 
 class RequestError(ValueError):
@@ -84,6 +95,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0              # prompt tokens served by the prefix cache
+    decode_steps: int = 0               # decode steps that emitted the completion so far
     error: str | None = None
 
 
@@ -100,7 +112,16 @@ class Request:
         self.id = rid or f"req-{next(_ids)}"
         self.seed = params.seed
         self.slot: int | None = None
+        self.feed = self.prompt    # what its prefill feeds (+ generated tokens when preempted)
         self.n_prefilled = 0
+        self.decoding = False      # its row is in the runner's decode state
+        self.ready = None          # its prefill's sampled token (device) until it decodes
+        self.first_unread = False  # that token is not read back yet
+        self.inflight_steps = 0    # its decode steps enqueued and not read yet
+        self.replay = None         # preempted: the generated tokens to feed again
+        self.replay_next = None    # index of the next one, once the prompt is prefilled
+        self.decode_steps = 0      # decode steps read back
+        self.preemptions = 0
         self.cached_tokens = 0
         self.out_ids: list[int] = []
         self.cancelled = False   # set by any thread; the scheduler retires it next step
@@ -114,9 +135,17 @@ class Request:
         self.cancelled = True
 
 
+@dataclasses.dataclass
+class _Inflight:
+    """A step enqueued and not yet read: its result and whom each output belongs to."""
+    result: object                              # runner.StepResult
+    finals: list[tuple[Request, int]]           # (request, prefill chunk index)
+    rows: list[tuple[int, Request, bool]]       # (slot, request, its token counts)
+
+
 class Scheduler:
-    """Continuous batching over an Engine (generate.Engine): its cache, block manager and
-    step programs. Thread model: submit() / cancel from any thread; step() / run() on one
+    """Continuous batching over an Engine's ModelRunner (its cache, block table and step
+    programs). Thread model: submit() / cancel from any thread; step() / run() on one
     engine thread.
 
     observer: optional hooks (serve.metrics.Metrics): on_token(req, now, first),
@@ -125,10 +154,13 @@ class Scheduler:
     def __init__(self, engine, tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  observer=None, seed: int | None = None):
         self.eng, self.tok, self.config = engine, tokenizer, config
-        self.cs, self.bm = engine.cs, engine.bm
-        self.R, self.C = engine.cs.max_requests, engine.chunk
+        self.runner = engine.runner
+        self.cs, self.bm = self.runner.cs, self.runner.bm
+        self.R, self.C = self.cs.max_requests, self.runner.chunk
+        k = config.speculative_tokens
+        self.T = k + 1   # tokens a decode step may write per request
+        self.runner.set_mode(Speculation(k) if k else None)
         self.eos_ids = frozenset([tokenizer.eos_id])
-        self.rows = SamplingRows.empty(self.R)
         self.observer = observer
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -136,7 +168,8 @@ class Scheduler:
         self.inbox: collections.deque[Request] = collections.deque()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}   # by slot: prefilling or decoding
-        self.steps = 0
+        self.pending: _Inflight | None = None   # the step whose tokens are not read yet
+        self.steps = self.preemptions = 0
         self.prefix = (PrefixCache(engine, config.prefix_cache_entries)
                        if config.prefix_cache_entries else None)
 
@@ -182,7 +215,7 @@ class Scheduler:
 
     # ---- the engine thread -----------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.inbox or self.waiting or self.running)
+        return bool(self.inbox or self.waiting or self.running or self.pending)
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """Step until `stop` is set; sleeps while there is nothing to do. A step that fails
@@ -196,6 +229,7 @@ class Scheduler:
                 self.step()
             except Exception as e:   # keep serving; the requests in flight are lost
                 log.exception("scheduler step failed")
+                self.pending = None
                 for req in list(self.running.values()):
                     self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
@@ -208,92 +242,215 @@ class Scheduler:
             self._finish(req, "abort")
         for req in [r for r in self.running.values() if r.cancelled]:
             self._finish(req, "abort")
+        grown = self._grow()         # may read the step in flight and preempt
+        rows = [r for r in grown if r.decoding]
+        starts = []
+        for req in sorted([r for r in self.running.values() if r.ready is not None],
+                          key=lambda r: r.t_arrival):
+            # its prefill sampled token index n_base; the decode steps sample the rest
+            n_base = len(req.feed) - len(req.prompt)
+            if n_base + 1 >= req.params.max_tokens:
+                req.ready = None
+            elif self._try_ensure(req.slot, len(req.feed) + self.T):
+                starts.append(RowStart(req.slot, req.ready, len(req.feed),
+                                       SamplingRows.row(req.params, req.seed), n_base + 1))
+                req.ready, req.decoding = None, True
+                rows.append(req)
+        replays = self._replay_rows([r for r in grown if not r.decoding], starts)
         self._admit()
+        chunks, finals, inserts = [], [], []
         for _ in range(self.config.prefill_chunks_per_step):
-            if not self._prefill_chunk():
+            req = self._next_chunk_request()
+            if req is None:
                 break
-        self._decode()
+            s, start = req.slot, req.n_prefilled
+            end = min(start + self.C, len(req.feed))
+            if self.prefix is not None and end // BLOCK_TOKENS > start // BLOCK_TOKENS:
+                end = max(end // BLOCK_TOKENS * BLOCK_TOKENS, start + 1)  # stop at a boundary
+            req.n_prefilled = end
+            chunks.append(PrefillChunk(s, tuple(req.feed[start:end]), start,
+                                       SamplingRows.row(req.params, req.seed),
+                                       len(req.feed) - len(req.prompt)))
+            if self.prefix is not None and end % BLOCK_TOKENS == 0:
+                inserts.append((req.feed, s, end // BLOCK_TOKENS))
+            if end == len(req.feed):
+                if req.replay:   # a preempted request: its tokens are replayed instead
+                    req.replay_next = 0
+                else:            # the last chunk samples the next token
+                    finals.append((req, len(chunks) - 1))
+                    req.first_unread = True
+        for r in rows:
+            r.inflight_steps += 1
+        ran = [(r.slot, r, True) for r in rows] + replays
+        batch = StepBatch(tuple(chunks), tuple(starts), tuple(sorted(s for s, _, _ in ran)))
+        now = None
+        if batch.prefill or batch.start or batch.run:
+            result = self._execute(batch)
+            for req, i in finals:   # the row starts decoding from this device token
+                req.ready = result.first_token(i)
+            for feed, s, k in inserts:
+                self.prefix.insert(feed, s, k)
+            now = _Inflight(result, finals, ran)
+        prev, self.pending = self.pending, now
+        if prev is not None:
+            self._consume(prev)
         self.steps += 1
         if self.observer is not None:
             self.observer.on_step(self)
 
+    def _execute(self, batch: StepBatch):
+        """The runner's step (one place, so a test can watch or fail it)."""
+        return self.runner.execute(batch)
+
+    def _grow(self) -> list[Request]:
+        """The decoding requests that decode this step, each with the blocks the step
+        writes. When the pool runs out: read the step in flight (finished requests give
+        their blocks back), evict cached prefixes, then preempt the youngest request,
+        until the oldest fit."""
+        out = []
+        for r in sorted([r for r in self.running.values()
+                         if r.decoding or r.replay_next is not None],
+                        key=lambda r: r.t_arrival):
+            while r.slot is not None and not r.done:
+                # tokens it surely has once what is in flight is read (a speculative
+                # step emits at least one, at most T): no step past max_tokens
+                if r.decoding and (len(r.out_ids) + r.first_unread + r.inflight_steps
+                                   >= r.params.max_tokens):
+                    break
+                if self._try_ensure(r.slot, self._reach(r)):
+                    out.append(r)
+                    break
+                if self.pending is not None:
+                    self._drain()
+                    continue
+                if self.prefix is not None and self.prefix.evict():
+                    continue   # cached prefixes give their blocks back first
+                self._preempt(max((q for q in self.running.values()),
+                                  key=lambda q: q.t_arrival))
+        return [r for r in out if r.slot is not None and not r.done]
+
+    def _replay_rows(self, reqs, starts) -> list[tuple[int, Request, bool]]:
+        """Preempted requests whose prompt is prefilled again (`reqs`, their blocks grown)
+        feed their generated tokens one per decode step (forced, as RowStarts), so their
+        cache ends exactly as before; the step fed the last one samples the next token as
+        usual."""
+        out = []
+        for r in reqs:
+            j = r.replay_next
+            starts.append(RowStart(r.slot, int(r.replay[j]), len(r.prompt) + j,
+                                   SamplingRows.row(r.params, r.seed), j + 1))
+            last = j == len(r.replay) - 1
+            if last:
+                r.replay, r.replay_next, r.decoding = None, None, True
+                r.inflight_steps += 1
+            else:
+                r.replay_next = j + 1
+            out.append((r.slot, r, last))
+        return out
+
+    def _reach(self, r: Request) -> int:
+        """The tokens r's cache may hold once this step ran (capped at the capacity:
+        a speculative step's writes past it are dropped)."""
+        if self.T == 1:
+            return int(self.bm.length[r.slot]) + 1
+        return min(int(self.bm.length[r.slot]) + self.T * (r.inflight_steps + 1),
+                   self.cs.capacity)
+
+    def _try_ensure(self, slot: int, n: int) -> bool:
+        try:
+            self.bm.ensure(slot, min(n, self.cs.capacity))
+            return True
+        except PoolExhausted:
+            return False
+
+    def _drain(self) -> None:
+        prev, self.pending = self.pending, None
+        if prev is not None:
+            self._consume(prev)
+
+    def _preempt(self, req: Request) -> None:
+        """Give the request's slot and blocks back; it waits at the queue's head to be
+        recomputed: its prompt prefilled again, then its generated tokens replayed
+        (speculative mode: prompt + generated tokens prefilled, equal to rounding)."""
+        assert self.pending is None   # its tokens in flight were read
+        self._release(req)
+        req.done = False
+        req.slot, req.decoding, req.ready, req.n_prefilled = None, False, None, 0
+        req.replay = req.replay_next = None
+        if self.T == 1:   # exact: prefill the prompt, then replay the tokens as decode steps
+            req.replay = list(req.out_ids) or None
+        else:             # the speculative step has no forced rows: prefill them all
+            req.feed = req.prompt + req.out_ids
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.R:
             req = self.waiting[0]
-            slot = self.bm.admit(len(req.prompt))
-            k, hit = self.prefix.lookup(req.prompt) if self.prefix else (0, None)
-            if hit is not None:
-                self.prefix.attach(slot, hit)
-            try:   # every block the request can fill, now: it never waits mid-generation
-                self.bm.ensure(slot, len(req.prompt) + req.params.max_tokens)
-            except PoolExhausted:
-                if self.prefix is not None:
-                    self.prefix.detach(slot)
-                self.bm.release(slot)
+            # a spare block beside running requests, so that their next block does not
+            # preempt at once what admission just admitted
+            spare = 1 if self.running else 0
+            need = blocks_needed(self.eng.cfg, len(req.feed) + self.T)
+            k, hit = self.prefix.lookup(req.feed) if self.prefix else (0, None)
+            if need - k + spare > len(self.bm.free):
                 if self.prefix is not None and self.prefix.evict():
                     continue   # cached prefixes give their blocks back first
                 return   # first come first served: later requests wait behind it
+            slot = self.bm.admit(len(req.feed))
+            if hit is not None:
+                self.prefix.attach(slot, hit)
+            try:
+                self.bm.ensure(slot, len(req.feed))
+            except PoolExhausted:   # shared blocks counted above; cannot happen
+                if self.prefix is not None:
+                    self.prefix.detach(slot)
+                self.bm.release(slot)
+                return
             self.waiting.popleft()
             if hit is not None:
                 self.prefix.load(slot, hit)
                 req.n_prefilled = req.cached_tokens = k * BLOCK_TOKENS
             req.slot = slot
             p = req.params
-            self.rows.set(slot, p, req.seed)
             req.stop_ids = frozenset(p.stop_token_ids) | (
                 frozenset() if p.ignore_eos else self.eos_ids)
-            req.text = IncrementalText(self.tok.decode, p.stop)
+            if req.text is None:
+                req.text = IncrementalText(self.tok.decode, p.stop)
             self.running[slot] = req
-            if self.observer is not None:
+            if self.observer is not None and not req.preemptions:
                 self.observer.on_admit(req)
 
-    def _prefill_chunk(self) -> bool:
-        pending = [r for r in self.running.values() if r.n_prefilled < len(r.prompt)]
-        if not pending:
-            return False
-        req = min(pending, key=lambda r: r.t_arrival)
-        s, start = req.slot, req.n_prefilled
-        end = min(start + self.C, len(req.prompt))
-        if self.prefix is not None and end // BLOCK_TOKENS > start // BLOCK_TOKENS:
-            end = max(end // BLOCK_TOKENS * BLOCK_TOKENS, start + 1)  # stop at a boundary
-        part = req.prompt[start:end]
-        buf = np.zeros((1, self.C), np.int32)
-        buf[0, :len(part)] = part
-        out = self._run_step(buf, [s], [start], [len(part)], self.rows.take([s]),
-                             np.zeros(1, np.int32))
-        self.bm.advance(s, len(part))
-        req.n_prefilled += len(part)
-        if self.prefix is not None and req.n_prefilled % BLOCK_TOKENS == 0:
-            self.prefix.insert(req.prompt, s, req.n_prefilled // BLOCK_TOKENS)
-        if req.n_prefilled == len(req.prompt):   # the first token, from the last chunk
-            self._accept(req, *(np.asarray(a)[0] for a in out))
-        return True
+    def _next_chunk_request(self) -> Request | None:
+        pending = [r for r in self.running.values() if r.n_prefilled < len(r.feed)]
+        return min(pending, key=lambda r: r.t_arrival) if pending else None
 
-    def _decode(self) -> None:
-        rows = [r for r in self.running.values()
-                if r.n_prefilled == len(r.prompt) and r.out_ids]
-        if not rows:
+    def _consume(self, inf: _Inflight) -> None:
+        """Read a step's tokens (waits for that step only) and hand them to their
+        requests; outputs of requests that ended since are dropped."""
+        pre, dec = inf.result.fetch()
+        for req, i in inf.finals:
+            if req.first_unread:
+                req.first_unread = False
+                if not req.done:
+                    self._accept(req, *pre[i])
+        if dec is None:
             return
-        R = self.R
-        toks = np.zeros((R, 1), np.int32)
-        nvalid = np.zeros(R, np.int32)
-        steps = np.zeros(R, np.int32)
-        for r in rows:
-            toks[r.slot, 0], nvalid[r.slot], steps[r.slot] = r.out_ids[-1], 1, len(r.out_ids)
-        # the blocks were reserved at admission: this allocates nothing
-        self.bm.ensure_many({r.slot: int(self.bm.length[r.slot]) + 1 for r in rows})
-        out = self._run_step(toks, np.arange(R), self.bm.length.astype(np.int32), nvalid,
-                             self.rows.take(np.arange(R)), steps)
-        tok, lp, top_ids, top_lp = (np.asarray(a) for a in out)
-        for r in rows:
-            self.bm.advance(r.slot, 1)
-            self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])
-
-    def _run_step(self, tokens, slots, pos, nvalid, rows, steps):
-        """The step program with sampling (serve.programs.run_step): tokens [B, T] at pos
-        [B] in slots [B], the first nvalid [B] real; each row sampled with `rows` at token
-        index `steps` [B] -> (tokens [B], logprobs [B], top ids / logprobs [B, K])."""
-        return run_step(self.eng, tokens, slots, pos, nvalid, rows, steps)
+        toks, counts, lp, top_ids, top_lp = dec
+        for slot, req, output in inf.rows:
+            if not output:   # a replayed token's step: its draw is not output
+                continue
+            req.inflight_steps -= 1
+            if req.done or req.slot != slot:
+                continue
+            n = int(counts[slot])
+            if self.T > 1:
+                self.runner.advance(slot, n)
+            req.decode_steps += 1
+            for j in range(n):
+                self._accept(req, toks[slot, j], lp[slot, j], top_ids[slot, j], top_lp[slot, j])
+                if req.done:
+                    break
 
     def _accept(self, req: Request, tok, lp, top_ids, top_lp) -> None:
         """A sampled token: its text, stop checks and the Output to the sink."""
@@ -305,7 +462,8 @@ class Scheduler:
         req.out_ids.append(tok)
         p = req.params
         o = Output(token_ids=[tok], prompt_tokens=len(req.prompt),
-                   completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens)
+                   completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens,
+                   decode_steps=req.decode_steps)
         if p.logprobs:
             o.logprobs = [TokenLogprob(tok, float(lp), [(int(i), float(v)) for i, v in
                                                         zip(top_ids[:p.top_logprobs],
@@ -345,7 +503,7 @@ class Scheduler:
         self._report_finish(req, reason)
         req.sink(Output(finish_reason=reason, prompt_tokens=len(req.prompt),
                         completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens,
-                        error=error))
+                        decode_steps=req.decode_steps, error=error))
 
     # ---- helpers ---------------------------------------------------------------------
     def run_until_done(self, max_steps: int = 100_000) -> None:

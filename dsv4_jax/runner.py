@@ -1,0 +1,474 @@
+"""The model runner: what every driver (Engine.generate, Engine.stream, `dsv4 serve`)
+runs the model through.
+
+    runner = ModelRunner(cfg, params, numerics=nm, cache_spec=cs)     # one device
+    runner = ModelRunner(cfg, params, ..., mesh=mesh)                 # or a mesh / pipeline
+    res = runner.execute(StepBatch(prefill=(...), start=(...), run=(...)))  # enqueued
+    ... the host works while the device runs ...
+    out = res.fetch()                                                 # numpy, waits
+
+It owns the parameters (the NNX module's split state, or the pipeline's stages), the
+paged cache, the block table (`bm`, cache.BlockManager: the scheduler decides, the table
+lives here) and the compiled programs, and keeps a **device-resident decode state**: each
+slot's next token, position, whether it runs, its sampling settings (temperature, top-k,
+top-p, min-p, seed) and the index of its next draw. A StepBatch changes only what it
+names (a slot starting to decode, the set of slots that run, a block table that grew);
+a steady decode step uploads nothing. Sampling runs inside the step program, and the
+step's tokens (with their log-probabilities) come back through pinned host memory, so a
+driver enqueues step n+1 before it reads step n.
+
+Speculative decoding is a mode of the runner (`Speculation(k)`): the decode step is the
+MTP draft + verify program of speculative.py with the per-row sampler, and each step
+emits 1 .. k+1 tokens per row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .cache import BlockManager, CacheSpec, init_cache
+from .config import Config
+from .decode import STEP_COMPILER_OPTIONS, host_reader, put_state
+from .nnx_model import DeepSeekV4, apply_step, step_program, stream_program
+from .param_specs import x_proj_is_merged
+from .params import merge_x_proj as merge_decode_form
+from .quant import Numerics
+from .serve.sampling import (ROW_KEYS, TOP_LOGPROBS, RowSampler, SamplingRows, _sample_rows,
+                             sample_rows)
+from . import distributed as dist
+from . import pipeline as PL
+from . import sharding as SH
+from . import speculative as SP
+
+
+# ---------------------------------------------------------------------------------------
+# What a driver asks of one step
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens start .. start+len(tokens)-1 of the request in `slot` (at most the
+    runner's chunk), sampled after the last one with `sampling` at draw index `draw`."""
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    sampling: tuple   # SamplingRows.row(...)
+    draw: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStart:
+    """A slot that starts decoding at position `pos`: it feeds `token` first (the device
+    token of an earlier step's final prefill chunk, StepResult.first_token, or a host
+    int: a token fed again), and its draws continue at index `draw`."""
+    slot: int
+    token: object
+    pos: int
+    sampling: tuple
+    draw: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step: prefill chunks (run first, in order), slots that start decoding, and the
+    slots the decode step runs (every slot not listed idles). An empty `run` runs no
+    decode step."""
+    prefill: tuple[PrefillChunk, ...] = ()
+    start: tuple[RowStart, ...] = ()
+    run: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class StepResult:
+    """The device outputs of one executed StepBatch; fetch() waits and returns numpy.
+    prefill[i]: (token, logprob, top ids [K], top logprobs [K]) of chunk i; decode: per
+    slot (tokens [R, T], count [R] of emitted tokens (1 without speculation), logprobs
+    [R, T], top ids [R, T, K], top logprobs [R, T, K]) or None."""
+    prefill: list
+    decode: tuple | None
+    speculative: bool = False
+
+    def first_token(self, i: int):
+        """Prefill chunk i's sampled token, on the device ([1] int32): a RowStart's token."""
+        return self.prefill[i][0]
+
+    def fetch(self):
+        pre = [tuple(np.asarray(a)[0] for a in p) for p in self.prefill]
+        if self.decode is None:
+            return pre, None
+        if self.speculative:
+            return pre, tuple(np.asarray(a) for a in self.decode)
+        tok, lp, ti, tl = (np.asarray(a) for a in self.decode)
+        return pre, (tok[:, None], np.ones(len(tok), np.int32), lp[:, None], ti[:, None],
+                     tl[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """The runner's speculative mode: k MTP drafts verified per step (speculative.py)."""
+    k: int = 1
+
+    def __post_init__(self):
+        SP.check_draft_count(self.k)
+
+
+# ---------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------
+class ModelRunner:
+    """Parameters, cache, block table and compiled programs of one model on one layout
+    (one device, a mesh or a pipeline), plus the device decode state."""
+
+    def __init__(self, cfg: Config, params, *, numerics: Numerics = Numerics(),
+                 cache_spec: CacheSpec | None = None, chunk: int = 128, mesh=None,
+                 pipeline: "PL.Pipeline | None" = None, merge_x_proj: bool = True):
+        if merge_x_proj:
+            params = merge_decode_form(params, cfg)   # a no-op on a merged tree
+        if chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
+        if mesh is not None and pipeline is not None:
+            raise ValueError("Engine: give a mesh or a pipeline, not both")
+        self.cfg, self.nm, self.chunk = cfg, numerics, chunk
+        self.cs = cache_spec or CacheSpec.for_numerics(numerics)
+        self.mesh, self.pipeline = mesh, pipeline
+        self.mtp_cache = None     # the MTP block's cache (speculation), made on first use
+        self.programs = {}        # compiled programs built on first use, by kind and form
+        self.dstate = None        # the device decode state (execute), made on first use
+        self._mode = None         # (sampler, Speculation | None) of dstate
+        self._host = None         # what dstate's run / table rows hold, as uploaded
+        self._h = {}              # speculative prefill: each slot's last main residual
+        if pipeline is not None:
+            # no NNX module: it would keep every array alive on one device besides the stages
+            self.model = self.graphdef = None
+            self.state = PL.split_params(params, pipeline)
+            self.cache = PL.init_cache(cfg, self.cs, pipeline)
+            self.bm = BlockManager(cfg, self.cs)
+            self.step = PL.PipelineStep(cfg, self.cs, numerics, pipeline)
+            self.state_sharding = pipeline.sharding(pipeline.n - 1)
+            self.form = None
+            return
+        self.cache = init_cache(cfg, self.cs)
+        if mesh is None:
+            # placed (committed) as the step returns it: an uncommitted cache makes the second
+            # step compile again (a 4-layer Flash check lost ~36 s a step to it on the H100)
+            self.cache = jax.device_put(self.cache, jax.devices()[0])
+            self.bm = BlockManager(cfg, self.cs)
+        else:
+            params = SH.shard_params(params, cfg, mesh)
+            self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
+            self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
+        # the model as an NNX module; the compiled programs take its split state
+        self.model = DeepSeekV4.from_params(cfg, params)
+        self.graphdef, self.state = nnx.split(self.model)
+        self.form = None
+        if mesh is None:
+            self.step = step_program(self.graphdef, self.cs, numerics)
+            self.state_sharding = None
+        else:
+            # a checkpoint loaded without its MTP block steps without it (the step never
+            # runs MTP; its shardings must match the tree it is given)
+            self.form = dict(include_mtp=any(k.startswith("mtp.") for k in params),
+                             x_proj_merged=x_proj_is_merged(params))
+            self.step = dist.sharded_step_program(cfg, self.graphdef, self.cs, numerics, mesh,
+                                                  **self.form)
+            self.state_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    # ---- the plain step --------------------------------------------------------------
+    @property
+    def params(self) -> dict:
+        """The flat parameter tree the module (or the pipeline's stages) holds."""
+        if self.pipeline is not None:
+            return {k: v for part in self.state for k, v in part.items()}
+        return self.model.to_params()
+
+    @property
+    def interpreted(self) -> bool:
+        """Kernels run in the Mosaic GPU interpreter (CPU tests): its callbacks run jax ops,
+        and a second step dispatched while one is in flight can deadlock the CPU client."""
+        return "interpret" in (self.nm.matmul, self.cs.kernels)
+
+    def check_tokens(self, toks) -> None:
+        toks = np.asarray(toks)
+        if toks.size and (toks.dtype == bool or not np.issubdtype(toks.dtype, np.integer)):
+            raise ValueError(f"token ids must be integers, got {toks.dtype}")
+        if toks.size and (toks.min() < 0 or toks.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{toks.min()}, {toks.max()}]")
+
+    def run_step(self, tokens, slots, pos, nvalid):
+        """The cached step on tokens [B, T] at pos [B] in slots [B] (the first nvalid [B]
+        real) -> logits [B, V]; the cache is updated."""
+        logits, self.cache = self.step(self.state, self.cache, jnp.asarray(tokens, jnp.int32),
+                                       jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                       jnp.asarray(nvalid, jnp.int32), jnp.asarray(self.bm.table))
+        return logits
+
+    def stream_program(self, sampler):
+        """The stream step (decode.stream_step_fn) of this layout with `sampler` (a fixed
+        generate.py sampler, or serve.sampling.RowSampler)."""
+        if self.pipeline is not None:
+            key = ("pipeline", sampler)
+            if key not in self.programs:
+                self.programs[key] = PL.PipelineStream(self.cfg, self.cs, self.nm,
+                                                       self.pipeline, sampler)
+            return self.programs[key]
+        if self.mesh is None:
+            return stream_program(self.graphdef, self.cs, self.nm, sampler)
+        return dist.sharded_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
+                                           self.mesh, sampler, **self.form)
+
+    def spec_programs(self, sampler, k: int):
+        """speculative.spec_programs for this layout: (prefill, step)."""
+        key = ("speculative", sampler, k)
+        if key not in self.programs:
+            if self.pipeline is not None:
+                raise ValueError("speculative decoding runs on one device or a mesh, not a "
+                                 "pipeline layout")
+            sh = None
+            if self.mesh is not None:
+                csh = SH.cache_shardings(self.cfg, self.cs, self.mesh)
+                sh = (dist.state_shardings(self.cfg, self.mesh, self.form["include_mtp"],
+                                           self.form["x_proj_merged"]),
+                      csh, SP.mtp_cache_shardings(self.cfg, self.cs, csh, self.mesh))
+            self.programs[key] = SP.spec_programs(self.cfg, self.graphdef, self.cs, self.nm,
+                                                  sampler, k, self.mesh, sh)
+        return self.programs[key]
+
+    def ensure_mtp_cache(self) -> None:
+        """The MTP block's cache, placed as a main layer's of its ratio."""
+        if self.mtp_cache is not None:
+            return
+        mc = SP.init_mtp_cache(self.cfg, self.cs)
+        if self.mesh is None:
+            self.mtp_cache = jax.device_put(mc, jax.devices()[0])
+        else:
+            self.mtp_cache = jax.device_put(mc, SP.mtp_cache_shardings(
+                self.cfg, self.cs, SH.cache_shardings(self.cfg, self.cs, self.mesh), self.mesh))
+
+    def check_speculation(self, k: int) -> None:
+        """Clear errors before any heavy work: k, the layout and the MTP block."""
+        spec = SP.Speculation(k)
+        if self.pipeline is not None:
+            raise ValueError("speculative decoding runs on one device or a mesh, not a "
+                             "pipeline layout")
+        SP.check_mtp(self.cfg, self.model.mtp.get_value(), spec)
+
+    # ---- the scheduler's step: prefill chunks + the decode step, sampled per row ------
+    def set_mode(self, speculation: Speculation | None = None) -> None:
+        """Decode plainly (None) or speculatively; drops the decode state (call with no
+        slot decoding)."""
+        if speculation is not None:
+            self.check_speculation(speculation.k)
+        mode = (RowSampler(TOP_LOGPROBS), speculation)
+        if mode != self._mode:
+            self._mode, self.dstate, self._host = mode, None, None
+
+    @property
+    def speculation(self) -> Speculation | None:
+        return None if self._mode is None else self._mode[1]
+
+    def _prefill_program(self):
+        """(state, cache, [mcache,] tokens [1, C], slot / pos / nvalid [1], table, rows
+        {name: [1]}, draws [1] [, h_prev]) -> sampled outputs, all in one program on one
+        device; other layouts run the step and the sampler as two."""
+        spec = self.speculation
+        key = ("prefill", spec)
+        if key in self.programs:
+            return self.programs[key]
+        if spec is not None:
+            self.ensure_mtp_cache()
+            pre, _ = self.spec_programs(RowSampler(TOP_LOGPROBS), spec.k)
+
+            def run(rows, draws, *a):
+                logits, h, self.cache, self.mtp_cache = pre(self.state, self.cache,
+                                                            self.mtp_cache, *a)
+                return _sample_jit(logits, rows, draws), h
+        elif self.mesh is None and self.pipeline is None:
+            prog = step_and_sample(self.graphdef, self.cs, self.nm)
+
+            def run(rows, draws, *a):
+                self.cache, out = prog(self.state, self.cache, *a, rows, draws)
+                return out, None
+        else:
+            def run(rows, draws, tokens, slot, pos, nvalid, table):
+                return sample_rows(self.run_step(tokens, slot, pos, nvalid), rows, draws,
+                                   n_top=TOP_LOGPROBS), None
+        self.programs[key] = run
+        return run
+
+    def _init_dstate(self):
+        R, cfg = self.cs.max_requests, self.cfg
+        spec = self.speculation
+        st = {"pos": np.zeros(R, np.int32), "table": self.bm.table.copy(),
+              "draw": np.zeros(R, np.int32), **SamplingRows.empty(R).take(np.arange(R))}
+        if spec is None:
+            st.update(tok=np.zeros((R, 1), np.int32), nvalid=np.zeros(R, np.int32),
+                      lp=np.zeros(R, np.float32), top_ids=np.zeros((R, TOP_LOGPROBS), np.int32),
+                      top_lp=np.zeros((R, TOP_LOGPROBS), np.float32))
+        else:
+            T = spec.k + 1
+            st.update(run=np.zeros(R, np.int32), pend_n=np.zeros(R, np.int32),
+                      pend_tok=np.zeros((R, T), np.int32),
+                      pend_X=np.zeros((R, T, cfg.hc_mult, cfg.hidden_size), self.nm.jdtype),
+                      out=np.zeros((R, T), np.int32), n_out=np.zeros(R, np.int32),
+                      lp=np.zeros((R, T), np.float32),
+                      top_ids=np.zeros((R, T, TOP_LOGPROBS), np.int32),
+                      top_lp=np.zeros((R, T, TOP_LOGPROBS), np.float32),
+                      i=np.asarray(1, np.int32))
+        # a replayed token's upload ([1] int32) lowers a small program once: now, not
+        # while serving
+        put_state(np.zeros(1, np.int32), self.state_sharding)
+        return {n: put_state(v, self.state_sharding) for n, v in st.items()}
+
+    def _decode_program(self):
+        spec = self.speculation
+        if spec is None:
+            return self.stream_program(RowSampler(TOP_LOGPROBS))
+        _, step = self.spec_programs(RowSampler(TOP_LOGPROBS), spec.k)
+
+        def run(state, cache, st):
+            cache, self.mtp_cache, st = step(state, cache, self.mtp_cache, st)
+            return cache, st
+        return run
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Enqueue one step: the prefill chunks, the rows that start decoding, then the
+        decode step of `batch.run` -> its StepResult (device arrays, not waited for). The
+        block table must already hold every block the step writes; bm.length advances
+        by what the step writes (a speculative row: by what the host has read, see
+        `advance`)."""
+        if self._mode is None:
+            self.set_mode(None)
+        spec = self.speculation
+        R, C = self.cs.max_requests, self.chunk
+        pre_prog = self._prefill_program()
+        pre_out = []
+        for c in batch.prefill:
+            if len(c.tokens) > C:
+                raise ValueError(f"a prefill chunk holds at most {C} tokens, got {len(c.tokens)}")
+            buf = np.zeros((1, C), np.int32)
+            buf[0, :len(c.tokens)] = c.tokens
+            args = (jnp.asarray(buf), jnp.asarray([c.slot], jnp.int32),
+                    jnp.asarray([c.start], jnp.int32), jnp.asarray([len(c.tokens)], jnp.int32),
+                    jnp.asarray(self.bm.table))
+            if spec is not None:
+                args += (self._h_prev(c),)
+            out, h = pre_prog(_one_row(c.sampling), jnp.asarray([c.draw], jnp.int32), *args)
+            self.bm.advance(c.slot, len(c.tokens))
+            if spec is not None:
+                self._h[c.slot] = h
+            pre_out.append(out)
+            if self.interpreted:
+                jax.block_until_ready(out)
+        dec = None
+        if batch.start or batch.run:
+            if self.dstate is None:
+                self.dstate = self._init_dstate()
+                self._host = {"table": self.bm.table.copy(), "run": np.zeros(R, np.int32)}
+            st = self.dstate
+            for s in batch.start:
+                tok = s.token   # placed as a prefill's token, or the start compiles again
+                if isinstance(tok, (int, np.integer)):
+                    tok = put_state(np.asarray([tok], np.int32), self.state_sharding)
+                args = (st, jnp.int32(s.slot), tok, jnp.int32(s.pos), jnp.int32(s.draw),
+                        _one_row(s.sampling))
+                st = (_start_row(*args) if spec is None else
+                      _start_spec_row(*args, self._h[s.slot]))
+            run = np.zeros(R, np.int32)
+            run[list(batch.run)] = 1
+            name = "nvalid" if spec is None else "run"
+            if not np.array_equal(self._host["run"], run):
+                st = dict(st, **{name: put_state(run, self.state_sharding)})
+            if not np.array_equal(self._host["table"], self.bm.table):
+                st = dict(st, table=put_state(self.bm.table, self.state_sharding))
+            self._host = {"table": self.bm.table.copy(), "run": run}
+            if batch.run:
+                self.cache, st = self._decode_program()(self.state, self.cache, st)
+                if spec is None:
+                    dec = _read_plain(st)
+                    for s in batch.run:
+                        self.bm.advance(s, 1)
+                else:
+                    dec = _read_spec(st)
+                if self.interpreted:
+                    jax.block_until_ready(dec)
+            self.dstate = st
+        return StepResult(pre_out, dec, spec is not None)
+
+    def advance(self, slot: int, n: int) -> None:
+        """A speculative row emitted n tokens (read back): they are in its cache now."""
+        self.bm.advance(slot, n)
+
+    def _h_prev(self, c: PrefillChunk):
+        """The main residual at position start - 1 of a speculative prefill chunk."""
+        if c.start == 0 or c.slot not in self._h:
+            return put_state(np.zeros((1, self.cfg.hc_mult, self.cfg.hidden_size),
+                                      self.nm.jdtype), self.state_sharding)
+        return self._h[c.slot]
+
+
+# ---------------------------------------------------------------------------------------
+# Programs
+# ---------------------------------------------------------------------------------------
+def _one_row(sampling: tuple) -> dict:
+    """SamplingRows.row(...) -> the program's rows argument for one row ({name: [1]})."""
+    t, k, p, m, seed = sampling
+    return {"temperature": np.asarray([t], np.float32), "top_k": np.asarray([k], np.int32),
+            "top_p": np.asarray([p], np.float32), "min_p": np.asarray([m], np.float32),
+            "seed": np.asarray([seed], np.uint32)}
+
+
+def _set_rows(st, slot, pos, draw, rows1):
+    st = dict(st, pos=st["pos"].at[slot].set(pos), draw=st["draw"].at[slot].set(draw))
+    for k in ROW_KEYS:
+        st[k] = st[k].at[slot].set(rows1[k][0])
+    return st
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _start_row(st, slot, tok1, pos, draw, rows1):
+    """The plain decode state with `slot` starting at token tok1 [1] (device) at pos."""
+    st = _set_rows(st, slot, pos, draw, rows1)
+    return dict(st, tok=st["tok"].at[slot, 0].set(tok1[0]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _start_spec_row(st, slot, tok1, pos, draw, rows1, h1):
+    """The speculative state with `slot` starting after its prefill: one pending MTP row
+    (the main residual h1 [1, N, D] at pos - 1, with the first token tok1 [1])."""
+    st = _set_rows(st, slot, pos, draw, rows1)
+    return dict(st, pend_n=st["pend_n"].at[slot].set(1),
+                pend_tok=st["pend_tok"].at[slot, 0].set(tok1[0]),
+                pend_X=st["pend_X"].at[slot, 0].set(h1[0].astype(st["pend_X"].dtype)))
+
+
+_sample_jit = jax.jit(functools.partial(_sample_rows, n_top=TOP_LOGPROBS))
+
+
+def _read_plain(st):
+    """-> (tokens [R], logprobs [R], top ids [R, K], top logprobs [R, K]) in pinned host
+    memory."""
+    return host_reader("tok", "lp", "top_ids", "top_lp")(st)
+
+
+def _read_spec(st):
+    """-> (tokens [R, k+1], counts [R], logprobs [R, k+1], top ids / logprobs [R, k+1, K])."""
+    return host_reader("out", "n_out", "lp", "top_ids", "top_lp")(st)
+
+
+@functools.lru_cache(maxsize=None)
+def step_and_sample(graphdef, cs: CacheSpec, nm: Numerics):
+    """jit: (state, cache, tokens [B, T], slots / pos / nvalid [B], table [R, MAXB], rows
+    {name: [B]}, draws [B]) -> (new cache, serve.sampling outputs), the cache donated: the
+    step with the per-row sampler in the same program."""
+    apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
+
+    def run(state, cache, tokens, slots, pos, nvalid, table, rows, draws):
+        logits, cache = apply(state, cache, tokens, slots, pos, nvalid, table)
+        return cache, _sample_rows(logits, rows, draws, n_top=TOP_LOGPROBS)
+    return jax.jit(run, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
