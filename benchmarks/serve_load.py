@@ -134,6 +134,9 @@ def main(argv=None):
     ap.set_defaults(max_requests=8, num_blocks=32, max_blocks=2, prefill_chunk=32)
     ap.add_argument("--prefix-cache-entries", type=int, default=16,
                     help="in-process server: cached prefixes (0: off)")
+    ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                    help="in-process: the server (and the fixed batch) draft K tokens a step "
+                         "with the MTP block (needs --prefix-cache-entries 0)")
     ap.add_argument("--compare-fixed", action="store_true",
                     help="in-process: also time Engine.generate (fixed batches of "
                          "--max-requests, the fused decode loop) on the same prompts")
@@ -163,7 +166,8 @@ def main(argv=None):
         out["machine"] = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
         out["model"] = name
         if args.compare_fixed:
-            kw = dict(max_new_tokens=args.max_tokens, stop_ids=())
+            kw = dict(max_new_tokens=args.max_tokens, stop_ids=(),
+                      speculative_tokens=args.speculative_tokens)
             eng.generate(prompts[:args.max_requests], **kw)   # compiles the loop
             t0 = time.perf_counter()
             res = eng.generate(prompts, **kw)
@@ -173,7 +177,8 @@ def main(argv=None):
                                   "output_tokens_per_s": sum(map(len, res)) / wall}
         t0 = time.perf_counter()
         srv = build(eng, tok, name, seed=args.seed,
-                    config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries))
+                    config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries,
+                                           speculative_tokens=args.speculative_tokens))
         out["warm_up_s"] = time.perf_counter() - t0
         with BackgroundServer(srv) as url:
             out["load"] = run_load(url, name, prompts, args.max_tokens, args.concurrency,

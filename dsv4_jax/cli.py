@@ -445,17 +445,7 @@ def cmd_generate(args):
         raise UsageError(f"--stream runs every prompt at once: {len(prompts)} prompts need "
                          f"--max-requests {len(prompts)} (have {args.max_requests})")
     k = args.speculative_tokens
-    if k:
-        try:
-            SP.check_draft_count(k)
-            SP.check_mtp_config(cfg, k)
-        except ValueError as e:
-            raise UsageError(f"--speculative-tokens: {e}") from None
-        if args.devices and args.layout == "pipeline":
-            raise UsageError("--speculative-tokens runs on one device or a mesh, not with "
-                             "--layout pipeline")
-        if args.layout == "auto":
-            args.layout = "mesh"   # the speculative step runs on one device or a mesh
+    _check_speculation(args, cfg)
     _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens + k, "prompt")
     _prepare_layout(args, cfg)
     params = _load_params(args, cfg)
@@ -571,12 +561,31 @@ def cmd_logits(args):
 # ---------------------------------------------------------------------------------------
 # serve
 # ---------------------------------------------------------------------------------------
+def _check_speculation(args, cfg) -> None:
+    """--speculative-tokens against the config and the layout, before any weight is read."""
+    k = args.speculative_tokens
+    if not k:
+        return
+    try:
+        SP.check_draft_count(k)
+        SP.check_mtp_config(cfg, k)
+    except ValueError as e:
+        raise UsageError(f"--speculative-tokens: {e}") from None
+    if args.devices and args.layout == "pipeline":
+        raise UsageError("--speculative-tokens runs on one device or a mesh, not with "
+                         "--layout pipeline")
+    if args.layout == "auto":
+        args.layout = "mesh"   # the speculative step runs on one device or a mesh
+
+
 def serving_engine(args):
     """-> (engine, tokenizer, model name) from the model flags (checked first), as `dsv4
     serve` runs them; benchmarks/serve_load.py builds its in-process server with it too.
     The name: the checkpoint directory's, or the preset's."""
     _check_model_flags(args)
     cfg = _model_config(args)
+    if getattr(args, "speculative_tokens", 0):
+        _check_speculation(args, cfg)
     tok = _tokenizer(args, cfg)
     _prepare_layout(args, cfg)
     eng = _engine(args, cfg, _load_params(args, cfg))
@@ -612,14 +621,20 @@ def cmd_serve(args):
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     _positive(args, "--prefill-chunks-per-step", "--max-waiting")
-    if args.prefix_cache_entries is None:   # on where it runs: one device
-        args.prefix_cache_entries = 0 if args.devices else 2 * args.max_requests
+    if args.prefix_cache_entries is None:   # on where it runs: one device, no speculation
+        args.prefix_cache_entries = (0 if args.devices or args.speculative_tokens
+                                     else 2 * args.max_requests)
     elif args.prefix_cache_entries < 0:
         raise UsageError(f"--prefix-cache-entries must be 0 (off) or more, got "
                          f"{args.prefix_cache_entries}")
     elif args.prefix_cache_entries and args.devices:
         raise UsageError("--prefix-cache-entries needs a single-device engine; with "
                          "--devices use --prefix-cache-entries 0")
+    if args.speculative_tokens:
+        if args.prefix_cache_entries:
+            raise UsageError("--speculative-tokens and the prefix cache do not combine (its "
+                             "snapshots do not hold the MTP block's cache); add "
+                             "--prefix-cache-entries 0")
     from checkpoints.convert import parse_bytes
     max_body = parse_bytes(args.max_request_size, "--max-request-size")
     try:
@@ -639,7 +654,8 @@ def cmd_serve(args):
         t0 = time.perf_counter()
         srv = serve_run.build(eng, tok, name, SchedulerConfig(
             prefill_chunks_per_step=args.prefill_chunks_per_step,
-            max_waiting=args.max_waiting, prefix_cache_entries=args.prefix_cache_entries),
+            max_waiting=args.max_waiting, prefix_cache_entries=args.prefix_cache_entries,
+            speculative_tokens=args.speculative_tokens),
             seed=args.seed, max_body_bytes=max_body)
         host, port = sock.getsockname()[:2]
 
@@ -734,6 +750,10 @@ def build_parser():
                     help="prompt prefixes (whole 128-token blocks) kept for reuse across "
                          "requests; 0: off (default: 2 x --max-requests on one device, off "
                          "with --devices)")
+    sv.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                    help="draft K tokens a step with the model's MTP block and verify them in "
+                         "one step (1..3; 0 = off; needs --prefix-cache-entries 0); usage "
+                         "reports the acceptance")
     sv.add_argument("--max-request-size", default="16MiB",
                     help="request bodies above this get 413 (e.g. 4MiB, 1G, or bytes)")
     sv.add_argument("--log-level", default="info",

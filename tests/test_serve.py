@@ -513,3 +513,38 @@ def test_cli_serve_start_failure_exits_1(capsys, monkeypatch):
     assert cli_main(["serve", "--port", str(free_port()), "--log-level", "critical"]) == 1
     err = capsys.readouterr().err
     assert "dsv4 serve: failed" in err and "ready" not in err, err
+
+
+def test_speculative_server_gives_the_plain_text_and_reports_acceptance(embedded, server):
+    """`dsv4 serve --speculative-tokens 2` on its own engine: greedy completions (streamed
+    and not) give the plain server's text; usage reports the decode steps and the accepted
+    drafts; nothing compiles after the warm-up."""
+    from dsv4_jax.serve import metrics as MX
+    cfg, params, tok = embedded
+    _, _, ref = server
+    cs = CacheSpec.for_numerics(Numerics(), max_requests=R, num_blocks=6, max_blocks=2)
+    eng = Engine(cfg, params, cache_spec=cs, prefill_chunk=CHUNK, progress=False)
+    n_new = 24
+    want = eng.generate(ID_PROMPTS, max_new_tokens=n_new, jit_loop=False, stop_ids=tok.stop_ids)
+    srv = build(eng, tok, MODEL, SchedulerConfig(speculative_tokens=2), seed=0)
+    lowered = MX.lowerings()
+    with BackgroundServer(srv) as url:
+        c = client(url)
+        with ThreadPoolExecutor(len(ID_PROMPTS)) as pool:
+            got = list(pool.map(lambda p: c.completions.create(
+                model=MODEL, prompt=p, max_tokens=n_new, temperature=0), ID_PROMPTS))
+        streamed = c.completions.create(model=MODEL, prompt=ID_PROMPTS[1], max_tokens=n_new,
+                                        temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+        parts = list(streamed)
+    assert MX.lowerings() == lowered
+    stops = set(tok.stop_ids)
+    for r, w in zip(got, want):
+        assert r.choices[0].text == text_of(tok, w, stops)
+        spec = r.usage.model_extra["speculative"]
+        assert spec["draft_tokens_per_step"] == 2 and spec["decode_steps"] >= 1
+        # 1 .. 3 tokens a step; the embedded model's MTP block drafts well
+        assert 1 <= spec["tokens_per_step"] <= 3
+        assert spec["accepted_draft_tokens"] == r.usage.completion_tokens - 1 - spec["decode_steps"]
+    assert "".join(p.choices[0].text for p in parts if p.choices) == text_of(tok, want[1], stops)
+    assert parts[-1].usage.model_extra["speculative"]["decode_steps"] >= 1

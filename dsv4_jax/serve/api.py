@@ -336,10 +336,18 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens, completion_tokens, cached_tokens=0):
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def _usage(srv, reqs, prompt_tokens, completion_tokens, cached_tokens=0):
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    k = srv.sch.config.speculative_tokens
+    if k:   # each decode step emits 1 + its accepted drafts (the first token: the prefill)
+        steps = sum(r.decode_steps for r in reqs)
+        emitted = sum(max(len(r.out_ids) - 1, 0) for r in reqs)
+        u["speculative"] = {"draft_tokens_per_step": k, "decode_steps": steps,
+                            "accepted_draft_tokens": max(emitted - steps, 0),
+                            "tokens_per_step": emitted / steps if steps else None}
+    return u
 
 
 async def _outputs(q: asyncio.Queue, reqs, http: HTTPRequest, poll_s: float = 0.5):
@@ -541,7 +549,8 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
         pt = len(prompt)
         return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model,
                 "choices": choices,
-                "usage": _usage(pt, sum(a["usage"][1] for a in acc), acc[0]["usage"][2])}
+                "usage": _usage(srv, reqs, pt, sum(a["usage"][1] for a in acc),
+                                acc[0]["usage"][2])}
 
     # ---- completions ---------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -597,7 +606,8 @@ def create_app(srv: Server, start_engine: bool = True) -> FastAPI:
                    for i, a in enumerate(acc)]
         return {"id": rid, "object": "text_completion", "created": created, "model": srv.model,
                 "choices": choices,
-                "usage": _usage(len(ids), sum(a["ct"] for a in acc), acc[0]["cached"])}
+                "usage": _usage(srv, reqs, len(ids), sum(a["ct"] for a in acc),
+                                acc[0]["cached"])}
 
     return app
 
@@ -664,7 +674,8 @@ async def _chat_chunks(srv, reqs, q, http, parsers, chunk, want_lp, usage, rid, 
     if usage:
         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": srv.model, "choices": [],
-                    "usage": _usage(len(reqs[0].prompt), total, reqs[0].cached_tokens)})
+                    "usage": _usage(srv, reqs, len(reqs[0].prompt), total,
+                                    reqs[0].cached_tokens)})
     yield "data: [DONE]\n\n"
 
 
@@ -700,5 +711,6 @@ async def _completion_chunks(srv, reqs, q, http, rid, created, want_lp, usage):
     if usage:
         yield _sse({"id": rid, "object": "text_completion", "created": created,
                     "model": srv.model, "choices": [],
-                    "usage": _usage(len(reqs[0].prompt), total, reqs[0].cached_tokens)})
+                    "usage": _usage(srv, reqs, len(reqs[0].prompt), total,
+                                    reqs[0].cached_tokens)})
     yield "data: [DONE]\n\n"
