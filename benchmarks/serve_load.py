@@ -175,6 +175,12 @@ def main(argv=None):
             out["fixed_batch"] = {"requests": len(prompts), "wall_s": wall,
                                   "requests_per_s": len(prompts) / wall,
                                   "output_tokens_per_s": sum(map(len, res)) / wall}
+            # the stream step at the server's batch (Engine.stream, one step behind): what
+            # the server's inter-token latency compares with
+            batch = prompts[:min(args.concurrency, args.max_requests)]
+            for _ in range(2):   # the first run compiles
+                n = sum(1 for _ in eng.stream(batch, **kw)) - 2
+            out["stream_step_ms"] = 1e3 * eng.timing.decode_s / max(n, 1)
         t0 = time.perf_counter()
         srv = build(eng, tok, name, seed=args.seed,
                     config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries,

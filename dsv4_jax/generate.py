@@ -348,16 +348,26 @@ class Engine:
                  sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = (),
                  jit_loop: bool = True, speculative_tokens: int = 0) -> list[list[int]]:
         """Generated tokens per prompt (including the stop token that ended it, if any).
-        More prompts than request slots run in waves. speculative_tokens k > 0: MTP drafts
-        verified k at a time (through stream)."""
+        More prompts than request slots run in waves (wave w seeded seed + its first
+        prompt's index; `timing` and `acceptance` cover them all). speculative_tokens
+        k > 0: MTP drafts verified k at a time (through stream)."""
         R = self.cs.max_requests
         _check_max_new(max_new_tokens)
-        if len(prompts) > R:
-            out = []
+        if len(prompts) > R:   # waves; timing and acceptance over all of them
+            out, waves, acc = [], [], []
             for i in range(0, len(prompts), R):
                 out += self.generate(prompts[i:i + R], max_new_tokens=max_new_tokens,
                                      sampler=sampler, seed=seed + i, stop_ids=stop_ids,
                                      jit_loop=jit_loop, speculative_tokens=speculative_tokens)
+                waves.append(self.timing)
+                acc.append(self.acceptance)
+            self.timing = Timing(prefill_s=sum(t.prefill_s for t in waves),
+                                 first_token_s=waves[0].first_token_s,
+                                 compile_s=sum(t.compile_s for t in waves),
+                                 decode_s=sum(t.decode_s for t in waves),
+                                 new_tokens=sum(t.new_tokens for t in waves))
+            if speculative_tokens:
+                self.acceptance = SP.merge_acceptance(acc)
             return out
         if (speculative_tokens or not jit_loop or self.mesh is not None
                 or self.pipeline is not None):

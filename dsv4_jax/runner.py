@@ -135,6 +135,8 @@ class ModelRunner:
             raise ValueError("Engine: give a mesh or a pipeline, not both")
         self.cfg, self.nm, self.chunk = cfg, numerics, chunk
         self.cs = cache_spec or CacheSpec.for_numerics(numerics)
+        check_kernel_device(self.nm, self.cs, pipeline.devices if pipeline is not None else
+                            mesh.devices.flat if mesh is not None else jax.devices()[:1])
         self.mesh, self.pipeline = mesh, pipeline
         self.mtp_cache = None     # the MTP block's cache (speculation), made on first use
         self.programs = {}        # compiled programs built on first use, by kind and form
@@ -410,6 +412,23 @@ class ModelRunner:
             return put_state(np.zeros((1, self.cfg.hc_mult, self.cfg.hidden_size),
                                       self.nm.jdtype), self.state_sharding)
         return self._h[c.slot]
+
+
+def check_kernel_device(nm: Numerics, cs: CacheSpec, devices) -> None:
+    """The compiled Mosaic GPU kernels (Numerics.matmul "pallas", CacheSpec.kernels "on")
+    run on Hopper (sm_90) or datacenter Blackwell (sm_100) GPUs: refuse them elsewhere
+    before the cache is built (the interpreter, "interpret", runs anywhere)."""
+    asked = [f for f, on in (("Numerics.matmul='pallas'", nm.matmul == "pallas"),
+                             ("CacheSpec.kernels='on'", cs.kernels == "on")) if on]
+    if not asked:
+        return
+    for d in devices:
+        cc = str(getattr(d, "compute_capability", "") or "")
+        if d.platform != "gpu" or cc.split(".")[0] not in ("9", "10"):
+            raise ValueError(f"{' and '.join(asked)} need{'s' * (len(asked) == 1)} a Hopper "
+                             f"or Blackwell (sm_100) GPU, "
+                             f"and {d.device_kind} ({d.platform}) is not one; use 'xla' / "
+                             f"'off' (or 'interpret' to run the kernels in the interpreter)")
 
 
 # ---------------------------------------------------------------------------------------

@@ -641,3 +641,13 @@ def acceptance_report(steps, emitted) -> dict:
     tot = sum(steps)
     return {"per_request": per, "overall": sum(emitted) / tot if tot else float("nan"),
             "steps": list(steps)}
+
+
+def merge_acceptance(reports) -> dict:
+    """acceptance_report over several runs (Engine.generate's waves) as one."""
+    steps = [n for r in reports for n in r["steps"]]
+    per = [x for r in reports for x in r["per_request"]]
+    emitted = [x * n if n else 0 for x, n in zip(per, steps)]
+    tot = sum(steps)
+    return {"per_request": per, "overall": sum(emitted) / tot if tot else float("nan"),
+            "steps": steps}

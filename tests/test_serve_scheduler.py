@@ -336,3 +336,15 @@ def test_a_failing_step_ends_its_requests_and_serving_goes_on(sched):
     small.submit(Request(p, sp, lambda o: None))
     with pytest.raises(Overloaded):
         small.submit(Request(p, sp, lambda o: None))
+
+
+def test_generate_timing_covers_every_wave(sched):
+    """Engine.generate over more prompts than slots runs waves; its timing counts every
+    wave's decoded tokens (each prompt's first token comes from its prefill)."""
+    eng = sched.eng
+    ps = prompts_of(np.random.default_rng(509), (5, 9, 3, 7, 11, 4))
+    outs = eng.generate(ps, max_new_tokens=5)
+    last_wave = eng.generate(ps[R:], max_new_tokens=5)
+    assert last_wave == outs[R:]
+    eng.generate(ps, max_new_tokens=5)
+    assert eng.timing.new_tokens == sum(map(len, outs)) - len(ps) > sum(map(len, last_wave))
