@@ -328,15 +328,17 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
 
 
 def step_layers(params, cache, X, tokens, slots, pos, nvalid, block_table, layers,
-                cfg: Config, cs: CacheSpec, nm: Numerics):
+                cfg: Config, cs: CacheSpec, nm: Numerics, capture: tuple[int, ...] = ()):
     """Blocks `layers` (consecutive ids) of the cached step on the residual X [B, T, N, D]
     -> (X, {f"L{i}": new cache of layer i}). `cache` needs only those layers' entries (a
-    pipeline stage holds just its own)."""
+    pipeline stage holds just its own). capture (static): layer ids (of `layers`) whose
+    output residual is returned too, for a drafter that reads them (dspark.py) ->
+    (X, cache, [X after layer i, [B, T, N, D], for i in capture])."""
     B, T = tokens.shape
     tok_pos = pos[:, None] + jnp.arange(T)[None, :]
     valid = jnp.arange(T)[None, :] < nvalid[:, None]
     bt_rows = block_table[slots]
-    new_cache = {}
+    new_cache, captured = {}, {}
     for i in layers:
         bp = L.block_params(params, f"layers.{i}.")
         ratio = cfg.layer_ratio(i)
@@ -350,6 +352,10 @@ def step_layers(params, cache, X, tokens, slots, pos, nvalid, block_table, layer
         with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
             X = M.block(bp, X, tokens, i, cfg, nm, attn)
         new_cache[f"L{i}"] = holder["lc"]
+        if i in capture:
+            captured[i] = X
+    if capture:
+        return X, new_cache, [captured[i] for i in capture]
     return X, new_cache
 
 

@@ -246,9 +246,16 @@ def markov_sample(params, base_logits, anchor, cfg: Config, draw: Draw = greedy,
     base_logits[:, i] + markov_bias(prev_i), prev_0 = anchor, prev_i = the token drawn at
     i-1. base_logits [B, G, V] f32, anchor [B] -> (tokens [B, G] int32, logits [B, G, V],
     q [B, G, V] or None (draw's), prev [B, G] int32). `draw` e.g. greedy, or the
-    speculative sampler's draft draw (its q enters the acceptance rule)."""
+    speculative sampler's draft draw (its q enters the acceptance rule). key: one key
+    (position i draws with split(key, G)[i]) or one per batch row [B] (row b's position i:
+    split(key[b], G)[i]; draw then gets keys [B])."""
     G = base_logits.shape[1]
-    keys = None if key is None else jax.random.split(key, G)
+    if key is None:
+        keys = None
+    elif key.ndim == 0:
+        keys = jax.random.split(key, G)                                     # [G]
+    else:
+        keys = jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, G))(key), 0, 1)  # [G, B]
 
     def step(prev, xs):
         lg, k = xs

@@ -290,8 +290,14 @@ class Engine:
         pipelining.
 
         speculative_tokens k > 0: the MTP block drafts k tokens a step and one program
-        verifies them (speculative.py); a step yields 1 .. k+1 tokens per request."""
+        verifies them (speculative.py); a step yields 1 .. k+1 tokens per request.
+        speculative_tokens "dspark": the DSpark drafter's block (dspark_runner.py)."""
         _check_max_new(max_new_tokens)
+        if speculative_tokens == "dspark":
+            from . import dspark_runner
+            yield from dspark_runner.stream(self, prompts, max_new_tokens=max_new_tokens,
+                                            sampler=sampler, seed=seed, stop_ids=stop_ids)
+            return
         if speculative_tokens:
             yield from SP.stream(self, prompts, max_new_tokens=max_new_tokens, sampler=sampler,
                                  seed=seed, stop_ids=stop_ids, k=speculative_tokens)

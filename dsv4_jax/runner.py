@@ -19,7 +19,9 @@ driver enqueues step n+1 before it reads step n.
 
 Speculative decoding is a mode of the runner (`Speculation(k)`): the decode step is the
 MTP draft + verify program of speculative.py with the per-row sampler, and each step
-emits 1 .. k+1 tokens per row.
+emits 1 .. k+1 tokens per row. `DSpark()`: the same with the DSpark drafter of
+V4-Flash-0731 (dspark_runner.py): G = dspark_block_size drafts a step, 1 .. G+1 tokens
+per row; its prefill also commits the prompt rows into the drafter's rings.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from .serve.sampling import (ROW_KEYS, TOP_LOGPROBS, RowSampler, SamplingRows, _
 from . import distributed as dist
 from . import pipeline as PL
 from . import sharding as SH
+from . import dspark_runner as DR
 from . import speculative as SP
 
 
@@ -115,6 +118,12 @@ class Speculation:
 
     def __post_init__(self):
         SP.check_draft_count(self.k)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSpark:
+    """The runner's DSpark mode: the V4-Flash-0731 drafter's block of dspark_block_size
+    drafts verified per step (dspark_runner.py)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,17 +270,35 @@ class ModelRunner:
         SP.check_mtp(self.cfg, self.model.mtp.get_value(), spec)
 
     # ---- the scheduler's step: prefill chunks + the decode step, sampled per row ------
-    def set_mode(self, speculation: Speculation | None = None) -> None:
-        """Decode plainly (None) or speculatively; drops the decode state (call with no
-        slot decoding)."""
-        if speculation is not None:
+    def dspark_programs(self):
+        """dspark_runner.programs for this layout: (prefill, step); one device only."""
+        key = ("dspark",)
+        if key not in self.programs:
+            self.check_dspark()
+            self.programs[key] = DR.programs(self.cfg, self.graphdef, self.cs, self.nm,
+                                             TOP_LOGPROBS)
+        return self.programs[key]
+
+    def check_dspark(self) -> None:
+        """Clear errors before any heavy work: the layout, the config and the drafter."""
+        if self.pipeline is not None or self.mesh is not None:
+            raise ValueError("DSpark speculative decoding runs on one device, not a mesh or "
+                             "a pipeline layout")
+        DR.check(self.cfg, self.model.mtp.get_value())
+
+    def set_mode(self, speculation: "Speculation | DSpark | None" = None) -> None:
+        """Decode plainly (None) or speculatively (MTP drafts or DSpark); drops the decode
+        state (call with no slot decoding)."""
+        if isinstance(speculation, DSpark):
+            self.check_dspark()
+        elif speculation is not None:
             self.check_speculation(speculation.k)
         mode = (RowSampler(TOP_LOGPROBS), speculation)
         if mode != self._mode:
             self._mode, self.dstate, self._host = mode, None, None
 
     @property
-    def speculation(self) -> Speculation | None:
+    def speculation(self) -> "Speculation | DSpark | None":
         return None if self._mode is None else self._mode[1]
 
     def _prefill_program(self):
@@ -282,7 +309,16 @@ class ModelRunner:
         key = ("prefill", spec)
         if key in self.programs:
             return self.programs[key]
-        if spec is not None:
+        if isinstance(spec, DSpark):
+            pre, _ = self.dspark_programs()
+
+            def run(rows, draws, *a):   # the drafter's rings live in the decode state
+                st = self._ensure_dstate()
+                self.cache, kv, rp, out = pre(self.state, self.cache, st["dsp_kv"],
+                                              st["dsp_pos"], *a, rows, draws)
+                self.dstate = dict(st, dsp_kv=kv, dsp_pos=rp)
+                return out, None
+        elif spec is not None:
             self.ensure_mtp_cache()
             pre, _ = self.spec_programs(RowSampler(TOP_LOGPROBS), spec.k)
 
@@ -312,6 +348,8 @@ class ModelRunner:
             st.update(tok=np.zeros((R, 1), np.int32), nvalid=np.zeros(R, np.int32),
                       lp=np.zeros(R, np.float32), top_ids=np.zeros((R, TOP_LOGPROBS), np.int32),
                       top_lp=np.zeros((R, TOP_LOGPROBS), np.float32))
+        elif isinstance(spec, DSpark):
+            st.update(DR.decode_state(cfg, R, self.nm, TOP_LOGPROBS))
         else:
             T = spec.k + 1
             st.update(run=np.zeros(R, np.int32), pend_n=np.zeros(R, np.int32),
@@ -331,6 +369,8 @@ class ModelRunner:
         spec = self.speculation
         if spec is None:
             return self.stream_program(RowSampler(TOP_LOGPROBS))
+        if isinstance(spec, DSpark):
+            return self.dspark_programs()[1]
         _, step = self.spec_programs(RowSampler(TOP_LOGPROBS), spec.k)
 
         def run(state, cache, st):
@@ -358,21 +398,18 @@ class ModelRunner:
             args = (jnp.asarray(buf), jnp.asarray([c.slot], jnp.int32),
                     jnp.asarray([c.start], jnp.int32), jnp.asarray([len(c.tokens)], jnp.int32),
                     jnp.asarray(self.bm.table))
-            if spec is not None:
+            if isinstance(spec, Speculation):
                 args += (self._h_prev(c),)
             out, h = pre_prog(_one_row(c.sampling), jnp.asarray([c.draw], jnp.int32), *args)
             self.bm.advance(c.slot, len(c.tokens))
-            if spec is not None:
+            if isinstance(spec, Speculation):
                 self._h[c.slot] = h
             pre_out.append(out)
             if self.interpreted:
                 jax.block_until_ready(out)
         dec = None
         if batch.start or batch.run:
-            if self.dstate is None:
-                self.dstate = self._init_dstate()
-                self._host = {"table": self.bm.table.copy(), "run": np.zeros(R, np.int32)}
-            st = self.dstate
+            st = self._ensure_dstate()
             for s in batch.start:
                 tok = s.token   # placed as a prefill's token, or the start compiles again
                 if isinstance(tok, (int, np.integer)):
@@ -380,6 +417,7 @@ class ModelRunner:
                 args = (st, jnp.int32(s.slot), tok, jnp.int32(s.pos), jnp.int32(s.draw),
                         _one_row(s.sampling))
                 st = (_start_row(*args) if spec is None else
+                      _start_dspark_row(*args) if isinstance(spec, DSpark) else
                       _start_spec_row(*args, self._h[s.slot]))
             run = np.zeros(R, np.int32)
             run[list(batch.run)] = 1
@@ -401,6 +439,13 @@ class ModelRunner:
                     jax.block_until_ready(dec)
             self.dstate = st
         return StepResult(pre_out, dec, spec is not None)
+
+    def _ensure_dstate(self) -> dict:
+        if self.dstate is None:
+            self.dstate = self._init_dstate()
+            self._host = {"table": self.bm.table.copy(),
+                          "run": np.zeros(self.cs.max_requests, np.int32)}
+        return self.dstate
 
     def advance(self, slot: int, n: int) -> None:
         """A speculative row emitted n tokens (read back): they are in its cache now."""
@@ -464,6 +509,14 @@ def _start_spec_row(st, slot, tok1, pos, draw, rows1, h1):
     return dict(st, pend_n=st["pend_n"].at[slot].set(1),
                 pend_tok=st["pend_tok"].at[slot, 0].set(tok1[0]),
                 pend_X=st["pend_X"].at[slot, 0].set(h1[0].astype(st["pend_X"].dtype)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _start_dspark_row(st, slot, tok1, pos, draw, rows1):
+    """The DSpark state with `slot` starting after its prefill: its anchor is tok1 [1] at
+    pos (the prefill committed the rings)."""
+    st = _set_rows(st, slot, pos, draw, rows1)
+    return dict(st, anchor=st["anchor"].at[slot].set(tok1[0]))
 
 
 _sample_jit = jax.jit(functools.partial(_sample_rows, n_top=TOP_LOGPROBS))

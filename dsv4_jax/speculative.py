@@ -291,18 +291,24 @@ def rollback(lc, snap, st_old, ap, x, pos, nvalid, keep, bt_rows, ratio, cfg: Co
 
 
 def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
-                  cs: CacheSpec, nm: Numerics):
+                  cs: CacheSpec, nm: Numerics, attn_rows: int = 0,
+                  capture: tuple[int, ...] = ()):
     """The main model on T rows of every request slot (batch row b = slot b): tokens
     [R, T] at positions pos [R] .. pos+T-1, the first nvalid [R] real -> (X [R, T, N, D],
     new cache, undo) where undo(cache, keep [R]) rolls every layer back to its first
-    keep[b] rows (keep <= nvalid)."""
+    keep[b] rows (keep <= nvalid).
+    attn_rows (static, 0: all T at once): each layer's cached attention takes the rows in
+    consecutive parts of at most this many (`split_attention`), e.g. decode.KERNEL_ROWS so
+    that a verify longer than the kernels take still runs through them.
+    capture (static): layer ids whose output residual is returned too -> (X, cache, undo,
+    [X after layer i, [R, T, N, D], for i in capture])."""
     B, T = tokens.shape
     slots = jnp.arange(B)
     tok_pos = pos[:, None] + jnp.arange(T)[None, :]
     valid = jnp.arange(T)[None, :] < nvalid[:, None]
     bt_rows = block_table[slots]
     X = M.embed(params, tokens, cfg, nm)
-    new_cache, saved = {}, {}
+    new_cache, saved, captured = {}, {}, {}
     for i in range(cfg.num_hidden_layers):
         ratio = cfg.layer_ratio(i)
         lc = cache[f"L{i}"]
@@ -313,8 +319,12 @@ def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
         h = {"snap": snap, "st": split_cmp_state(lc["cst"], cfg, ratio) if ratio > 0 else None}
 
         def attn(ap, x, lc=lc, ratio=ratio, h=h, xq=None):
-            out, h["lc"] = D.attention_cached(ap, lc, x, tok_pos, valid, slots, pos,
-                                              nvalid, bt_rows, cfg, cs, nm, ratio, xq)
+            if attn_rows and T > attn_rows:
+                out, h["lc"] = split_attention(ap, lc, x, pos, nvalid, bt_rows, attn_rows,
+                                               cfg, cs, nm, ratio)
+            else:
+                out, h["lc"] = D.attention_cached(ap, lc, x, tok_pos, valid, slots, pos,
+                                                  nvalid, bt_rows, cfg, cs, nm, ratio, xq)
             h["ap"], h["x"] = ap, x
             return out
 
@@ -322,6 +332,8 @@ def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
             X = M.block(L.block_params(params, f"layers.{i}."), X, tokens, i, cfg, nm, attn)
         new_cache[f"L{i}"] = h["lc"]
         saved[i] = h
+        if i in capture:
+            captured[i] = X
 
     def undo(cache, keep):
         out = {}
@@ -332,7 +344,34 @@ def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
                                         pos, nvalid, keep, bt_rows, cfg.layer_ratio(i), cfg,
                                         cs, nm)
         return out
+    if capture:
+        return X, new_cache, undo, [captured[i] for i in capture]
     return X, new_cache, undo
+
+
+def split_attention(ap, lc, x, pos, nvalid, bt_rows, rows: int, cfg: Config, cs: CacheSpec,
+                    nm: Numerics, ratio: int):
+    """One layer's cached attention on the T rows x [R, T, D] (at pos [R] .. pos+T-1, the
+    first nvalid [R] real) as consecutive parts of at most `rows` rows: part p is the
+    step of rows p*rows .. at pos + p*rows, against the cache the parts before it wrote.
+    The same as one T-row step (a row sees the rows before it, never those after), and
+    each part fits the kernel path (T <= decode.KERNEL_ROWS: at most one compressed entry
+    completes per request and part). The projections of q / kv run per part (XLA may merge
+    them); the rest of the layer (mHC, MoE) still runs once on all T rows.
+    -> (out [R, T, D], new layer cache)."""
+    B, T = x.shape[:2]
+    slots = jnp.arange(B)
+    outs = []
+    for s in range(0, T, rows):
+        n = min(rows, T - s)
+        p_pos = pos + s
+        nv = jnp.clip(nvalid - s, 0, n).astype(jnp.int32)
+        tok_pos = p_pos[:, None] + jnp.arange(n)[None, :]
+        valid = jnp.arange(n)[None, :] < nv[:, None]
+        o, lc = D.attention_cached(ap, lc, x[:, s:s + n], tok_pos, valid, slots, p_pos, nv,
+                                   bt_rows, cfg, cs, nm, ratio)
+        outs.append(o)
+    return jnp.concatenate(outs, 1), lc
 
 
 # ---------------------------------------------------------------------------------------
