@@ -5,14 +5,15 @@ the current one in the same run (issue 49).
 
     PYTHONPATH=. python3 -m benchmarks.prefill_bench [--preset flash --layers 10]
         [--lengths 1024 8192 32768 131072] [--chunks 512 2048] [--prompts 1]
-        [--paths current new]
+        [--paths current grouped new]
 
 Synthetic release-format weights (FP4 experts, FP8 linears), the kernels on
-(Numerics(matmul="pallas"), CacheSpec(kernels="on")). "current": the MoE of a chunk as
-before (the loop over all experts with a combine mask); "new": the pairs sorted into
-expert tiles through pallas_kernels/grouped_expert_matmul (layers.experts.GROUPED_PREFILL).
-Attention runs the chunk path of decode.attention_cached in both (the sparse prefill
-attention kernel is not wired there yet).
+(Numerics(matmul="pallas"), CacheSpec(kernels="on")). The paths, chosen by Numerics fields
+in the same run: "current": the MoE of a chunk as before (the loop over all experts with a
+combine mask, grouped_prefill=False) and the dense chunk attention (sparse_prefill_rows=0);
+"grouped": the pairs sorted into expert tiles through pallas_kernels/grouped_expert_matmul
+(grouped_prefill=True), dense attention; "new": that and the sparse prefill attention
+kernel (pallas_kernels/sparse_prefill_attention, sparse_prefill_rows=1: every chunk).
 
 FLOPs of a token (the ceiling's numerator): 2 x the multiply-adds of every matmul it
 runs (attention projections, the compressors and indexer, the shared and its k routed
@@ -32,8 +33,11 @@ from benchmarks.common import copy_bandwidth, tensor_peak
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec
 from dsv4_jax.generate import Engine
-from dsv4_jax.layers import experts as X
 from dsv4_jax.quant import Numerics
+
+PATHS = {"current": Numerics(matmul="pallas", grouped_prefill=False, sparse_prefill_rows=0),
+         "grouped": Numerics(matmul="pallas", grouped_prefill=True, sparse_prefill_rows=0),
+         "new": Numerics(matmul="pallas", grouped_prefill=True, sparse_prefill_rows=1)}
 
 
 def matmul_flops_per_token(cfg) -> float:
@@ -77,11 +81,10 @@ def attention_flops(cfg, L: int) -> float:
 
 def run(cfg, params, L, chunk, prompts, path, seed=0):
     """-> (seconds for all prompts, seconds to the first prompt's last logits)."""
-    X.GROUPED_PREFILL = path == "new"
     blocks = -(-L // BLOCK_TOKENS) + 1
     cs = CacheSpec(max_requests=prompts, num_blocks=blocks * prompts + 4, max_blocks=blocks,
                    kernels="on")
-    eng = Engine(cfg, params, numerics=Numerics(matmul="pallas"), cache_spec=cs,
+    eng = Engine(cfg, params, numerics=PATHS[path], cache_spec=cs,
                  prefill_chunk=chunk, progress=False)
     rng = np.random.default_rng(seed)
     toks = [rng.integers(2, cfg.vocab_size, L) for _ in range(prompts)]
@@ -105,7 +108,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prompts", type=int, nargs="+", default=[1])
-    ap.add_argument("--paths", nargs="+", choices=["current", "new"], default=["current", "new"])
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     base = C.get_preset(a.preset)
@@ -138,7 +141,6 @@ def main():
                     print(f"| {path} | {L} | {chunk} | {B} | {t:.2f} | {ttft:.2f} | "
                           f"{B * L / t:.0f} | {100 * B * fl / t / peak:.1f} | "
                           f"{100 * floor / t:.1f} |", flush=True)
-    X.GROUPED_PREFILL = True
 
 
 if __name__ == "__main__":

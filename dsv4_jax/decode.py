@@ -276,7 +276,7 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     q, kv_raw, cq, cqq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm, xq=xq, sim_kv=not fp8)
     lc = dict(lc)
     # the kernels: decode (T = 1) and a speculative verify's rows, all request slots at once;
-    # prefill chunks take the XLA path below
+    # prefill chunks take the path below (the sparse prefill attention kernel for long ones)
     if cs.kernels != "off" and (T == 1 or (T <= KERNEL_ROWS and B == cs.max_requests)):
         if B != cs.max_requests:
             raise ValueError("the kernel decode path runs all request slots (B == max_requests)")
@@ -284,15 +284,20 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
                               cs, nm, ratio, freqs, cqq)
         return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
     kv = L.kv_quant_sim(kv_raw, cfg, nm) if fp8 else kv_raw
+    # long chunks with the kernels on: the sparse prefill attention (each row's window band
+    # and its own entries, memory bounded); else a dense [T, W + T + n] mask over all keys
+    sparse = (cs.kernels != "off" and 0 < nm.sparse_prefill_rows <= T
+              and cfg.head_dim == 512)   # (the kernel's head width)
     # ---- window: ring contents before this step + the chunk's own rows
     ring = decode_kv(cs, _rows(lc["win"], slots), nm.jdtype)  # [B, W, K]
     ring_pos = _rows(lc["win_pos"], slots)
     ring_pos = jnp.where(ring_pos < pos[:, None], ring_pos, -1)  # stale slots of a new request
-    new_pos = jnp.where(valid, tok_pos, -1)
-    kpos = jnp.concatenate([ring_pos, new_pos], 1)  # [B, W+T]
-    keys = jnp.concatenate([ring, kv], 1)
-    p_t = tok_pos[:, :, None]
-    mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= p_t) & (kpos[:, None, :] > p_t - W)
+    if not sparse:
+        new_pos = jnp.where(valid, tok_pos, -1)
+        kpos = jnp.concatenate([ring_pos, new_pos], 1)  # [B, W+T]
+        keys = jnp.concatenate([ring, kv], 1)
+        p_t = tok_pos[:, :, None]
+        mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= p_t) & (kpos[:, None, :] > p_t - W)
     # write the chunk's last W valid rows into the ring (unique slots)
     end = pos + nvalid
     keep = valid & (tok_pos >= (end - W)[:, None])
@@ -300,6 +305,9 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     srow = jnp.broadcast_to(slots[:, None], (B, T))
     lc["win"] = _scatter(lc["win"], (srow, rslot), encode_kv(cs, kv_raw))
     lc["win_pos"] = lc["win_pos"].at[srow, rslot].set(tok_pos, mode="drop")
+    # sparse: the entries each row attends (window-only layers: none, over one dummy row)
+    ents, ids = jnp.zeros((B, 1, cfg.head_dim), nm.jdtype), None
+    ncmp = jnp.zeros((B, T), jnp.int32)
     if ratio > 0:
         epb = BLOCK_TOKENS // ratio
         NB = cs.num_blocks
@@ -310,7 +318,8 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
         lc["cmp"] = _scatter(lc["cmp"], (blk, sl), encode_kv(cs, ent))
         cents = decode_kv(cs, _gather_entries(lc["cmp"], bt_rows, epb), nm.jdtype)  # [B, NE, K]
         NE = cents.shape[1]
-        visible = (jnp.arange(NE)[None, None, :] < ((tok_pos + 1) // ratio)[:, :, None])
+        nvis = jnp.minimum((tok_pos + 1) // ratio, NE)                 # [B, T]
+        visible = jnp.arange(NE)[None, None, :] < nvis[:, :, None]
         if ratio == 4:
             ip = L.block_params(ap, "indexer.")
             kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
@@ -318,12 +327,23 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
             lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
             keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)
-            scores = L.indexer_scores(qI, wI, keysI)
-            visible, _ = L.topk_mask(scores, visible, cfg.index_topk)
+            if sparse:   # the top-k ids, scored in query blocks (no [T, n] array)
+                ids = L.indexer.topk_ids_blocked(qI, wI, keysI, nvis, cfg.index_topk)
+                nvis = jnp.minimum(nvis, ids.shape[-1])
+            else:
+                scores = L.indexer_scores(qI, wI, keysI)
+                visible, _ = L.topk_mask(scores, visible, cfg.index_topk)
         _write_state(lc, slots, st, cfg, ratio)
-        keys = jnp.concatenate([keys, cents], 1)
-        mask = jnp.concatenate([mask, visible], -1)
-    o = L.attend(q, keys[:, None], mask, ap["attn_sink"], nm)
+        if sparse:   # padding rows attend no entries (their outputs are never used)
+            ents, ncmp = cents, jnp.where(valid, nvis, 0)
+        else:
+            keys = jnp.concatenate([keys, cents], 1)
+            mask = jnp.concatenate([mask, visible], -1)
+    if sparse:
+        o = L.attention.sparse_chunk_attention(q, ring, ring_pos, kv, pos, nvalid, ents, ids,
+                                               ncmp, ap["attn_sink"], nm, cs.kernels)
+    else:
+        o = L.attend(q, keys[:, None], mask, ap["attn_sink"], nm)
     return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
 
 

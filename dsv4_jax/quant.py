@@ -52,12 +52,25 @@ class Numerics:
     # unrolled: for differentiating (training), whose unrolled gradient XLA-GPU compiles
     # for many minutes; inference keeps the unrolled form the reference tests pin down.
     sinkhorn_loop: bool = False
+    # Prefill (many rows): the routed experts of a chunk sorted into expert row tiles through
+    # the grouped expert matmul (each expert's weights read once a tile, at tensor-core
+    # rate) when `matmul` is a kernel; False: the loop over all experts with a combine mask
+    # (the former path, kept for benchmarks/prefill_bench.py's comparison).
+    grouped_prefill: bool = True
+    # A request's chunk of at least this many rows attends through the sparse prefill
+    # attention kernel when the cache kernels are on (CacheSpec.kernels): its window band and
+    # its own top-k / compressed entries, no [T, all keys] mask; 0: never (the dense chunk
+    # attention). Shorter chunks (and the kernels off) take the dense form.
+    sparse_prefill_rows: int = 128
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"Numerics.dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.matmul not in MATMUL_IMPLS:
             raise ValueError(f"Numerics.matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
+        if self.sparse_prefill_rows < 0:
+            raise ValueError(f"Numerics.sparse_prefill_rows must be >= 0, got "
+                             f"{self.sparse_prefill_rows}")
 
     @property
     def jdtype(self):

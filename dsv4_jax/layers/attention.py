@@ -7,12 +7,18 @@ and, on CSA layers, the indexer's top-k.
     o_BTHK = attend(q_BTHK, keys_B1SK, mask_BTS, sink_H, nm)
     y_BTD = attn_output(p, o_BTHK, pos_BT, freqs, cfg, nm)
     y_BTD = attention_prefill(p, x_BTD, cfg, nm, ratio[, debug, xq])
+    o_BTHK = sparse_chunk_attention(q_BTHK, ring_BWK, ring_pos_BW, kv_BTK, pos_B, nvalid_B,
+                                    ents_BNK, ids_BTL, ncmp_BT, sink_H, nm, kernels)
 """
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
+
+from pallas_kernels.sparse_prefill_attention import BLK, sparse_prefill_attention, window_table
 
 from ..config import Config
 from ..quant import KERNEL_MAX_ROWS, Fp8Weight, Numerics, dequant, grouped_linear, linear
@@ -132,3 +138,37 @@ def attention_probs(q, keys, mask, sink):
     m = jnp.maximum(jnp.max(s, -1), sink.astype(F32))
     p = jnp.exp(s - m[..., None])
     return p / (p.sum(-1) + jnp.exp(sink.astype(F32) - m))[..., None]
+
+
+def sparse_chunk_attention(q, ring, ring_pos, kv, pos, nvalid, ents, ids, ncmp, sink,
+                           nm: Numerics, kernels: str):
+    """A chunk's attention through pallas_kernels.sparse_prefill_attention, memory bounded
+    (no [T, W + T + n] mask): the same values as attend over decode.attention_cached's dense
+    keys and mask, to rounding. Row t of request b attends its window (ring + chunk rows by
+    position, window_table) plus ents[b, ids[b, t, :ncmp[b, t]]] (CSA: the indexer's top-k,
+    valid ids first) or ents[b, :ncmp[b, t]] (ids None: HCA, and the window-only layers with
+    ncmp 0). kernels: CacheSpec.kernels ("on": the Hopper kernel, "interpret": it on the
+    Mosaic GPU interpreter); f32 numerics (the kernel rounds q, K and P to bf16) and windows
+    off the kernel's 64-key blocks take the blocked pure-JAX form.
+
+    q [B, T, H, K]; ring [B, W, K] and ring_pos [B, W] (-1: empty) the window ring before the
+    chunk; kv [B, T, K] the chunk's rows (first nvalid[b] real), at positions pos[b] + t;
+    ents [B, NE, K]; ids [B, T, L] int or None; ncmp [B, T] int -> o [B, T, H, K] f32."""
+    B, T, H, K = q.shape
+    W = ring.shape[1]
+    bf16 = nm.jdtype == jnp.bfloat16
+    impl = ("xla" if not bf16 or W % BLK else "interpret" if kernels == "interpret"
+            else "pallas")
+    win, wbias = jax.vmap(functools.partial(window_table, window=W))(
+        ring.astype(kv.dtype), ring_pos, kv, pos, nvalid)        # [B, W + T, K], [B, W + T]
+    t = jnp.arange(T, dtype=jnp.int32)
+    b = jnp.arange(B, dtype=jnp.int32)[:, None]
+    woff = b * (W + T) + t[None, :] + 1                            # row t's window: t+1 ..
+    NE = ents.shape[1]
+    coff = jnp.broadcast_to(b * NE, (B, T))
+    o = sparse_prefill_attention(
+        q.reshape(B * T, H, K), win.reshape(B * (W + T), K), wbias.reshape(-1),
+        ents.reshape(B * NE, K), None if ids is None else ids.reshape(B * T, -1),
+        ncmp.reshape(-1), woff.reshape(-1), coff.reshape(-1), sink, impl=impl, window=W,
+        bf16_p=bf16)
+    return o.reshape(B, T, H, K)

@@ -93,7 +93,7 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False
     experts with a combine mask, or, with nm.matmul != "xla" and kernel-shaped FP8 / FP4
     experts (`grouped_kernel_ok`), the pairs sorted by expert into row tiles through the
     grouped expert matmul (`_moe_grouped`: each expert's weights read once per tile of
-    PREFILL_TILE rows, at tensor-core rate)."""
+    PREFILL_TILE rows, at tensor-core rate; nm.grouped_prefill False: the loop)."""
     E = jax.tree.leaves(p["experts.w1"])[0].shape[0]
     k = idx.shape[-1]
     B, T, D = x.shape
@@ -104,7 +104,7 @@ def routed_experts(p, x, idx, w, cfg: Config, nm: Numerics, presim: bool = False
     if pairs < E or (nm.matmul != "xla" and pairs <= KERNEL_MAX_ROWS * k):
         return _moe_scheduled(p, x.reshape(B * T, D), idx.reshape(B * T, k),
                               w.reshape(B * T, k), cfg, nm, 8, presim).reshape(B, T, D)
-    if GROUPED_PREFILL and nm.matmul != "xla" and nm.bf16_operands and all(
+    if nm.grouped_prefill and nm.matmul != "xla" and nm.bf16_operands and all(
             grouped_kernel_ok(p[n]) for n in ("experts.w1", "experts.w3", "experts.w2")):
         return _moe_grouped(p, x.reshape(B * T, D), idx.reshape(B * T, k),
                             w.reshape(B * T, k), cfg, nm, presim).reshape(B, T, D)
@@ -200,10 +200,6 @@ def _moe_scheduled(p, x_ND, idx_NK, w_NK, cfg: Config, nm: Numerics, tile: int,
     y = _grouped_swiglu(p, X.reshape(S, tile, D), slot_expert, Wr.reshape(S, tile), cfg, nm)
     return jnp.zeros((N, D), F32).at[tok].add(y[slot, row])
 
-
-# The many-token path through the grouped expert matmul (with nm.matmul != "xla"); False
-# restores the loop over all experts (benchmarks/prefill_bench.py's comparison).
-GROUPED_PREFILL = True
 
 # Token rows per tile of the prefill path's grouped expert matmul (its wgmma M side): each
 # tile reads its expert's weights once. Each expert wastes under one tile of padding.
