@@ -18,7 +18,8 @@ Each `step()`:
 A request that stops is thus decoded one step past its stop; that token is dropped.
 
 With `speculative_tokens` k, the decode step drafts k tokens per request with the MTP
-block and verifies them (speculative.py), emitting 1 .. k+1 tokens a step.
+block and verifies them (speculative.py), emitting 1 .. k+1 tokens a step; with
+"dspark", the DSpark drafter's block of G = dspark_block_size (dspark_runner.py), 1 .. G+1.
 
 Requests talk to the outside through `sink(Output)`, called on the scheduler's thread.
 """
@@ -36,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from ..cache import BLOCK_TOKENS, PoolExhausted, blocks_needed
-from ..runner import PrefillChunk, RowStart, Speculation, StepBatch
+from ..runner import DSpark, PrefillChunk, RowStart, Speculation, StepBatch
 from .prefix import PrefixCache
 from .sampling import SamplingParams, SamplingRows
 from .text import IncrementalText
@@ -49,7 +50,8 @@ class SchedulerConfig:
     prefill_chunks_per_step: int = 1   # prefill chunks run between two decode steps
     max_waiting: int = 1024            # queued requests beyond which submit refuses
     prefix_cache_entries: int = 0      # cached prompt prefixes (serve.prefix); 0: off
-    speculative_tokens: int = 0        # MTP drafts verified per decode step; 0: off
+    speculative_tokens: int | str = 0  # MTP drafts verified per decode step, or "dspark"
+                                       # (the DSpark drafter's block); 0: off
 
     def __post_init__(self):
         if self.prefill_chunks_per_step < 1 or self.max_waiting < 1:
@@ -59,10 +61,11 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.prefix_cache_entries must be >= 0, got "
                              f"{self.prefix_cache_entries}")
         if self.speculative_tokens:
-            Speculation(self.speculative_tokens)   # its own range check
+            if self.speculative_tokens != "dspark":
+                Speculation(self.speculative_tokens)   # its own range check
             if self.prefix_cache_entries:
                 raise ValueError("speculative decoding and the prefix cache do not combine "
-                                 "(the prefix snapshots do not hold the MTP block's cache)")
+                                 "(the prefix snapshots do not hold the drafter's cache)")
 
 
 class RequestError(ValueError):
@@ -158,8 +161,12 @@ class Scheduler:
         self.cs, self.bm = self.runner.cs, self.runner.bm
         self.R, self.C = self.cs.max_requests, self.runner.chunk
         k = config.speculative_tokens
-        self.T = k + 1   # tokens a decode step may write per request
-        self.runner.set_mode(Speculation(k) if k else None)
+        if k == "dspark":
+            self.T = engine.cfg.dspark_block_size + 1   # tokens a decode step may write
+            self.runner.set_mode(DSpark())
+        else:
+            self.T = k + 1   # tokens a decode step may write per request
+            self.runner.set_mode(Speculation(k) if k else None)
         self.eos_ids = frozenset([tokenizer.eos_id])
         self.observer = observer
         self._rng = random.Random(seed)
