@@ -446,7 +446,8 @@ def cmd_generate(args):
                          f"--max-requests {len(prompts)} (have {args.max_requests})")
     k = args.speculative_tokens
     _check_speculation(args, cfg)
-    _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens + k, "prompt")
+    extra = cfg.dspark_block_size if k == "dspark" else k   # drafts a step may write past
+    _check_capacity(args, cfg, [len(p) for p in prompts], args.max_new_tokens + extra, "prompt")
     _prepare_layout(args, cfg)
     params = _load_params(args, cfg)
     eng = _engine(args, cfg, params)
@@ -489,7 +490,7 @@ def cmd_generate(args):
           f"in {tm.decode_s:.2f} s = {tm.tokens_per_s:.1f} tokens/s", file=sys.stderr)
     if k and acc is not None:
         per = ", ".join(f"{a:.2f}" for a in acc["per_request"])
-        print(f"speculative k={k}: mean tokens per step {acc['overall']:.2f} (accepted drafts "
+        print(f"speculative {'DSpark' if k == 'dspark' else f'k={k}'}: mean tokens per step {acc['overall']:.2f} (accepted drafts "
               f"+ 1; per request: {per})", file=sys.stderr)
 
 
@@ -561,10 +562,29 @@ def cmd_logits(args):
 # ---------------------------------------------------------------------------------------
 # serve
 # ---------------------------------------------------------------------------------------
+def speculative_arg(v: str):
+    """--speculative-tokens: an integer K (MTP drafts) or "dspark" (the DSpark drafter)."""
+    if v == "dspark":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer or 'dspark', got {v!r}") from None
+
+
 def _check_speculation(args, cfg) -> None:
     """--speculative-tokens against the config and the layout, before any weight is read."""
     k = args.speculative_tokens
     if not k:
+        return
+    if k == "dspark":
+        from . import dspark_runner
+        try:
+            dspark_runner.check(cfg)
+        except ValueError as e:
+            raise UsageError(f"--speculative-tokens dspark: {e}") from None
+        if args.devices:
+            raise UsageError("--speculative-tokens dspark runs on one device (no --devices)")
         return
     try:
         SP.check_draft_count(k)
@@ -719,9 +739,10 @@ def build_parser():
     g.add_argument("--top-p", type=float, help="nucleus sampling, 0 < p <= 1 (needs --temperature)")
     g.add_argument("--min-p", type=float, help="drop tokens below p x the likeliest, 0 <= p < 1 "
                    "(needs --temperature)")
-    g.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
-                   help="draft K tokens a step with the model's MTP block and verify them in "
-                        "one step (1..3; 0 = off); prints the mean tokens per step")
+    g.add_argument("--speculative-tokens", "--speculative", type=speculative_arg, default=0,
+                   metavar="K", help="draft K tokens a step with the model's MTP block and "
+                   "verify them in one step (1..3; 0 = off), or 'dspark': the DSpark drafter "
+                   "of V4-Flash-0731 (its block of drafts); prints the mean tokens per step")
     g.add_argument("--stream", action="store_true", help="print tokens as they are produced "
                    "(several prompts: one JSON line {\"prompt\": i, \"text\": piece} each)")
     g.set_defaults(fn=cmd_generate)
@@ -750,10 +771,10 @@ def build_parser():
                     help="prompt prefixes (whole 128-token blocks) kept for reuse across "
                          "requests; 0: off (default: 2 x --max-requests on one device, off "
                          "with --devices)")
-    sv.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
-                    help="draft K tokens a step with the model's MTP block and verify them in "
-                         "one step (1..3; 0 = off; needs --prefix-cache-entries 0); usage "
-                         "reports the acceptance")
+    sv.add_argument("--speculative-tokens", "--speculative", type=speculative_arg, default=0,
+                    metavar="K", help="draft K tokens a step with the model's MTP block and "
+                    "verify them in one step (1..3; 0 = off), or 'dspark' (the DSpark "
+                    "drafter); needs --prefix-cache-entries 0; usage reports the acceptance")
     sv.add_argument("--max-request-size", default="16MiB",
                     help="request bodies above this get 413 (e.g. 4MiB, 1G, or bytes)")
     sv.add_argument("--log-level", default="info",
