@@ -251,6 +251,7 @@ class ScriptedScheduler:
 
     def __init__(self, tok):
         self.tok, self.cs = tok, CacheSpec(max_requests=1, num_blocks=4, max_blocks=2)
+        self.config = SchedulerConfig()
         self.queue_depth, self.running = 0, {}
 
     def check(self, prompt, params):
