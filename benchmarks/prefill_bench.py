@@ -80,7 +80,8 @@ def attention_flops(cfg, L: int) -> float:
 
 
 def run(cfg, params, L, chunk, prompts, path, seed=0):
-    """-> (seconds for all prompts, seconds to the first prompt's last logits)."""
+    """-> (seconds for all prompts, seconds to the first prompt's last logits, those
+    logits [V] f32 as numpy)."""
     blocks = -(-L // BLOCK_TOKENS) + 1
     cs = CacheSpec(max_requests=prompts, num_blocks=blocks * prompts + 4, max_blocks=blocks,
                    kernels="on")
@@ -94,24 +95,33 @@ def run(cfg, params, L, chunk, prompts, path, seed=0):
     eng.bm.release(s)
     slots = [eng.bm.admit(L + 1) for _ in range(prompts)]
     t0 = time.perf_counter()
-    first = None
+    first = logits = None
     for s, tk in zip(slots, toks):
-        jax.block_until_ready(eng.prefill(s, tk))
-        first = first or time.perf_counter() - t0
-    return time.perf_counter() - t0, first
+        out = jax.block_until_ready(eng.prefill(s, tk))
+        if first is None:
+            first, logits = time.perf_counter() - t0, out
+    return time.perf_counter() - t0, first, np.asarray(logits, np.float32)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="flash")
-    ap.add_argument("--layers", type=int, default=10)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--prompts", type=int, nargs="+", default=[1])
-    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    base = C.get_preset(a.preset)
+def check_args(args):
+    """Impossible flags fail here (dsv4 bench prefill: before the GPU check and any work)."""
+    base = C.get_preset(args.preset)
+    for flag, vals in (("--lengths", args.lengths), ("--chunks", args.chunks),
+                       ("--prompts", args.prompts)):
+        if min(vals) < 1:
+            raise ValueError(f"{flag} must be at least 1, got {min(vals)}")
+    if not 0 <= args.layers <= base.num_hidden_layers:
+        raise ValueError(f"--layers must be in [0, {base.num_hidden_layers}] (0: all), got "
+                         f"{args.layers}")
+    if max(args.chunks) > max(args.lengths):
+        raise ValueError(f"--chunks {max(args.chunks)} is longer than every prompt "
+                         f"(--lengths up to {max(args.lengths)})")
+    return base
+
+
+def main(args):
+    base = check_args(args)
+    a = args
     n = a.layers or base.num_hidden_layers
     cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
                        num_hash_layers=min(base.num_hash_layers, n))
@@ -123,25 +133,60 @@ def main():
           f"{matmul_flops_per_token(cfg) / 1e9:.2f} GFLOP/token of matmuls", flush=True)
     params = P.merge_x_proj(P.init_params_device(cfg, a.seed, include_mtp=False), cfg,
                             consume=True)
+    # the last column: the first prompt's last logits against the first path's that ran
+    # (same prompt, chunk and weights): max |diff| / max |logit|
     print("| path | prompt | chunk | prompts | s | TTFT s | tok/s | % tensor ceiling | "
-          "% weight-bandwidth floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "% weight-bandwidth floor | logits rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for L in a.lengths:
         fl = matmul_flops_per_token(cfg) * L + attention_flops(cfg, L)
         for chunk in a.chunks:
             for B in a.prompts:
+                ref = None
                 for path in a.paths:
                     try:
-                        t, ttft = run(cfg, params, L, chunk, B, path, a.seed)
+                        t, ttft, logits = run(cfg, params, L, chunk, B, path, a.seed)
                     except Exception as e:  # noqa: BLE001 - report and go on (e.g. OOM)
                         print(f"| {path} | {L} | {chunk} | {B} | failed: "
                               f"{type(e).__name__}: {str(e)[:120]} |", flush=True)
                         continue
                     floor = wbytes / bw * (-(-L // chunk)) * B
+                    if ref is None:
+                        ref, diff = (path, logits), "-"
+                    else:
+                        d = np.abs(logits - ref[1]).max() / np.abs(ref[1]).max()
+                        diff = f"{d:.1e} vs {ref[0]}"
                     print(f"| {path} | {L} | {chunk} | {B} | {t:.2f} | {ttft:.2f} | "
                           f"{B * L / t:.0f} | {100 * B * fl / t / peak:.1f} | "
-                          f"{100 * floor / t:.1f} |", flush=True)
+                          f"{100 * floor / t:.1f} | {diff} |", flush=True)
+
+
+def add_flags(ap):
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--layers", type=int, default=10, help="first N layers + head (0 = all)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768, 131072],
+                    help="prompt lengths (tokens)")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048],
+                    help="prefill chunk sizes (Engine prefill_chunk)")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[1],
+                    help="prompts prefilled one after another (TTFT: the first one's)")
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
+                    help="current: expert loop + dense chunk attention; grouped: the grouped "
+                         "expert matmul; new: that + the sparse prefill attention kernel")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def register(sub):
+    """`dsv4 bench prefill` under the `bench` command that decode_bench.register made."""
+    bench = sub.choices["bench"]
+    sp = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    d = sp.add_parser("prefill", help="prompt tokens/s and TTFT vs the tensor ceiling "
+                      "(the prefill kernels, Hopper)")
+    add_flags(d)
+    d.set_defaults(fn=main)
 
 
 if __name__ == "__main__":
-    main()
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    main(p.parse_args())

@@ -22,7 +22,9 @@ from cached_decode_setup import two_prefilled_requests
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = config.tiny()
+    # the tiny preset's widths; one layer of each kind (SWA, CSA, HCA) to keep compiles short
+    cfg = config.tiny().replace(num_hidden_layers=3, compress_ratios=(0, 4, 128, 0),
+                                num_hash_layers=1)
     return cfg, P.init_params(cfg, 4901)
 
 
@@ -62,23 +64,23 @@ def _prefill_logits(cfg, params, nm, chunk, prompts):
 
 
 def test_prefill_through_sparse_path_equals_dense(tiny, monkeypatch):
-    """Whole prompts of 300 and 170 tokens (75 CSA blocks, top-16 of them chosen per row;
-    two HCA blocks; the 128-row window wrapped) prefilled in chunks of 300 and 40 rows: the
-    sparse path gives the dense path's logits to f32 rounding at each chunk size (so
+    """A prompt of 300 tokens (75 CSA blocks, top-16 of them chosen per row; two HCA
+    blocks; the 128-row window wrapped within a chunk and across chunks) prefilled in
+    chunks of 100 rows: the sparse path gives the dense path's logits to f32 rounding (so
     the chunk-invariance is the dense path's: FP8 cache codes that flip with the chunking).
     f32 numerics without the activation simulation: the path's blocked pure-JAX form (the
     kernel rounds to bf16; it runs on the interpreter below and in
     test_sparse_prefill_attention.py)."""
     cfg, params = tiny
     rng = np.random.default_rng(4903)
-    prompts = [rng.integers(0, cfg.vocab_size, n) for n in (300, 170)]
+    prompts = [rng.integers(0, cfg.vocab_size, 300)]
     traced = []
     real = L.attention.sparse_chunk_attention
     monkeypatch.setattr(L.attention, "sparse_chunk_attention",
                         lambda *a: traced.append(a[-1]) or real(*a))
     dense = Numerics(act_quant=False, dtype="float32", sparse_prefill_rows=0)
     sparse = dataclasses.replace(dense, sparse_prefill_rows=32)
-    for chunk in (300, 40):
+    for chunk in (100,):
         want = _prefill_logits(cfg, params, dense, chunk, prompts)
         assert not traced
         got = _prefill_logits(cfg, params, sparse, chunk, prompts)
@@ -92,20 +94,29 @@ def test_prefill_through_sparse_path_equals_dense(tiny, monkeypatch):
             assert err < 2e-3, (chunk, err)
 
 
+@pytest.fixture(scope="module")
+def prefilled(tiny):
+    """Two requests prefilled (dense path) to random lengths, request 0 past an HCA block
+    and the window wrap: cached_decode_setup's, shared by the layer tests."""
+    cfg, params = tiny
+    return two_prefilled_requests(cfg, params, Numerics(True, "bfloat16"), seed=4904)
+
+
 @pytest.mark.parametrize("ratio", [4, 128])
-def test_sparse_prefill_kernel_interpreted_in_the_layer(tiny, ratio):
-    """One CSA / HCA layer's attention_cached on a chunk of 8 rows of two requests (request
-    0 past an HCA block and the window wrap, request 1 with 5 real rows): the interpreted
+def test_sparse_prefill_kernel_interpreted_in_the_layer(tiny, prefilled, ratio):
+    """One CSA / HCA layer's attention_cached on a chunk of 5 rows of two requests (request
+    0 past an HCA block and the window wrap, request 1 with 3 real rows): the interpreted
     kernel path against the dense one, bf16 with the trained FP8 simulation; the cache
     writes are bit-identical."""
     cfg, params = tiny
     nm_dense = Numerics(True, "bfloat16", sparse_prefill_rows=0)
-    nm_sparse = dataclasses.replace(nm_dense, sparse_prefill_rows=8)
-    eng, cs, _, args = two_prefilled_requests(cfg, params, nm_dense, seed=4904)
-    tok_pos1, _, slots, pos, _, _ = args
-    T = 8
-    nvalid = jnp.asarray([8, 5], jnp.int32)
-    eng.bm.ensure_many({0: int(pos[0]) + 8, 1: int(pos[1]) + 5})
+    # 5 rows: past the decode kernels' KERNEL_ROWS, so both forms take the chunk path
+    nm_sparse = dataclasses.replace(nm_dense, sparse_prefill_rows=5)
+    eng, cs, _, args = prefilled
+    _, _, slots, pos, _, _ = args
+    T = 5
+    nvalid = jnp.asarray([5, 3], jnp.int32)
+    eng.bm.ensure_many({0: int(pos[0]) + 5, 1: int(pos[1]) + 3})
     tok_pos = pos[:, None] + jnp.arange(T)[None]
     valid = jnp.arange(T)[None] < nvalid[:, None]
     rng = np.random.default_rng(4905)
