@@ -16,7 +16,8 @@ import numpy as np
 
 from . import chat, config as C, generate as G, params as P, speculative as SP
 from .cache import BLOCK_TOKENS, CacheSpec, blocks_needed
-from .distributed import init_processes_from_env, make_mesh
+from .distributed import (init_processes_from_env, is_tensor_mesh, make_mesh, make_tensor_mesh,
+                          tensor_config)
 from .embedded import EMBEDDED_NAME, embedded_checkpoint
 from .errors import UsageError, run_command
 from .generate import Engine
@@ -69,10 +70,12 @@ def _add_model_args(ap):
     ap.add_argument("--expert", type=int, help="mesh 'expert' axis size (expert parallelism)")
     ap.add_argument("--model", type=int, help="mesh 'model' axis size (tensor parallelism)")
     ap.add_argument("--data", type=int, help="mesh 'data' axis size (request slots split)")
-    ap.add_argument("--layout", choices=["auto", "mesh", "pipeline"], default="auto",
+    ap.add_argument("--layout", choices=["auto", "mesh", "pipeline", "tensor"], default="auto",
                     help="with --devices: 'pipeline' splits the layers across the devices "
                          "(each weight read on one device: small batches), 'mesh' shards "
-                         "experts / weights / requests over a mesh; auto: pipeline up to "
+                         "experts / weights / requests over a mesh, 'tensor' splits every "
+                         "layer's heads and expert columns across the devices with the "
+                         "kernels on (two all-reduces a layer); auto: pipeline up to "
                          f"{PIPELINE_MAX_REQUESTS} request slots in one process, else mesh")
 
 
@@ -199,6 +202,15 @@ def _prepare_layout(args, cfg):
             raise UsageError(f"--devices {args.devices}: a pipeline needs a layer per device; "
                              f"the model has {cfg.num_hidden_layers}")
         args.pipeline = Pipeline.balanced(cfg, jax.devices()[:args.devices])
+    elif layout == "tensor":
+        if args.expert or args.data or args.model not in (None, args.devices):
+            raise UsageError("--layout tensor splits every layer over all --devices; drop "
+                             "--expert / --data (and --model, or give it --devices)")
+        try:
+            tensor_config(cfg, args.devices)   # heads / groups / experts must split
+        except ValueError as e:
+            raise UsageError(f"--layout tensor: {e}") from None
+        args.mesh = make_tensor_mesh(args.devices)
     else:
         args.mesh = make_mesh(args.devices, expert=args.expert, model=args.model,
                               data=args.data)
@@ -248,6 +260,8 @@ def _engine(args, cfg, params):
     hopper = _on_hopper()
     mesh = getattr(args, "mesh", None)
     split = {} if mesh is None else {a: n for a, n in mesh.shape.items() if n > 1}
+    if is_tensor_mesh(mesh):
+        split = {}   # the tensor layout runs every kernel on its local heads and weights
     # auto: the matmul kernels unless heads / weights are split ("model"); the cache kernels
     # only where attention is replicated (a mesh that splits only the experts)
     matmul = (args.matmul if args.matmul != "auto" else
@@ -591,6 +605,9 @@ def _check_speculation(args, cfg) -> None:
         SP.check_mtp_config(cfg, k)
     except ValueError as e:
         raise UsageError(f"--speculative-tokens: {e}") from None
+    if args.devices and args.layout == "tensor":
+        raise UsageError("--speculative-tokens runs on one device or a mesh, not with "
+                         "--layout tensor (yet)")
     if args.devices and args.layout == "pipeline":
         raise UsageError("--speculative-tokens runs on one device or a mesh, not with "
                          "--layout pipeline")

@@ -17,16 +17,18 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import BlockManager, CacheSpec, PoolExhausted, blocks_needed, cache_structs
 from .config import Config
 from .quant import Numerics
-from .sharding import (AXES, cache_shardings, expert_axes, param_shardings)
+from .sharding import (AXES, _put, cache_shardings, expert_axes, param_shardings)
 from . import decode as D
 from . import layers as L
 from .layers import experts
@@ -423,4 +425,248 @@ def sharded_stream_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, m
                    in_shardings=(state_shardings(cfg, mesh, include_mtp, x_proj_merged),
                                  csh, rep),
                    out_shardings=(csh, rep), donate_argnums=(1, 2),
+                   compiler_options=D.STEP_COMPILER_OPTIONS)
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor parallelism with every kernel on (the "tensor" layout)
+# ---------------------------------------------------------------------------------------
+# The whole step is one fully manual shard_map over a mesh of one axis, "model": each device
+# runs the ordinary step code on its local weights, with a local config whose head, output
+# group and expert-width counts are the global ones / n. Two psums a layer join the partial
+# sums (after the attention output projection and after the MoE) and one all-gather of the
+# head's vocab rows gives the logits. The single shared K=V head, the window ring, the pools,
+# the compressors and the indexer are replicated: every device writes the same cache rows,
+# and the cache kernels (scatters, indexer top-k, sparse attention) run on each device's
+# local query heads. The indexer stays whole: split by heads its scores would need a third
+# all-reduce before the top-k, and its kernel pads to 64 heads anyway.
+TENSOR_AXIS = "model"
+
+# A block's weights split over the tensor axis (names relative to "layers.N." / "mtp.J."),
+# by the dim of every stored field: -2 rows (output features), -1 columns (input features;
+# the attention sink's heads). Query heads and their output groups, and the experts'
+# intermediate columns (routed and shared); wo_b and w2 then give partial sums.
+TENSOR_SPLITS = {"attn.attn_sink": -1, "attn.wq_b": -2, "attn.wo_a": -2, "attn.wo_b": -1,
+                 "ffn.shared_experts.w1": -2, "ffn.shared_experts.w3": -2,
+                 "ffn.shared_experts.w13": -2, "ffn.shared_experts.w2": -1,
+                 "ffn.experts.w1": -2, "ffn.experts.w3": -2, "ffn.experts.w13": -2,
+                 "ffn.experts.w2": -1}
+# Row merges of w1 and w3 (params.ROW_MERGES): stored permuted in the tensor layout, so that
+# device d's contiguous rows are its w1 chunk then its w3 chunk (a local w13 of I / n).
+TENSOR_PAIRED = ("ffn.shared_experts.w13", "ffn.experts.w13")
+# Outside the blocks: the head's vocab rows (the logits are all-gathered); the embedding
+# stays whole (a lookup of B rows).
+TENSOR_TOP = {"head.weight": -2}
+_BLOCK = re.compile(r"^(layers|mtp)\.\d+\.")
+
+
+def make_tensor_mesh(n_devices: int | None = None, devices=None) -> Mesh:
+    """The tensor layout's mesh: one axis, "model", over the first n_devices of `devices`
+    (default jax.devices()). ModelRunner runs a mesh of this one axis as the tensor layout
+    (`is_tensor_mesh`), every other mesh as sharding.py's GSPMD / expert-parallel one."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices) if n_devices is None else int(n_devices)
+    if not 0 < n <= len(devices):
+        raise ValueError(f"make_tensor_mesh: asked for {n} devices, {len(devices)} available")
+    return jax.make_mesh((n,), (TENSOR_AXIS,), axis_types=(AxisType.Auto,),
+                         devices=devices[:n])
+
+
+def is_tensor_mesh(mesh) -> bool:
+    return mesh is not None and tuple(mesh.axis_names) == (TENSOR_AXIS,)
+
+
+def tensor_config(cfg: Config, n: int) -> Config:
+    """The config one device of an n-way tensor layout computes with: heads, output groups
+    and expert width divided by n (the indexer's heads stay whole)."""
+    for f in ("num_attention_heads", "o_groups", "moe_intermediate_size"):
+        if getattr(cfg, f) % n:
+            raise ValueError(f"tensor parallelism over {n} devices: {f} = {getattr(cfg, f)} "
+                             f"does not split {n} ways")
+    return cfg.replace(num_attention_heads=cfg.num_attention_heads // n,
+                       o_groups=cfg.o_groups // n,
+                       moe_intermediate_size=cfg.moe_intermediate_size // n)
+
+
+def _tensor_split(name: str):
+    m = _BLOCK.match(name)
+    return TENSOR_SPLITS.get(name[m.end():]) if m else TENSOR_TOP.get(name)
+
+
+def _fields(leaf):
+    """A leaf's stored fields (a quant type's arrays, or the array) and their treedef."""
+    return jax.tree.flatten(leaf)
+
+
+def tensor_pspecs(params: dict, n: int) -> dict:
+    """PartitionSpecs of the tensor layout for a parameter tree (arrays or structs; any
+    form): each TENSOR_SPLITS / TENSOR_TOP weight split over "model" along its dim in every
+    stored field of the weight's rank (packed FP4 columns and block scales alike: each
+    device then holds whole scale blocks), the rest replicated. Raises if a split dim (or,
+    for TENSOR_PAIRED, half of it) does not divide n ways."""
+    out = {}
+    for k, v in params.items():
+        d = _tensor_split(k)
+        leaves, tdef = _fields(v)
+        if d is None:
+            out[k] = jax.tree.unflatten(tdef, [P()] * len(leaves))
+            continue
+        rank = leaves[0].ndim
+        paired = any(k.endswith(s) for s in TENSOR_PAIRED)
+        specs = []
+        for a in leaves:
+            if a.ndim != rank:   # NVFP4's per-weight global scale
+                specs.append(P())
+                continue
+            if a.shape[d] % (2 * n if paired else n):
+                raise ValueError(f"tensor parallelism over {n} devices: {k} field "
+                                 f"{a.shape} does not split {n} ways along dim {d}"
+                                 + (" (w1 and w3 halves each)" if paired else ""))
+            spec = [None] * a.ndim
+            spec[d] = TENSOR_AXIS
+            specs.append(P(*spec))
+        out[k] = jax.tree.unflatten(tdef, specs)
+    return out
+
+
+def _pair_rows(a, n: int, inverse: bool = False):
+    """Rows (axis -2) [w1 (h) | w3 (h)] -> [w1_0 w3_0 | w1_1 w3_1 | ...] in chunks of h / n
+    (inverse: back)."""
+    *lead, r, c = a.shape
+    x = a.reshape(*lead, *((n, 2) if inverse else (2, n)), r // (2 * n), c)
+    return jnp.swapaxes(x, -4, -3).reshape(a.shape)
+
+
+def tensor_form(params: dict, n: int, inverse: bool = False) -> dict:
+    """The parameter values of the tensor layout: TENSOR_PAIRED weights' rows permuted
+    (`_pair_rows`, every stored field of the weight's rank); other leaves unchanged.
+    inverse=True turns a tensor-form tree back."""
+    out = dict(params)
+    for k, v in params.items():
+        if any(k.endswith(s) for s in TENSOR_PAIRED):
+            rank = _fields(v)[0][0].ndim
+            out[k] = jax.tree.map(lambda a: _pair_rows(a, n, inverse) if a.ndim == rank else a,
+                                  v)
+    return out
+
+
+def tensor_shardings(params: dict, mesh: Mesh) -> dict:
+    """NamedShardings of the tensor layout for a tree of this form."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        tensor_pspecs(params, mesh.shape[TENSOR_AXIS]),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_tensor_params(params: dict, mesh: Mesh) -> dict:
+    """Place a parameter tree (any form, host or device arrays) in the tensor layout: the
+    paired rows permuted (tensor_form), then each leaf placed by tensor_shardings."""
+    n = mesh.shape[TENSOR_AXIS]
+    sh = tensor_shardings(params, mesh)    # checks the splits before any copy
+    tf = tensor_form({k: v for k, v in params.items()
+                      if any(k.endswith(s) for s in TENSOR_PAIRED)}, n)
+    return {k: jax.tree.map(_put, tf.get(k, v), sh[k]) for k, v in params.items()}
+
+
+def _tensor_moe(p, x, tokens, hash_layer, cfg, lcfg, nm, xq):
+    """layers.moe on this device's expert columns: routing on the whole router (the same on
+    every device), the local parts of the routed and shared experts in f32, one psum."""
+    idx, w = L.route(p, x, tokens, cfg, hash_layer)
+    if xq is None:
+        out = L.routed_experts(p, x, idx, w, lcfg, nm)
+    else:
+        rows = int(np.prod(x.shape[:-1]))
+        out = L.routed_experts(p, xq[:rows].reshape(x.shape), idx, w, lcfg, nm, presim=True)
+    if cfg.n_shared_experts:
+        out = out + L.expert_ffn(p["shared_experts.w1"], p["shared_experts.w2"],
+                                 p["shared_experts.w3"], x, None, lcfg, nm, xq=xq)
+    return jax.lax.psum(out, TENSOR_AXIS).astype(nm.jdtype)
+
+
+def _tensor_block(bp, lc, X, tokens, layer, tok_pos, valid, slots, pos, nvalid, bt_rows,
+                  cfg, lcfg, cs, nm):
+    """model.block of the cached step on local weights: -> (X, new layer cache)."""
+    ratio = cfg.layer_ratio(layer)
+    with jax.named_scope("attn"):
+        _, post, C, x, xq = L.hc_site(X, bp["hc_attn_fn"], bp["hc_attn_scale"],
+                                      bp["hc_attn_base"], bp["attn_norm.weight"], cfg, nm)
+        f, lc = D.attention_cached(L.block_params(bp, "attn."), lc, x, tok_pos, valid, slots,
+                                   pos, nvalid, bt_rows, lcfg, cs, nm, ratio, xq)
+        X = L.hc_expand(jax.lax.psum(f, TENSOR_AXIS), X, post, C, nm.jdtype)
+    with jax.named_scope("ffn"):
+        _, post, C, x, xq = L.hc_site(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"],
+                                      bp["hc_ffn_base"], bp["ffn_norm.weight"], cfg, nm)
+        f = _tensor_moe(L.block_params(bp, "ffn."), x, tokens, cfg.is_hash_layer(layer), cfg,
+                        lcfg, nm, xq)
+        X = L.hc_expand(f, X, post, C, nm.jdtype)
+    return X, lc
+
+
+def tensor_step_local(params, cache, tokens, slots, pos, nvalid, block_table, *, cfg: Config,
+                      cs: CacheSpec, nm: Numerics, n: int):
+    """decode.step on one device of the n-way tensor layout (inside the shard_map): params
+    local (tensor_pspecs, tensor_form), the cache whole -> (logits [B, V], new cache)."""
+    lcfg = tensor_config(cfg, n)
+    B, T = tokens.shape
+    tok_pos = pos[:, None] + jnp.arange(T)[None, :]
+    valid = jnp.arange(T)[None, :] < nvalid[:, None]
+    bt_rows = block_table[slots]
+    X = M.embed(params, tokens, cfg, nm)
+    new_cache = {}
+    for i in range(cfg.num_hidden_layers):
+        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
+            X, new_cache[f"L{i}"] = _tensor_block(
+                L.block_params(params, f"layers.{i}."), cache[f"L{i}"], X, tokens, i, tok_pos,
+                valid, slots, pos, nvalid, bt_rows, cfg, lcfg, cs, nm)
+    logits = D.step_head(params, X, nvalid, cfg, nm)        # [B, V / n]: local vocab rows
+    return jax.lax.all_gather(logits, TENSOR_AXIS, axis=1, tiled=True), new_cache
+
+
+def tensor_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh):
+    """-> stp(params, cache, tokens [B, T], slots / pos / nvalid [B], block_table) ->
+    (logits [B, V] f32, new cache): the step on a flat tree in the tensor layout, the cache
+    and the small inputs replicated. Not jitted."""
+    n = mesh.shape[TENSOR_AXIS]
+    tensor_config(cfg, n)   # fail here, not in a trace
+    local = functools.partial(tensor_step_local, cfg=cfg, cs=cs, nm=nm, n=n)
+
+    def stp(params, cache, tokens, slots, pos, nvalid, block_table):
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(tensor_pspecs(params, n), P(), P(), P(), P(), P(), P()),
+                             out_specs=(P(), P()), check_vma=False)(
+            params, cache, tokens, slots, pos, nvalid, block_table)
+    return stp
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh):
+    """jit(tensor_step_fn) on a flat tree placed by shard_tensor_params, the cache donated
+    and kept replicated (decode.compiled_step's signature)."""
+    rep = NamedSharding(mesh, P())
+    return jax.jit(tensor_step_fn(cfg, cs, nm, mesh), out_shardings=(rep, rep),
+                   donate_argnums=(1,), compiler_options=D.STEP_COMPILER_OPTIONS)
+
+
+def _tensor_module_step(cfg, graphdef, cs, nm, mesh):
+    stp = tensor_step_fn(cfg, cs, nm, mesh)
+    return lambda state, *a: stp(nnx.merge(graphdef, state).to_params(), *a)
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_step_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh):
+    """nnx_model.step_program in the tensor layout: jit (state, cache, tokens [B, T], slots,
+    pos, nvalid [B], block_table) -> (logits [B, V] f32 replicated, new cache), the state
+    placed by shard_tensor_params, the cache replicated and donated."""
+    rep = NamedSharding(mesh, P())
+    return jax.jit(_tensor_module_step(cfg, graphdef, cs, nm, mesh), out_shardings=(rep, rep),
+                   donate_argnums=(1,), compiler_options=D.STEP_COMPILER_OPTIONS)
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_stream_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh,
+                          sampler):
+    """nnx_model.stream_program in the tensor layout: (state, cache, st) -> (cache, st'),
+    the cache and the stream state replicated and donated."""
+    rep = NamedSharding(mesh, P())
+    return jax.jit(D.stream_step_fn(_tensor_module_step(cfg, graphdef, cs, nm, mesh), sampler),
+                   out_shardings=(rep, rep), donate_argnums=(1, 2),
                    compiler_options=D.STEP_COMPILER_OPTIONS)

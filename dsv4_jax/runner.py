@@ -169,6 +169,12 @@ class ModelRunner:
             # step compile again (a 4-layer Flash check lost ~36 s a step to it on the H100)
             self.cache = jax.device_put(self.cache, jax.devices()[0])
             self.bm = BlockManager(cfg, self.cs)
+        elif dist.is_tensor_mesh(mesh):
+            # the tensor layout: heads and expert columns split, the cache replicated (note:
+            # self.params is then in dist.tensor_form, the w1 / w3 row merges permuted)
+            params = dist.shard_tensor_params(params, mesh)
+            self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
+            self.bm = BlockManager(cfg, self.cs)
         else:
             params = SH.shard_params(params, cfg, mesh)
             self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
@@ -180,6 +186,9 @@ class ModelRunner:
         if mesh is None:
             self.step = step_program(self.graphdef, self.cs, numerics)
             self.state_sharding = None
+        elif dist.is_tensor_mesh(mesh):
+            self.step = dist.tensor_step_program(cfg, self.graphdef, self.cs, numerics, mesh)
+            self.state_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         else:
             # a checkpoint loaded without its MTP block steps without it (the step never
             # runs MTP; its shardings must match the tree it is given)
@@ -230,6 +239,9 @@ class ModelRunner:
             return self.programs[key]
         if self.mesh is None:
             return stream_program(self.graphdef, self.cs, self.nm, sampler)
+        if dist.is_tensor_mesh(self.mesh):
+            return dist.tensor_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
+                                              self.mesh, sampler)
         return dist.sharded_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
                                            self.mesh, sampler, **self.form)
 
@@ -267,6 +279,8 @@ class ModelRunner:
         if self.pipeline is not None:
             raise ValueError("speculative decoding runs on one device or a mesh, not a "
                              "pipeline layout")
+        if dist.is_tensor_mesh(self.mesh):
+            raise ValueError("speculative decoding does not run in the tensor layout yet")
         SP.check_mtp(self.cfg, self.model.mtp.get_value(), spec)
 
     # ---- the scheduler's step: prefill chunks + the decode step, sampled per row ------
