@@ -37,7 +37,8 @@ from dsv4_jax.generate import Greedy, decode_loop
 from dsv4_jax.nnx_model import DeepSeekV4, step_program, stream_program
 from dsv4_jax.pipeline import Pipeline, PipelineStep, PipelineStream
 from dsv4_jax.quant import Numerics
-from dsv4_jax import speculative as SP
+from dsv4_jax import dspark as DS, dspark_runner as DR, speculative as SP
+from dsv4_jax.serve.sampling import ROW_KEYS, TOP_LOGPROBS
 from dsv4_jax.sharding import param_shardings, shard_cache
 
 ENTRY_BYTES = 448 + 8 + 128  # FP8 nope + e8m0 scales + bf16 rope
@@ -156,7 +157,8 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     mesh: expert / tensor parallel over a mesh; pipeline: a pipeline.Pipeline (layers split
     across devices)."""
     nm = Numerics(act_quant=True, dtype="bfloat16", matmul=matmul)
-    mb = -(-(ctx + 3 * steps + 4 + 2 * (spec_k + 1) * (steps + 4)) // BLOCK_TOKENS)
+    rows_a_step = cfg.dspark_block_size + 1 if spec_k == "dspark" else spec_k + 1
+    mb = -(-(ctx + 3 * steps + 4 + 2 * rows_a_step * (steps + 4)) // BLOCK_TOKENS)
     cs = CacheSpec.for_numerics(nm, max_requests=B, num_blocks=B * mb, max_blocks=mb,
                                 kernels=kernels, index_format=index_format)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(seed))
@@ -244,7 +246,9 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
             prev = nxt
         np.asarray(prev)
         out["ms_stream"] = 1e3 * (time.perf_counter() - t0) / steps
-    if spec_k:
+    if spec_k == "dspark":
+        out.update(bench_dspark(cfg, params, cs, cache, table, B, ctx, steps, seed, nm))
+    elif spec_k:
         out.update(bench_speculative(cfg, params, cs, cache, table, B, ctx, spec_k, steps,
                                      seed, nm, mesh))
     if loop and mesh is None and pipeline is None:
@@ -317,6 +321,63 @@ def bench_speculative(cfg, params, cs, cache, table, B: int, ctx: int, k: int, s
     return out
 
 
+def bench_dspark(cfg, params, cs, cache, table, B: int, ctx: int, steps: int, seed: int,
+                 nm) -> dict:
+    """The DSpark step (dspark_runner.step_fn: the drafter's block, the G+1-row verify
+    through the kernels, accept, rollback, the rings' commit; one program, greedy rows) on
+    the random cache from position ctx + 2 * steps + 1, its rings full: ms_spec (its
+    emitted tokens read one step behind, as the runner's drivers), ms_spec_sync (each
+    step waiting), tokens_per_step (measured: random weights accept almost nothing)."""
+    from flax import nnx as _nnx
+    DR.check(cfg, params)
+    graphdef, state = _nnx.split(DeepSeekV4.from_params(cfg, params))
+    _, step = DR.programs(cfg, graphdef, cs, nm, TOP_LOGPROBS)
+    pos0 = ctx + 2 * steps + 1
+    st = DR.decode_state(cfg, B, nm, TOP_LOGPROBS)
+    W = cfg.sliding_window
+    st.update(pos=np.full(B, pos0, np.int32), table=np.asarray(table), run=np.ones(B, np.int32),
+              draw=np.ones(B, np.int32),
+              anchor=np.asarray(jax.random.randint(jax.random.key(seed + 3), (B,), 0,
+                                                   cfg.vocab_size), np.int32),
+              dsp_pos=np.broadcast_to(pos0 - W + (np.arange(W) - pos0) % W, (B, W)).astype(np.int32),
+              dsp_kv=np.asarray(jax.random.normal(jax.random.key(seed + 4), st["dsp_kv"].shape)
+                                * 0.1).astype(st["dsp_kv"].dtype),
+              temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32),
+              top_p=np.ones(B, np.float32), min_p=np.zeros(B, np.float32),
+              seed=np.zeros(B, np.uint32))
+    assert set(ROW_KEYS) <= set(st)
+    st = {k: jax.device_put(jnp.asarray(v), jax.devices()[0]) for k, v in st.items()}
+    read = host_reader("out", "n_out")
+    np.asarray(read(st)[1])   # loaded before the step runs (as the runner's drivers)
+    t0 = time.perf_counter()
+    step = step.lower(state, cache, st).compile()
+    cache, st = step(state, cache, st)
+    np.asarray(st["n_out"])
+    out = {"compile_spec_s": time.perf_counter() - t0,
+           "kernels_spec": kernel_counts(cfg, [step.as_text()])}
+    for _ in range(2):
+        cache, st = step(state, cache, st)
+        np.asarray(st["n_out"])
+    ts, n = [], 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        cache, st = step(state, cache, st)
+        n += int(np.asarray(st["n_out"]).sum())
+        ts.append(time.perf_counter() - t0)
+    out["ms_spec_sync"] = 1e3 * float(np.median(ts))
+    t0, prev = time.perf_counter(), None
+    for _ in range(steps):
+        cache, st = step(state, cache, st)
+        nxt = read(st)
+        if prev is not None:
+            n += int(np.asarray(prev[1]).sum())
+        prev = nxt
+    n += int(np.asarray(prev[1]).sum())
+    out["ms_spec"] = 1e3 * (time.perf_counter() - t0) / steps
+    out["tokens_per_step"] = n / (2 * steps * B)
+    return out
+
+
 def expected_tokens_per_step(k: int, rate: float) -> float:
     """Mean tokens a step emits with k drafts each accepted with probability `rate`
     (independently, once the ones before it were): 1 + rate + ... + rate^k."""
@@ -342,10 +403,16 @@ def check_args(args, base):
         raise ValueError(f"--devices {args.devices}: this machine has {jax.device_count()} "
                          "device(s)")
     axes = [f"--{a}" for a in ("expert", "model", "data") if getattr(args, a) is not None]
-    if args.speculative_tokens:
+    if args.speculative_tokens == "dspark":
+        if args.devices:
+            raise ValueError("--speculative-tokens dspark runs on one device (no --devices)")
+    elif args.speculative_tokens:
         SP.check_draft_count(args.speculative_tokens)
     if args.speculative_tokens and args.devices and args.layout == "pipeline":
         raise ValueError("--speculative-tokens runs on one device or a mesh, not a pipeline")
+    for a in args.accept_lengths:
+        if a < 1:
+            raise ValueError(f"--accept-lengths must be >= 1 (tokens a step), got {a}")
     for r in args.accept_rates:
         if not 0 <= r <= 1:
             raise ValueError(f"--accept-rates must be in [0, 1], got {r}")
@@ -360,6 +427,9 @@ def main(args):
     n = args.layers or base.num_hidden_layers
     cfg = base.replace(num_hidden_layers=n, compress_ratios=base.compress_ratios[:n] + (0,),
                        num_hash_layers=min(base.num_hash_layers, n))
+    if args.speculative_tokens == "dspark":   # the drafter reads the last 3 of the n layers
+        cfg = DS.with_dspark(cfg)
+        DR.check(cfg)
     dev = jax.local_devices()[0]
     bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     mesh = pipe = None
@@ -402,7 +472,22 @@ def main(args):
                 rows.append((label, B, ctx, r[key], floor_ms, fl["total"]))
                 parts.append(f"{label.strip()} {r[key]:.2f} ms ({100 * floor_ms / r[key]:.1f}% of the bandwidth floor, "
                              f"{B / r[key] * 1e3:.1f} tokens/s)")
-        if spec:
+        if spec == "dspark":
+            base_key = "ms_stream" if "ms_stream" in r else "ms"
+            base_ms = r.get(base_key)
+            G = cfg.dspark_block_size
+            print(f"DSpark (blocks of {G}, verify {G + 1} rows): {r['ms_spec']:.2f} ms/step"
+                  + (f" = {r['ms_spec'] / base_ms:.2f}x the plain {base_key} step "
+                     f"({base_ms:.2f} ms)" if base_ms else "")
+                  + f" (one at a time: {r['ms_spec_sync']:.2f} ms); measured "
+                  f"{r['tokens_per_step']:.2f} tokens/step (random drafter)", flush=True)
+            rows.append((f"  DSpark step (G={G})", B, ctx, r["ms_spec"], floor_ms, fl["total"]))
+            for L_ in args.accept_lengths:
+                sp = f", {L_ * base_ms / r['ms_spec']:.2f}x plain" if base_ms else ""
+                print(f"  at acceptance length {L_:.1f} tokens/step: "
+                      f"{B * L_ / r['ms_spec'] * 1e3:.1f} tokens/s{sp}"
+                      + (f" (plain {B / base_ms * 1e3:.1f})" if base_ms else ""), flush=True)
+        elif spec:
             # plain: the stream step Engine.stream runs, else the step one at a time
             base_key = "ms_stream" if "ms_stream" in r else "ms"
             base_ms = r.get(base_key)
@@ -423,7 +508,7 @@ def main(args):
                       f"{B * tps / r['ms_spec'] * 1e3:.1f} tokens/s{sp}", flush=True)
         comp = ", ".join(f"{k} {r[k]:.0f} s" for k in ("compile_s", "compile_stream_s",
                                                           "compile_spec_s") if k in r)
-        for key in ("kernels", "kernels_stream"):
+        for key in ("kernels", "kernels_stream", "kernels_spec"):
             if key in r:
                 k = r[key]
                 kinds = ", ".join(f"{kind} {v:.0f}" for kind, v in k["per_kind"].items())
@@ -456,6 +541,15 @@ def main(args):
         print(f"| {w} | {B} | {ctx} | {ms:.2f} | {fms:.3f} | {b / 1e9:.3f} | {100 * fms / ms:.1f}% |")
 
 
+def _spec_arg(v: str):
+    if v == "dspark":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer or 'dspark', got {v!r}") from None
+
+
 def register(sub):
     ap = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     d = ap.add_parser("decode", help="decode step vs the HBM-bandwidth floor")
@@ -475,10 +569,14 @@ def register(sub):
     d.add_argument("--what", nargs="+", choices=["step", "stream"], default=["step", "stream"],
                    help="time the plain step program (sync / pipelined) and/or the stream "
                         "step of Engine.stream (each is its own compilation)")
-    d.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
-                   help="also time the speculative step with K MTP drafts (1..3; 0 = off) "
-                        "against the plain step, and its tokens/s at the measured and the "
-                        "--accept-rates acceptance")
+    d.add_argument("--speculative-tokens", "--speculative", type=_spec_arg, default=0,
+                   metavar="K", help="also time the speculative step with K MTP drafts (1..3; "
+                   "0 = off) against the plain step, and its tokens/s at the measured and "
+                   "the --accept-rates acceptance; 'dspark': the DSpark step (a DSpark "
+                   "drafter on the last 3 layers) and its tokens/s at --accept-lengths")
+    d.add_argument("--accept-lengths", type=float, nargs="+", default=[2.8, 3.5, 5.0],
+                   help="DSpark: mean tokens a step (accepted drafts + 1) to report tokens/s "
+                        "at (published: 2.8 vLLM GSM8K, 3.5 InferenceX, ~5 SGLang)")
     d.add_argument("--accept-rates", type=float, nargs="+", default=[0.6, 0.8, 0.9],
                    help="per-draft acceptance rates to report speculative tokens/s at")
     d.add_argument("--loop", action="store_true",
