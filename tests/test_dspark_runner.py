@@ -236,3 +236,15 @@ def test_base_checkpoint_is_refused(tiny):
         e2.runner.set_mode(DSpark())
     with pytest.raises(ValueError, match="sliding_window"):
         DR.check(cfg.replace(sliding_window=cfg.dspark_block_size))
+
+
+def test_cli_refuses_dspark_on_a_base_model_before_loading(capsys, monkeypatch):
+    from dsv4_jax import cli
+    monkeypatch.setattr(cli, "_load_params", lambda *a, **k: pytest.fail("weights loaded"))
+    try:
+        code = cli.main(["generate", "--prompt", "hi", "--speculative-tokens", "dspark"])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--speculative-tokens dspark" in line and "no DSpark drafter" in line, line
