@@ -2,7 +2,10 @@
 
     PYTHONPATH=.:/opt/jax-cuda python -m benchmarks.kernel_count --preset flash --layers 4 --batch 1
         [--context 4096] [--kernels on|off] [--matmul pallas|xla] [--spec h200|h100_sxm|b200]
-        [--devices 2 --expert 2] [--top 25] [--hlo-out step.hlo]
+        [--devices 2 --expert 2 | --devices 2 --model 2] [--top 25] [--hlo-out step.hlo]
+
+--model N (= --devices) compiles the tensor layout's step (distributed.tensor_step: heads and
+expert columns split N ways, the kernels on) and also counts its collectives per layer.
 
 --spec b200 compiles for a described B200 (sm_100a): the kernel packages then take their
 Blackwell variants (docs/KERNELS.md). XLA compiles for a GPU it knows only by description: a compile-only PJRT topology made from
@@ -38,11 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from benchmarks.common import kernels_by_layer, kernels_by_source
+from benchmarks.common import kernels_by_layer, kernels_by_source, op_sources
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
 from dsv4_jax.decode import STEP_COMPILER_OPTIONS, step
-from dsv4_jax.distributed import make_mesh, sharded_step
+from dsv4_jax.distributed import (make_mesh, make_tensor_mesh, sharded_step, tensor_shardings,
+                                  tensor_step)
 from dsv4_jax.quant import Numerics
 
 SPECS = os.path.join(os.path.dirname(__file__), "gpu_specs")
@@ -114,16 +118,23 @@ def _abstract(tree, sharding=None):
 
 
 def compile_step(cfg, cs: CacheSpec, nm: Numerics, B: int, devices, expert=None,
-                 options=None):
+                 options=None, model=None):
     """-> the compiled decode step (tokens [B, 1], parameters in decode form as the Engine
     runs them) for the compile-only `devices`: one device the plain step, more the
-    sharded step over an expert mesh."""
+    sharded step over an expert mesh, or with `model` the tensor layout's step."""
     params = jax.eval_shape(lambda: P.merge_x_proj(P.init_params_device(cfg, 0), cfg))
     cache = jax.eval_shape(lambda: init_cache(cfg, cs))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (i32(B, 1), i32(B), i32(B), i32(B), i32(cs.max_requests, cs.max_blocks))
     opts = dict(STEP_COMPILER_OPTIONS, **(options or {}))
-    if len(devices) > 1:
+    if model:
+        mesh = make_tensor_mesh(len(devices), devices=devices)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        f = tensor_step(cfg, cs, nm, mesh)
+        params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                              params, tensor_shardings(params, mesh))
+        cache, args = _abstract((cache, args), rep)
+    elif len(devices) > 1:
         mesh = make_mesh(len(devices), expert=expert, devices=devices)
         f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).form(True)
     else:
@@ -131,6 +142,22 @@ def compile_step(cfg, cs: CacheSpec, nm: Numerics, B: int, devices, expert=None,
         f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
         params, cache, args = _abstract((params, cache, args), sh)
     return _compile(f, (params, cache, *args), devices[0].device_kind, opts)
+
+
+COLLECTIVE_OPS = ("all-reduce", "all-reduce-start", "all-gather", "all-gather-start",
+                  "reduce-scatter", "all-to-all", "collective-permute",
+                  "collective-permute-start")
+
+
+def collectives_by_layer(hlo_text: str) -> Counter:
+    """Counter: layer index (None: outside the layers) -> collectives of the step's ENTRY
+    (an async pair counts once, by its start)."""
+    out = Counter()
+    for op, _, op_name in op_sources(hlo_text).values():
+        if op in COLLECTIVE_OPS:
+            m = re.search(r"(?:^|/)layer(\d+)_", op_name)
+            out[int(m.group(1)) if m else None] += 1
+    return out
 
 
 def main(argv=None):
@@ -147,9 +174,13 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=1,
                     help="compile the sharded step for this many GPUs")
     ap.add_argument("--expert", type=int, default=None, help="mesh expert-axis size")
+    ap.add_argument("--model", type=int, default=None,
+                    help="the tensor layout over --devices GPUs (must equal --devices)")
     ap.add_argument("--top", type=int, default=25, help="list this many kernel sources")
     ap.add_argument("--hlo-out", help="write the optimised HLO here")
     a = ap.parse_args(argv)
+    if a.model and (a.model != a.devices or a.expert):
+        ap.error("--model N compiles the tensor layout over all N = --devices GPUs (no --expert)")
     jax.config.update("jax_platforms", "cpu")   # the compile-only GPU needs no GPU backend
     cfg = C.get_preset(a.preset)
     n = a.layers
@@ -166,7 +197,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_step(cfg, cs, nm, a.batch, devices, a.expert,
-                                {"xla_dump_to": dump})
+                                {"xla_dump_to": dump}, a.model)
         thunks = sorted(glob.glob(f"{dump}/*thunk_sequence_after_thunk_passes.txt"))
         graphs = None
         if thunks:
@@ -191,6 +222,9 @@ def main(argv=None):
     if a.hlo_out:
         with open(a.hlo_out, "w") as fh:
             fh.write(hlo)
+    coll = collectives_by_layer(hlo)
+    print(f"collectives: {sum(coll.values())} in the step, by layer "
+          f"{[coll[i] for i in range(n)]}, {coll[None]} outside")
     print(f"kernels per layer: {in_layers / n:g}")
 
 
