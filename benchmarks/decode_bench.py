@@ -252,9 +252,9 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         out.update(bench_speculative(cfg, params, cs, cache, table, B, ctx, spec_k, steps,
                                      seed, nm, mesh))
     if loop and mesh is None and pipeline is None:
-        run = decode_loop(graphdef, cs, nm, Greedy(), steps + 1, ())
+        run = decode_loop(graphdef, cs, nm, steps + 1, ())
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
-        args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed))
+        args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed), Greedy())
         comp = run.lower(state, cache, *args).compile()
         _, n_gen, cache = comp(state, cache, *args)  # warm
         t0 = time.perf_counter()

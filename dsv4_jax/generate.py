@@ -32,8 +32,14 @@ from . import pipeline as PL
 # Samplers: small frozen dataclasses with get_next_tokens(logits [B, V], key) -> [B] int32
 # ---------------------------------------------------------------------------------------
 def _check_temperature(t):
-    if not t > 0:
+    if _concrete(t) and not t > 0:
         raise ValueError(f"temperature must be > 0, got {t}")
+
+
+def _concrete(v) -> bool:
+    """A value given by a caller (checked), not a traced leaf of the compiled loop's
+    sampler argument (the samplers are pytrees: their settings are data of the program)."""
+    return isinstance(v, (int, float, np.number))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,7 @@ class TopK:
 
     def __post_init__(self):
         _check_temperature(self.temperature)
-        if self.k < 1:
+        if _concrete(self.k) and self.k < 1:
             raise ValueError(f"top-k needs k >= 1, got {self.k}")
 
     def get_next_tokens(self, logits, key):
@@ -77,7 +83,7 @@ class TopP:
 
     def __post_init__(self):
         _check_temperature(self.temperature)
-        if not 0 < self.p <= 1:
+        if _concrete(self.p) and not 0 < self.p <= 1:
             raise ValueError(f"top-p needs 0 < p <= 1, got {self.p}")
 
     def get_next_tokens(self, logits, key):
@@ -99,7 +105,7 @@ class MinP:
 
     def __post_init__(self):
         _check_temperature(self.temperature)
-        if not 0 <= self.p <= 1:
+        if _concrete(self.p) and not 0 <= self.p <= 1:
             raise ValueError(f"min-p needs 0 <= p <= 1, got {self.p}")
 
     def get_next_tokens(self, logits, key):
@@ -110,6 +116,13 @@ class MinP:
 
 
 Sampler = Greedy | Temperature | TopK | TopP | MinP
+
+# pytrees: temperature and p are arguments of the compiled generate loop (a new value runs
+# the same program); top-k's k shapes the program (lax.top_k), so it stays static
+for _cls, _data, _meta in ((Greedy, (), ()), (Temperature, ("temperature",), ()),
+                           (TopK, ("temperature",), ("k",)), (TopP, ("p", "temperature"), ()),
+                           (MinP, ("p", "temperature"), ())):
+    jax.tree_util.register_dataclass(_cls, data_fields=list(_data), meta_fields=list(_meta))
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,12 +411,14 @@ class Engine:
             active = jnp.zeros(R, bool).at[jnp.asarray(slots)].set(True)
             args = (self.state, self.cache, tok0, active, jnp.asarray(self.bm.length, jnp.int32),
                     jnp.asarray(self.bm.table), key)
-            lkey = (sampler, max_new_tokens, tuple(sorted({self.cfg.eos_token_id, *stop_ids})))
+            # the sampler's kind (and top-k's k) keys the program; its values are arguments
+            stops = tuple(sorted({self.cfg.eos_token_id, *stop_ids}))
+            lkey = (jax.tree.structure(sampler), max_new_tokens, stops)
             if lkey not in self._loops:
-                self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm, *lkey).lower(
-                    *args).compile()
+                self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm, max_new_tokens,
+                                                stops).lower(*args, sampler).compile()
             t2 = time.perf_counter()
-            out, n_gen, self.cache = self._loops[lkey](*args)
+            out, n_gen, self.cache = self._loops[lkey](*args, sampler)
             out, n_gen = np.asarray(out), np.asarray(n_gen)
             t3 = time.perf_counter()
             self.timing = Timing(prefill_s=t1 - t0, first_token_s=t1 - t0, compile_s=t2 - t1,
@@ -439,13 +454,14 @@ class Engine:
                 self.bm.release(s)
 
 
-def _loop_fn(apply, R: int, sampler, max_new: int, stops: tuple[int, ...]):
-    """run(p, cache, tok0, active, pos0, table, key) -> (tokens [R, max_new], generated
-    counts [R], cache): a while_loop over decode steps apply(p, cache, tokens, slots, pos,
-    nvalid, table) -> (logits, cache); a request stops on a stop token or at max_new."""
+def _loop_fn(apply, R: int, max_new: int, stops: tuple[int, ...]):
+    """run(p, cache, tok0, active, pos0, table, key, sampler) -> (tokens [R, max_new],
+    generated counts [R], cache): a while_loop over decode steps apply(p, cache, tokens,
+    slots, pos, nvalid, table) -> (logits, cache), each sampled with `sampler` (a pytree:
+    its settings traced); a request stops on a stop token or at max_new."""
     stop_arr = jnp.asarray(stops, jnp.int32)
 
-    def run(p, cache, tok0, active, pos0, table, key):
+    def run(p, cache, tok0, active, pos0, table, key, sampler):
         out = jnp.zeros((R, max_new), jnp.int32).at[:, 0].set(tok0)
         n_gen = jnp.where(active, 1, 0)
         running = active & ~jnp.isin(tok0, stop_arr)
@@ -470,11 +486,10 @@ def _loop_fn(apply, R: int, sampler, max_new: int, stops: tuple[int, ...]):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, sampler, max_new: int,
-                stops: tuple[int, ...]):
+def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, max_new: int, stops: tuple[int, ...]):
     """jit(while_loop over the module's decode steps) on its split state: (state, cache,
-    tok0 [R], active [R] bool, pos0 [R], table [R, MAXB], key) -> (tokens [R, max_new],
-    counts [R], cache), the cache donated."""
+    tok0 [R], active [R] bool, pos0 [R], table [R, MAXB], key, sampler) -> (tokens
+    [R, max_new], counts [R], cache), the cache donated; one compilation per sampler kind."""
     apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
-    return jax.jit(_loop_fn(apply, cs.max_requests, sampler, max_new, stops),
+    return jax.jit(_loop_fn(apply, cs.max_requests, max_new, stops),
                    donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
