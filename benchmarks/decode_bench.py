@@ -434,7 +434,7 @@ def main(args):
     bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     mesh = pipe = None
     if args.devices and args.layout == "pipeline":
-        pipe = Pipeline.balanced(cfg, jax.devices()[:args.devices])
+        pipe = Pipeline.balanced(cfg, jax.devices()[:args.devices], stages=args.devices)
     elif args.devices:
         mesh = make_mesh(args.devices, expert=args.expert, model=args.model, data=args.data)
     print(f"device {dev.device_kind} x {args.devices or 1}"

@@ -24,7 +24,7 @@ def _make_checkpoint(a) -> int:
         cfg = with_dspark(cfg)
     s = make_checkpoint(a.out, cfg, a.format, a.seed, shard_bytes=shard_bytes,
                         progress=not a.quiet, fast_experts=a.fast_experts)
-    print(f"wrote {s['tensors']} tensors ({s['bytes'] / 1e9:.3f} GB) in {s['shards']} shards "
+    print(f"wrote {s['tensors']} tensors ({s['bytes'] / 1e9:.3f} GB) in {s['shards']} shard{'s' * (s['shards'] != 1)} "
           f"to {s['path']} ({a.format} format{', DSpark drafter' if a.dspark else ''})")
     return 0
 

@@ -203,7 +203,7 @@ def read_manifest(path: Path) -> dict:
     if not mpath.exists():
         n = len(list((path / "parts").glob("*/part.json")))
         raise IncompleteCheckpointError(
-            f"{path}: no {MANIFEST}: the conversion did not finish ({n} parts done); run "
+            f"{path}: no {MANIFEST}: the conversion did not finish ({n} part{'s' * (n != 1)} done); run "
             "`dsv4 convert` with the same arguments again to resume it")
     m = read_json(mpath, IncompleteCheckpointError, "manifest")
     if not isinstance(m, dict) or m.get("format") != "dsv4-orbax" or m.get("version") != FORMAT_VERSION:

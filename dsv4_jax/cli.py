@@ -201,7 +201,7 @@ def _prepare_layout(args, cfg):
         if args.devices > cfg.num_hidden_layers:
             raise UsageError(f"--devices {args.devices}: a pipeline needs a layer per device; "
                              f"the model has {cfg.num_hidden_layers}")
-        args.pipeline = Pipeline.balanced(cfg, jax.devices()[:args.devices])
+        args.pipeline = Pipeline.balanced(cfg, jax.devices()[:args.devices], stages=args.devices)
     elif layout == "tensor":
         if args.expert or args.data or args.model not in (None, args.devices):
             raise UsageError("--layout tensor splits every layer over all --devices; drop "

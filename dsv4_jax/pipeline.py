@@ -61,11 +61,16 @@ class Pipeline:
         return int(np.searchsorted(self.bounds, i, side="right")) - 1
 
     @classmethod
-    def balanced(cls, cfg: Config, devices) -> "Pipeline":
+    def balanced(cls, cfg: Config, devices, stages: int | None = None) -> "Pipeline":
         """Layers split so that each device holds about the same parameter bytes (the
-        embedding counts toward the first stage, the head and MTP block toward the last)."""
+        embedding counts toward the first stage, the head and MTP block toward the last).
+        stages: how many stages the caller asked for; fewer devices than that (a slice of
+        jax.devices() past its end) is an error, not a shorter pipeline."""
         devices = tuple(devices)
         n, L = len(devices), cfg.num_hidden_layers
+        if stages is not None and n != stages:
+            raise ValueError(f"Pipeline: {stages} stages asked for, and {n} "
+                             f"device{'s' * (n != 1)} given ({len(jax.devices())} visible)")
         if not 1 <= n <= L:
             raise ValueError(f"Pipeline: {n} devices for {L} layers")
         sizes = _stored_bytes(cfg)

@@ -74,3 +74,6 @@ def test_balanced_stages():
         Pipeline(bounds=(0, 3, 3), devices=(1, 2))
     with pytest.raises(ValueError, match="devices"):
         Pipeline.balanced(C.test(), devs[:4])
+    # a slice of the visible devices shorter than the stages asked for
+    with pytest.raises(ValueError, match="2 stages asked for, and 1 device given"):
+        Pipeline.balanced(flash, devs[:1], stages=2)
