@@ -579,6 +579,8 @@ def _tensor_moe(p, x, tokens, hash_layer, cfg, lcfg, nm, xq):
     if cfg.n_shared_experts:
         out = out + L.expert_ffn(p["shared_experts.w1"], p["shared_experts.w2"],
                                  p["shared_experts.w3"], x, None, lcfg, nm, xq=xq)
+    # the sum of the partials is a kernel before the all-reduce (on one device the add fuses
+    # into hc_expand; XLA reassociates two psums into this one anyway)
     return jax.lax.psum(out, TENSOR_AXIS).astype(nm.jdtype)
 
 

@@ -170,6 +170,45 @@ def test_tensor_layout_matches_one_device(tmp_path):
     assert one == tp and len(one) == 5
 
 
+def test_tensor_pspecs_and_form():
+    """Which stored fields split (block scales with their weights), the w1 / w3 row pairing
+    (device d's rows are its w1 chunk then its w3 chunk), and clear errors."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from dsv4_jax import config, distributed as DI, params as PR
+    cfg = _cfg(config, 256)
+    params = PR.merge_x_proj(PR.init_params(cfg, 3), cfg)
+    sp = DI.tensor_pspecs(params, 2)
+    assert sp["layers.1.attn.wq_b"].w == P("model", None)
+    assert sp["layers.1.attn.wq_b"].scale == P("model", None)
+    assert sp["layers.1.attn.wo_b"].w == P(None, "model")
+    assert sp["layers.1.ffn.experts.w13"].packed == P(None, "model", None)
+    assert sp["layers.1.ffn.experts.w2"].scale == P(None, None, "model")
+    assert sp["head.weight"] == P("model", None)
+    for k in ("embed.weight", "layers.1.attn.wqkv_a", "layers.1.attn.indexer.wq_b",
+              "layers.1.ffn.gate.weight"):
+        assert all(s == P() for s in jax.tree.leaves(sp[k], is_leaf=lambda x: isinstance(x, P)))
+    n = 2
+    tf = DI.tensor_form(params, n)
+    w, t = (np.asarray(x["layers.1.ffn.shared_experts.w13"].w, np.float32) for x in (params, tf))
+    I = w.shape[0] // 2
+    c = I // n
+    for d in range(n):   # device d's contiguous rows: w1 chunk d, then w3 chunk d
+        np.testing.assert_array_equal(t[2 * c * d: 2 * c * d + c], w[c * d: c * (d + 1)])
+        np.testing.assert_array_equal(t[2 * c * d + c: 2 * c * (d + 1)],
+                                      w[I + c * d: I + c * (d + 1)])
+    back = DI.tensor_form(tf, n, inverse=True)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1
+                                      else np.asarray(a),
+                                      np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1
+                                      else np.asarray(b))
+    with pytest.raises(ValueError, match="o_groups"):
+        DI.tensor_config(config.tiny(), 4)          # 2 output groups
+    with pytest.raises(ValueError, match="does not split"):
+        DI.tensor_pspecs(params, 4)                 # FP8 w13: 256 / 4 = 64-row halves
+
+
 @pytest.mark.slow
 def test_tensor_layout_kernels_interpreted(tmp_path):
     """Every kernel on (cache scatters, indexer top-k, sparse attention, weight-streaming
