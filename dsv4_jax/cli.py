@@ -17,7 +17,7 @@ import numpy as np
 from . import chat, config as C, generate as G, params as P, speculative as SP
 from .cache import BLOCK_TOKENS, CacheSpec, blocks_needed
 from .distributed import (init_processes_from_env, is_tensor_mesh, make_mesh, make_tensor_mesh,
-                          tensor_config)
+                          tensor_config, tensor_pspecs)
 from .embedded import EMBEDDED_NAME, embedded_checkpoint
 from .errors import UsageError, run_command
 from .generate import Engine
@@ -206,8 +206,9 @@ def _prepare_layout(args, cfg):
         if args.expert or args.data or args.model not in (None, args.devices):
             raise UsageError("--layout tensor splits every layer over all --devices; drop "
                              "--expert / --data (and --model, or give it --devices)")
-        try:
-            tensor_config(cfg, args.devices)   # heads / groups / experts must split
+        try:   # heads / groups / experts and every split weight's blocks must split
+            tensor_config(cfg, args.devices)
+            tensor_pspecs(P.abstract_params(cfg, x_proj_merged=True), args.devices)
         except ValueError as e:
             raise UsageError(f"--layout tensor: {e}") from None
         args.mesh = make_tensor_mesh(args.devices)

@@ -209,6 +209,22 @@ def test_tensor_pspecs_and_form():
         DI.tensor_pspecs(params, 4)                 # FP8 w13: 256 / 4 = 64-row halves
 
 
+def test_cli_layout_tensor_refusals():
+    """`--layout tensor` refuses other mesh axes, and a model whose heads, groups or weight
+    blocks do not split, before any weight is read."""
+    import argparse
+    from dsv4_jax import cli, config
+    from dsv4_jax.errors import UsageError
+    base = dict(devices=2, layout="tensor", expert=None, model=None, data=None,
+                max_requests=1)
+    for kw, cfg, msg in (({"expert": 2}, _cfg(config, 256), "drop --expert"),
+                         ({"model": 4}, _cfg(config, 256), "drop --expert"),
+                         ({}, config.tiny(), "multiple of 128"),   # 64-column expert halves
+                         ({"devices": 4}, config.tiny(), "o_groups")):
+        with pytest.raises(UsageError, match=msg):
+            cli._prepare_layout(argparse.Namespace(**dict(base, **kw)), cfg)
+
+
 @pytest.mark.slow
 def test_tensor_layout_kernels_interpreted(tmp_path):
     """Every kernel on (cache scatters, indexer top-k, sparse attention, weight-streaming
