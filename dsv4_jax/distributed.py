@@ -7,8 +7,10 @@ logical-axis rules, the parameter / cache / module-state shardings) is sharding.
 Routed experts run inside `jax.shard_map` (`expert_parallel_moe`): routing is computed
 once outside; each device computes its local experts for the tokens routed to them (ids
 outside its range get weight 0) and a psum over the EP axes combines the outputs. The
-expert weights never move. Tensor parallelism is left to GSPMD (jit with in/out
-shardings). The decode step runs data-parallel (a shard_map over "data": each group steps
+expert weights never move. Tensor parallelism on the ("data", "expert", "model") mesh is
+left to GSPMD (jit with in/out shardings), kernels off; the tensor layout (a mesh of one
+"model" axis, `make_tensor_mesh`) runs the whole step as one shard_map with every kernel on
+its local heads and weights (the last section). The decode step runs data-parallel (a shard_map over "data": each group steps
 its own request slots and pool blocks, `DataParallelBlockManager`) when the batch splits.
 """
 from __future__ import annotations
@@ -309,7 +311,8 @@ def _data_parallel_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, ap
     if cs.kernels != "off" and split:
         raise ValueError(f"the cache kernels (CacheSpec.kernels={cs.kernels!r}) run on meshes "
                          f"that only split experts; this mesh splits {split}: use "
-                         "kernels='off' or an expert-only mesh")
+                         "kernels='off', an expert-only mesh, or the tensor layout "
+                         "(make_tensor_mesh)")
     if nm.matmul != "xla" and mesh.shape.get("model", 1) > 1:
         raise ValueError("Numerics(matmul='pallas') under tensor parallelism (mesh 'model' "
                          f"size {mesh.shape['model']}) would all-gather the split weights "
