@@ -94,7 +94,10 @@ def worker(mode, devices, steps, out_path):
         cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=2)
     else:               # the trained numerics, every kernel in the Mosaic GPU interpreter
         _lockstep_interpreter()
-        cfg = _cfg(config, 256 if max(devices) <= 2 else 1024)   # whole FP8 blocks a device
+        # one CSA layer (every cache kernel: window and compressed scatters, indexer top-k,
+        # sparse attention; and the weight-streaming matmuls): interpreting is the cost
+        cfg = _cfg(config, 256 if max(devices) <= 2 else 1024).replace(
+            num_hidden_layers=1, compress_ratios=(4, 0), num_hash_layers=0)
         nm = Numerics(True, "bfloat16", matmul="interpret")
         cs = CacheSpec.for_numerics(nm, max_requests=2, num_blocks=8, max_blocks=2,
                                     kernels="interpret")
@@ -113,7 +116,7 @@ def worker(mode, devices, steps, out_path):
         tok, lg = _drive(r, prompt, steps)
         res[n] = {"tokens_equal": bool((tok == ref_tok).all()), "rel": _rel(lg, ref_lg),
                   "steps": steps}
-        wq = r.params["layers.1.attn.wq_b"].w
+        wq = r.params["layers.0.attn.wq_b"].w
         res[n]["wq_b_rows"] = int(wq.addressable_shards[0].data.shape[0])
         if mode == "xla" and n == 2:
             i32 = lambda *s: jnp.zeros(s, jnp.int32)
@@ -227,21 +230,25 @@ def test_cli_layout_tensor_refusals():
 
 @pytest.mark.slow
 def test_tensor_layout_kernels_interpreted(tmp_path):
-    """Every kernel on (cache scatters, indexer top-k, sparse attention, weight-streaming
-    matmuls; Mosaic GPU interpreter), trained numerics, 2 devices, 2 decode steps (each
-    interpreted step takes about a minute on 2 CPU cores): one device's greedy tokens, and
-    logits no further from one device's than one device's XLA path is from its kernels (the
-    FP8 activation simulation turns a reordered bf16 sum into a different FP8 rounding)."""
-    res = _run(tmp_path, "kernels", (2,), 2, 1800)
+    """Every kernel on (window / compressed scatters, indexer top-k, sparse attention,
+    weight-streaming matmuls: the Mosaic GPU interpreter), trained numerics, one CSA layer,
+    2 devices, one decode step after the prefill (~3 min on 2 CPU cores: interpreting is
+    the cost): one device's greedy tokens, and logits no further from one device's than one
+    device's own XLA path is from its kernels (the FP8 activation simulation turns a
+    reordered bf16 sum into a different FP8 rounding downstream)."""
+    res = _run(tmp_path, "kernels", (2,), 1, 1800)
     assert res["2"]["tokens_equal"], res
     assert res["2"]["rel"] <= max(2 * res["rel_xla_vs_kernels"], 1e-2), res
 
 
+# ~10 more minutes on 2 CPU cores: beyond the suite's budget, so run on request
+# (DSV4_TEST_TP_INTERPRET=1 pytest -k interpreted_4_and_8)
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DSV4_TEST_TP_INTERPRET"),
+                    reason="~10 min of interpreted kernels: DSV4_TEST_TP_INTERPRET=1 runs it")
 def test_tensor_layout_kernels_interpreted_4_and_8(tmp_path):
-    """As above on 4 and 8 devices, one decode step after the prefill (8 interpreted
-    devices share 2 CPU cores)."""
-    res = _run(tmp_path, "kernels", (4, 8), 1, 3000)
+    """As above on 4 and 8 devices, two decode steps."""
+    res = _run(tmp_path, "kernels", (4, 8), 2, 3000)
     for n in ("4", "8"):
         assert res[n]["tokens_equal"], res
         assert res[n]["rel"] <= max(2 * res["rel_xla_vs_kernels"], 1e-2), res
