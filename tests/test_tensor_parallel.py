@@ -232,7 +232,7 @@ def test_cli_layout_tensor_refusals():
 def test_tensor_layout_kernels_interpreted(tmp_path):
     """Every kernel on (window / compressed scatters, indexer top-k, sparse attention,
     weight-streaming matmuls: the Mosaic GPU interpreter), trained numerics, one CSA layer,
-    2 devices, one decode step after the prefill (~3 min on 2 CPU cores: interpreting is
+    2 devices, one decode step after the prefill (~100 s on 2 CPU cores: interpreting is
     the cost): one device's greedy tokens, and logits no further from one device's than one
     device's own XLA path is from its kernels (the FP8 activation simulation turns a
     reordered bf16 sum into a different FP8 rounding downstream)."""
