@@ -304,11 +304,11 @@ class Engine:
 
         speculative_tokens k > 0: the MTP block drafts k tokens a step and one program
         verifies them (speculative.py); a step yields 1 .. k+1 tokens per request.
-        speculative_tokens "dspark": the DSpark drafter's block (dspark_runner.py)."""
+        speculative_tokens "dspark": the DSpark drafter's block (dspark_stream.py)."""
         _check_max_new(max_new_tokens)
         if speculative_tokens == "dspark":
-            from . import dspark_runner
-            yield from dspark_runner.stream(self, prompts, max_new_tokens=max_new_tokens,
+            from . import dspark_stream
+            yield from dspark_stream.stream(self, prompts, max_new_tokens=max_new_tokens,
                                             sampler=sampler, seed=seed, stop_ids=stop_ids)
             return
         if speculative_tokens:

@@ -60,8 +60,10 @@ class Numerics:
     # A request's chunk of at least this many rows attends through the sparse prefill
     # attention kernel when the cache kernels are on (CacheSpec.kernels): its window band and
     # its own top-k / compressed entries, no [T, all keys] mask; 0: never (the dense chunk
-    # attention). Shorter chunks (and the kernels off) take the dense form.
-    sparse_prefill_rows: int = 128
+    # attention). Shorter chunks (and the kernels off) take the dense form. Off by default:
+    # the kernel traps (CUDA_ERROR_ILLEGAL_INSTRUCTION) on an H100 though the interpreter
+    # matches its reference (docs/KERNELS.md, "Sparse prefill attention").
+    sparse_prefill_rows: int = 0
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):

@@ -50,8 +50,8 @@ def test_greedy_dspark_equals_plain_and_rings_match_the_whole_sequence(tiny, eng
     rows back) gives exactly plain greedy's tokens for three requests at different
     positions (one crosses the HCA block end 127, all cross CSA block ends and wrap the
     window). The drafter's rings then hold (request 0, wrapped many times), for every
-    committed position they keep, the rows dspark.commit makes from the whole-sequence
-    forward (capture_hidden)."""
+    position of the sequence they keep, the rows dspark.commit makes from the
+    whole-sequence forward (capture_hidden)."""
     cfg, params = tiny
     rng = np.random.default_rng(5102)
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (120, 7, 40)]
@@ -65,8 +65,11 @@ def test_greedy_dspark_equals_plain_and_rings_match_the_whole_sequence(tiny, eng
     kv, rpos = np.asarray(st["dsp_kv"]), np.asarray(st["dsp_pos"])
     checked = 0
     for s, (p, g) in list(enumerate(zip(prompts, got)))[:1]:   # slots in admission order
-        seq = np.asarray(p + g[:-1], np.int32)       # committed: all but the last anchor
-        assert rpos[s].max() + 1 >= len(seq)
+        # committed: every token, the last one too when the step that ran after the request
+        # ended (pipelined, its output dropped) committed it as its anchor; that step's
+        # accepted drafts (at most G) lie past the sequence
+        seq = np.asarray(p + g, np.int32)
+        assert rpos[s].max() + 1 >= len(seq) - 1
         _, hid = DS.capture_hidden(params, jnp.asarray(seq)[None], cfg, F32)
         pos = jnp.arange(len(seq))[None]
         ref = DS.commit(params, DS.init_state(cfg, 1, jnp.float32), hid, pos,
@@ -78,7 +81,7 @@ def test_greedy_dspark_equals_plain_and_rings_match_the_whole_sequence(tiny, eng
                 scale = np.abs(rk[:, w]).max()
                 np.testing.assert_allclose(kv[:, s, w], rk[:, w], rtol=1e-4, atol=1e-4 * scale)
                 checked += 1
-    assert checked == W
+    assert W - cfg.dspark_block_size <= checked <= W
 
 
 def test_oracle_drafts_are_accepted_and_output_stays_exact(tiny, monkeypatch):
