@@ -4,9 +4,9 @@ PY312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import 
 PY311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && python3.11 -c 'import sys' 2>/dev/null && echo python3.11 || ls -d $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | tail -1)
 VENV := .venv
 REF := .venv-ref
-PYTEST_ARGS ?= -n 2 --dist loadfile   # two workers (CI has 2 cores), one test file per worker at a time
+PYTEST_ARGS ?= -n 2 --dist loadfile -m "not slow"   # two workers (CI has 2 cores), one test file per worker at a time; `make test-slow` runs the tests marked slow
 
-.PHONY: demo test setup setup-ref gpu-test train clean
+.PHONY: demo test test-slow setup setup-ref gpu-test train clean
 
 $(VENV)/.ok: pyproject.toml
 	@test -n "$(PY312)" || (echo "python3.12 not found (jax 0.11 needs Python >= 3.12)"; exit 1)
@@ -31,6 +31,10 @@ demo: setup
 
 test: setup setup-ref
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# the tests marked slow (interpreted kernels on meshes, notebooks, subprocess meshes: ~10 min)
+test-slow: setup setup-ref
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m slow
 
 # the GPU tests (every test marked gpu), on a Hopper machine whose python3 has jax[cuda]
 gpu-test:

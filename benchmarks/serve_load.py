@@ -13,7 +13,8 @@ time to first token and inter-token latency, as the clients see them over HTTP.
     PYTHONPATH=. python -m benchmarks.serve_load --shared-prefix 160 --prefix-cache-entries 0
     PYTHONPATH=. python -m benchmarks.serve_load --shared-prefix 160 --prefix-cache-entries 16
 
-Bounded in count (--requests) and time (--time-limit: clients stop starting requests).
+The clients of an in-process server run in a process of their own (--clients-in-process:
+on threads beside the server, sharing its interpreter lock). Bounded in count (--requests) and time (--time-limit: clients stop starting requests).
 Prompts are random token ids (seeded), after --shared-prefix common ones; every request
 generates exactly --max-tokens tokens (ignore_eos), so the runs are comparable. The prefix
 cache's hit rate is read from the server's /metrics.
@@ -100,6 +101,16 @@ def run_load(url, model, prompts, max_tokens, concurrency, time_limit):
             "first_error": errors[0] if errors else None}
 
 
+def run_load_elsewhere(*args):
+    """run_load in a process of its own (spawned: numpy and httpx, no jax), so that the
+    clients' parsing does not share the server's interpreter lock, as real clients do not."""
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(run_load, *args).result()
+
+
 def prefix_stats(metrics_text: str) -> dict:
     """Hit rate of the prefix cache from a /metrics page: prompt tokens served from it over
     all admitted prompt tokens."""
@@ -140,6 +151,9 @@ def main(argv=None):
     ap.add_argument("--compare-fixed", action="store_true",
                     help="in-process: also time Engine.generate (fixed batches of "
                          "--max-requests, the fused decode loop) on the same prompts")
+    ap.add_argument("--clients-in-process", action="store_true",
+                    help="in-process server: run the clients on threads of the server's "
+                         "process (default: a process of their own)")
     args = ap.parse_args(argv)
     for f in ("requests", "concurrency", "max_tokens"):
         if getattr(args, f) < 1:
@@ -187,8 +201,9 @@ def main(argv=None):
                                            speculative_tokens=args.speculative_tokens))
         out["warm_up_s"] = time.perf_counter() - t0
         with BackgroundServer(srv) as url:
-            out["load"] = run_load(url, name, prompts, args.max_tokens, args.concurrency,
-                                   args.time_limit)
+            load = run_load if args.clients_in_process else run_load_elsewhere
+            out["load"] = load(url, name, prompts, args.max_tokens, args.concurrency,
+                               args.time_limit)
             import httpx
             out["prefix_cache"] = prefix_stats(httpx.get(url + "/metrics").text)
     json.dump(out, sys.stdout, indent=1, default=str)

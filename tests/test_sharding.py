@@ -541,6 +541,7 @@ print(json.dumps({"max_abs": float(np.abs(a - b).max()), "scale": float(np.abs(a
 '''
 
 
+@pytest.mark.slow  # ~85 s: the interpreted kernels on a 2-device mesh
 def test_kernel_decode_step_on_an_expert_mesh():
     """The decode step with the cache kernels (Mosaic-GPU interpreter) sharded over 2
     devices with the experts split: the same logits and cache bits as the single-device
@@ -558,6 +559,7 @@ def test_kernel_decode_step_on_an_expert_mesh():
     assert "splits {'model': 2}" in res["errs"][1], res["errs"]
 
 
+@pytest.mark.slow  # ~50 s: two processes
 def test_two_processes_generate_the_same_tokens(tiny_generate):
     """Multi-controller JAX: `dsv4 generate --devices 2` run as two processes of one CPU
     device each (joined through DSV4_COORDINATOR, gloo collectives, the checkpoint loaded

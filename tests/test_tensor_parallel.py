@@ -160,11 +160,11 @@ def _run(tmp_path, mode, devices, steps, timeout):
 
 
 def test_tensor_layout_matches_one_device(tmp_path):
-    """XLA path, f32: 32 greedy steps on 2, 4 and 8 devices give one device's tokens and
+    """XLA path, f32: 16 greedy steps on 2 and 8 devices give one device's tokens and
     logits to f32 rounding; the compiled step has two all-reduces a layer and one
     all-gather (the logits); the StepBatch path samples the same tokens."""
-    res = _run(tmp_path, "xla", (2, 4, 8), 32, 900)
-    for n in ("2", "4", "8"):
+    res = _run(tmp_path, "xla", (2, 8), 16, 900)
+    for n in ("2", "8"):
         assert res[n]["tokens_equal"], res[n]
         assert res[n]["rel"] < 1e-5, res[n]
         assert res[n]["wq_b_rows"] == 8 * 512 // int(n)   # query heads split

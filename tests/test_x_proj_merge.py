@@ -260,6 +260,7 @@ print(json.dumps(res))
 '''
 
 
+@pytest.mark.slow  # ~50 s: a subprocess over 2 devices
 def test_merged_tree_shards_and_gives_the_same_logits():
     """On a 2-device CPU mesh (tensor parallel, f32): the merged weight is replicated (as
     the sharding table says), and the sharded step (prefill chunk + decode steps) gives the
