@@ -3,6 +3,7 @@ blocked pure-JAX reference (CSA top-k ids and HCA prefixes, stale ring slots, pa
 rows of the chunk), the reference vs the model's dense chunk attention (layers.attend over
 the [T, W + T + n] mask it builds), and the CUDA lowering at Flash shapes."""
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -121,3 +122,64 @@ def test_gpu_kernel_matches_reference(hca):
     ref = np.asarray(sparse_prefill_attention(*args, impl="xla"))
     got = np.asarray(jax.jit(sparse_prefill_attention)(*args))
     assert np.abs(got - ref).max() / np.abs(ref).max() < 4e-3
+
+
+# ---------------------------------------------------------------- compiled for an H100
+def _tma_starts(ptx):
+    """-> [(instruction, innermost start register, its definitions)] for every TMA of the
+    PTX (cp.async.bulk.tensor: coordinates innermost first)."""
+    defs = {}
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(\w[\w.]*)\s+(%r\d+),\s*(.*);", line)
+        if m:
+            defs.setdefault(m.group(2), []).append((m.group(1), m.group(3)))
+    out = []
+    for m in re.finditer(r"cp\.async\.bulk\.tensor\.\dd[^\[]*\[(?:%r\d+\], \[)?%rd\d+, "
+                         r"\{\s*(%r\d+)", ptx):
+        out.append((m.group(0), m.group(1), defs.get(m.group(1), [])))
+    return out
+
+
+@pytest.mark.parametrize("hca", [False, True])
+def test_tma_starts_are_16_byte_aligned_on_h100(hca, capfd, monkeypatch):
+    """A TMA's innermost start coordinate must be a multiple of 16 bytes; otherwise Hopper
+    stops the kernel with CUDA_ERROR_ILLEGAL_INSTRUCTION (the interpreter does not check
+    it). The bias copies once started at woff[r] + 64 b floats (woff[r] = r + 1): compiled
+    for a described H100 (compile-only), every TMA's innermost coordinate must be a
+    constant multiple of 8 elements or a shift left by >= 3 (16 bytes for any element of
+    2 bytes or more). Needs the CUDA PJRT plugin importable and JAX_PLATFORMS=cpu, e.g.
+    PYTHONPATH=/opt/jax-cuda; skips without it."""
+    try:
+        from benchmarks.kernel_count import gpu_devices
+        dev = gpu_devices("h100_sxm")[0]
+    except (SystemExit, Exception) as e:  # noqa: BLE001
+        pytest.skip(f"no compile-only H100 here (needs the CUDA PJRT plugin importable and "
+                    f"JAX_PLATFORMS=cpu, e.g. PYTHONPATH=/opt/jax-cuda): {e}")
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    S = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=sh)
+    T, H, NE, L = 2048, 64, 4096, 512
+    args = (S((T, H, 512), jnp.bfloat16), S((T + W, 512), jnp.bfloat16),
+            S((T + W,), jnp.float32), S((NE, 512), jnp.bfloat16),
+            None if hca else S((T, L), jnp.int32), S((T,), jnp.int32), S((T,), jnp.int32),
+            S((T,), jnp.int32), S((H,), jnp.float32))
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    monkeypatch.delenv("MOSAIC_GPU_DUMP_TO", raising=False)
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    capfd.readouterr()
+    try:
+        with jax.default_device(dev):
+            jax.jit(sparse_prefill_attention).lower(*args).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    ptx = capfd.readouterr().out
+    assert ".target sm_90a" in ptx
+    starts = _tma_starts(ptx)
+    assert len(starts) >= (6 if hca else 8), starts       # loads of q, sink, ids, keys, bias; stores
+    for ins, reg, ds in starts:
+        assert ds, (ins, reg)
+        for op, operands in ds:
+            ok = ((op.startswith("mov") and re.fullmatch(r"-?\d+", operands.strip())
+                   and int(operands) % 8 == 0)
+                  or (op.startswith("shl") and int(operands.split(",")[-1]) >= 3))
+            assert ok, f"{ins}: innermost start {reg} = {op} {operands}"

@@ -358,10 +358,13 @@ async def _outputs(q: asyncio.Queue, reqs, http: HTTPRequest, poll_s: float = 0.
     checked = time.monotonic()
     try:
         while left:
-            try:
-                i, o = await asyncio.wait_for(q.get(), poll_s)
-            except asyncio.TimeoutError:
-                o = None
+            try:   # what is queued already needs no timer task (wait_for makes one)
+                i, o = q.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    i, o = await asyncio.wait_for(q.get(), poll_s)
+                except asyncio.TimeoutError:
+                    o = None
             if time.monotonic() - checked >= poll_s:
                 if await http.is_disconnected():
                     return

@@ -41,14 +41,14 @@ def sparse_prefill_attention(q_RHD, win_KD, wbias_K, ents_ND, ids_RL, ncmp_R, wo
     ents = ents_ND if ents_ND.shape[0] else jnp.zeros((1, D), win_KD.dtype)
     kt = jnp.concatenate([win_KD.astype(jnp.bfloat16), ents.astype(jnp.bfloat16)])
     kt = kt.reshape(-1, 2, HALF)           # [NK, 2, 256]: a row's TMA box is at most 256 wide
-    wb = jnp.concatenate([wbias_K.astype(jnp.float32), jnp.zeros((BLK,), jnp.float32)])
     ids = None
     if ids_RL is not None:
         L = ids_RL.shape[1]
         ids = jnp.pad(ids_RL.astype(jnp.int32), ((0, 0), (0, -L % BLK)), constant_values=-1)
     i32 = lambda a: a.astype(jnp.int32)
-    out = _call(q, kt, wb, ids, i32(ncmp_R), i32(woff_R), i32(coff_R) + NW, sink,
-                window=window, interpret=gpu_interpret_params(impl == "interpret"))
+    out = _call(q, kt, wbias_K.astype(jnp.float32), ids, i32(ncmp_R), i32(woff_R),
+                i32(coff_R) + NW, sink, window=window,
+                interpret=gpu_interpret_params(impl == "interpret"))
     return out[:, :H]
 
 

@@ -8,7 +8,7 @@ row are two CTAs (each scores every block: QK^T twice, the P.V once; their key c
 meet in L2). Per key block of 64:
 
     64 key rows [64, 2, 256] bf16 (any rows: window band, top-k ids, HCA prefix)
-        --row TMAs-->  staging SMEM (untiled)      + the block's window bias [64] f32
+        --row TMAs-->  staging SMEM                + the block's window bias [64] f32
     staging -> registers -> K tile [2 halves, 64, 256] bf16 (tiled, swizzled: wgmma's);
     the next block's copies are issued now, overlapping this block's math
     S [64 heads, 64] = Q K^T / sqrt(512) + bias       (wgmma per half, f32)
@@ -18,6 +18,13 @@ meet in L2). Per key block of 64:
 
 Blocks: W / 64 window blocks, then ceil(ncmp[r] / 64) compressed ones (valid ids first,
 so nothing past them is read). No [R, R] or [R, all entries] array exists anywhere.
+
+The window bias is gathered per row before the kernel (wb_RB [R, W + 64] f32: row r's
+wbias[woff[r] : woff[r] + W], then 64 zeros for the compressed blocks), so each bias copy
+starts at a multiple of 64 floats. A TMA's innermost start coordinate must be a multiple
+of 16 bytes (Hopper stops the kernel with CUDA_ERROR_ILLEGAL_INSTRUCTION otherwise; the
+interpreter does not check it): copied straight from wbias at woff[r] + 64 b (woff[r] =
+r + 1 in the model), three rows in four started off that alignment.
 """
 import math
 
@@ -44,7 +51,11 @@ def _call(q_RHD, kt_K2H, wbias_K, ids_RL, ncmp_R, woff_R, coff_R, sink_H, *, win
     NK = kt_K2H.shape[0]
     implicit = ids_RL is None            # HCA: entries coff .. coff + ncmp - 1
     L = 0 if implicit else ids_RL.shape[1]
-    zero_bias = wbias_K.shape[0] - BLK   # a block of zeros at the end of wbias
+    # each row's window bias (jnp indexing: clamped, as the reference's), then a block of
+    # zeros: every bias copy starts at a multiple of 64 floats (TMA: 16-byte aligned)
+    wi = woff_R[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]
+    wb_RB = jnp.pad(wbias_K.astype(jnp.float32)[jnp.clip(wi, 0, wbias_K.shape[0] - 1)],
+                    ((0, 0), (0, BLK)))
 
     def kernel(*refs, bar, qbar):
         if implicit:
@@ -72,8 +83,8 @@ def _call(q_RHD, kt_K2H, wbias_K, ids_RL, ncmp_R, woff_R, coff_R, sink_H, *, win
                     row = jnp.where(b < NW, woff + b * BLK + j,
                                     jnp.clip(coff + cj if implicit else cj, 0, NK - 1))
                     plgpu.copy_gmem_to_smem(kt_g.at[pl.ds(row, 1)], st_s.at[pl.ds(j, 1)], bar)
-                start = jnp.where(b < NW, woff + b * BLK, zero_bias)
-                plgpu.copy_gmem_to_smem(wb_g.at[pl.ds(start, BLK)], bias_s, bar)
+                start = jnp.where(b < NW, b, NW) * BLK       # NW * BLK: the zeros
+                plgpu.copy_gmem_to_smem(wb_g.at[r, pl.ds(start, BLK)], bias_s, bar)
 
             for h in range(2):
                 plgpu.copy_gmem_to_smem(q_g.at[r, heads, pl.ds(h * HALF, HALF)], q_s.at[h],
@@ -150,7 +161,7 @@ def _call(q_RHD, kt_K2H, wbias_K, ids_RL, ncmp_R, woff_R, coff_R, sink_H, *, win
             plgpu.wait_smem_to_gmem(0)
         pl.run_scoped(store, plgpu.SMEM((HT, HALF), jnp.float32))
 
-    args = [q_RHD, kt_K2H, wbias_K] + ([] if implicit else [ids_RL]) + [
+    args = [q_RHD, kt_K2H, wb_RB] + ([] if implicit else [ids_RL]) + [
         ncmp_R, woff_R, coff_R, sink_H]
     return plgpu.kernel(
         kernel,
