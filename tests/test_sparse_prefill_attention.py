@@ -125,19 +125,38 @@ def test_gpu_kernel_matches_reference(hca):
 
 
 # ---------------------------------------------------------------- compiled for an H100
-def _tma_starts(ptx):
-    """-> [(instruction, innermost start register, its definitions)] for every TMA of the
-    PTX (cp.async.bulk.tensor: coordinates innermost first)."""
+def _misaligned_tma_starts(ptx):
+    """-> the TMAs (cp.async.bulk.tensor) of the PTX whose innermost start coordinate is not
+    shown 16-byte aligned: its definition (the last one above the copy, through register
+    moves) must be a constant multiple of 8 elements or a shift left by >= 3 (16 bytes for
+    elements of 2 bytes or more)."""
+    lines = ptx.splitlines()
     defs = {}
-    for line in ptx.splitlines():
+    for i, line in enumerate(lines):
         m = re.match(r"\s*(\w[\w.]*)\s+(%r\d+),\s*(.*);", line)
         if m:
-            defs.setdefault(m.group(2), []).append((m.group(1), m.group(3)))
-    out = []
-    for m in re.finditer(r"cp\.async\.bulk\.tensor\.\dd[^\[]*\[(?:%r\d+\], \[)?%rd\d+, "
-                         r"\{\s*(%r\d+)", ptx):
-        out.append((m.group(0), m.group(1), defs.get(m.group(1), [])))
-    return out
+            defs.setdefault(m.group(2), []).append((i, m.group(1), m.group(3).strip()))
+
+    def aligned(reg, at):
+        before = [d for d in defs.get(reg, []) if d[0] < at]
+        if not before:
+            return False
+        i, op, operands = before[-1]
+        if op.startswith("mov") and re.fullmatch(r"%r\d+", operands):
+            return aligned(operands, i)
+        if op.startswith("mov") and re.fullmatch(r"-?\d+", operands):
+            return int(operands) % 8 == 0
+        return op.startswith("shl") and int(operands.split(",")[-1]) >= 3
+
+    bad, n = [], 0
+    for i, line in enumerate(lines):
+        m = re.search(r"cp\.async\.bulk\.tensor\.\dd[^\[]*\[(?:%r\d+\], \[)?%rd\d+, "
+                      r"\{\s*(%r\d+)", line)
+        if m:
+            n += 1
+            if not aligned(m.group(1), i):
+                bad.append(line.strip())
+    return n, bad
 
 
 @pytest.mark.parametrize("hca", [False, True])
@@ -145,9 +164,8 @@ def test_tma_starts_are_16_byte_aligned_on_h100(hca, capfd, monkeypatch):
     """A TMA's innermost start coordinate must be a multiple of 16 bytes; otherwise Hopper
     stops the kernel with CUDA_ERROR_ILLEGAL_INSTRUCTION (the interpreter does not check
     it). The bias copies once started at woff[r] + 64 b floats (woff[r] = r + 1): compiled
-    for a described H100 (compile-only), every TMA's innermost coordinate must be a
-    constant multiple of 8 elements or a shift left by >= 3 (16 bytes for any element of
-    2 bytes or more). Needs the CUDA PJRT plugin importable and JAX_PLATFORMS=cpu, e.g.
+    for a described H100 (compile-only), every TMA's innermost coordinate must be shown
+    aligned in the PTX (_misaligned_tma_starts). Needs the CUDA PJRT plugin importable and JAX_PLATFORMS=cpu, e.g.
     PYTHONPATH=/opt/jax-cuda; skips without it."""
     try:
         from benchmarks.kernel_count import gpu_devices
@@ -174,12 +192,6 @@ def test_tma_starts_are_16_byte_aligned_on_h100(hca, capfd, monkeypatch):
         jax.config.update("jax_enable_compilation_cache", cache)
     ptx = capfd.readouterr().out
     assert ".target sm_90a" in ptx
-    starts = _tma_starts(ptx)
-    assert len(starts) >= (6 if hca else 8), starts       # loads of q, sink, ids, keys, bias; stores
-    for ins, reg, ds in starts:
-        assert ds, (ins, reg)
-        for op, operands in ds:
-            ok = ((op.startswith("mov") and re.fullmatch(r"-?\d+", operands.strip())
-                   and int(operands) % 8 == 0)
-                  or (op.startswith("shl") and int(operands.split(",")[-1]) >= 3))
-            assert ok, f"{ins}: innermost start {reg} = {op} {operands}"
+    n, bad = _misaligned_tma_starts(ptx)
+    assert n >= 100, n                # q, sink, (ids,) 2 x 64 key rows, bias; the stores
+    assert not bad, bad
