@@ -61,8 +61,8 @@ class Numerics:
     # attention kernel when the cache kernels are on (CacheSpec.kernels): its window band and
     # its own top-k / compressed entries, no [T, all keys] mask; 0: never (the dense chunk
     # attention). Shorter chunks (and the kernels off) take the dense form. Off by default:
-    # the kernel traps (CUDA_ERROR_ILLEGAL_INSTRUCTION) on an H100 though the interpreter
-    # matches its reference (docs/KERNELS.md, "Sparse prefill attention").
+    # the kernel trapped (CUDA_ERROR_ILLEGAL_INSTRUCTION) on an H100, and its fix has not
+    # run on a GPU yet (docs/KERNELS.md, "Prefill").
     sparse_prefill_rows: int = 0
 
     def __post_init__(self):

@@ -165,8 +165,8 @@ def test_tma_starts_are_16_byte_aligned_on_h100(hca, capfd, monkeypatch):
     stops the kernel with CUDA_ERROR_ILLEGAL_INSTRUCTION (the interpreter does not check
     it). The bias copies once started at woff[r] + 64 b floats (woff[r] = r + 1): compiled
     for a described H100 (compile-only), every TMA's innermost coordinate must be shown
-    aligned in the PTX (_misaligned_tma_starts). Needs the CUDA PJRT plugin importable and JAX_PLATFORMS=cpu, e.g.
-    PYTHONPATH=/opt/jax-cuda; skips without it."""
+    aligned in the PTX (_misaligned_tma_starts). Needs the CUDA PJRT plugin importable
+    and JAX_PLATFORMS=cpu, e.g. PYTHONPATH=/opt/jax-cuda; skips without it."""
     try:
         from benchmarks.kernel_count import gpu_devices
         dev = gpu_devices("h100_sxm")[0]
