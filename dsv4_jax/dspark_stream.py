@@ -87,15 +87,7 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids):
                     steps[i] += 1
                     emitted[i] += int(n[s])
                     runner.advance(s, int(n[s]))
-                    for t in out[s, :n[s]]:
-                        if n_out[i] >= max_new_tokens:
-                            break
-                        got.append((i, int(t)))
-                        n_out[i] += 1
-                        if int(t) in stops:
-                            n_out[i] = max_new_tokens   # stopped
-                            break
-                    if n_out[i] >= max_new_tokens:
+                    if SP.emit_row(i, out[s, :n[s]], n_out, max_new_tokens, stops, got):
                         done.add(i)
                 if not untimed:
                     eng.timing.new_tokens += len(got)

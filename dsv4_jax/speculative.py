@@ -652,15 +652,7 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
                     steps[i] += 1
                     emitted[i] += int(n[s])
                     eng.bm.advance(s, int(n[s]))
-                    for t in out[s, :n[s]]:
-                        if n_out[i] >= max_new_tokens:
-                            break
-                        got.append((i, int(t)))
-                        n_out[i] += 1
-                        if int(t) in stops:
-                            n_out[i] = max_new_tokens   # stopped
-                            break
-                    if n_out[i] >= max_new_tokens:
+                    if emit_row(i, out[s, :n[s]], n_out, max_new_tokens, stops, got):
                         done.add(i)
                 if not untimed:
                     eng.timing.new_tokens += len(got)
@@ -672,6 +664,21 @@ def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k
     finally:
         for s in slots:
             eng.bm.release(s)
+
+
+def emit_row(i, toks, n_out, max_new_tokens, stops, got) -> bool:
+    """Request i's tokens of one step into `got` as (i, token), up to max_new_tokens and
+    through its first stop id (n_out[i] counts them; a stop sets it to max_new_tokens)
+    -> whether the request ended."""
+    for t in toks:
+        if n_out[i] >= max_new_tokens:
+            break
+        got.append((i, int(t)))
+        n_out[i] += 1
+        if int(t) in stops:
+            n_out[i] = max_new_tokens   # stopped
+            break
+    return n_out[i] >= max_new_tokens
 
 
 def acceptance_report(steps, emitted) -> dict:

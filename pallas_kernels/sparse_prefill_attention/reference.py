@@ -15,7 +15,6 @@ Shapes: q_RHD [R, H, 512]; win_KD [NW, 512]; wbias_K [NW] f32; ents_ND [NE, 512]
 """
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
