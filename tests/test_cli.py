@@ -78,6 +78,7 @@ def test_index_format_flag():
     assert run(["generate", "--prompt", "hi", "--index-format", "fp6"]) == 2
 
 
+@pytest.mark.slow  # ~65 s: two CLI runs
 def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
     """--compile-cache DIR: the generate program lands in DIR (jax's persistent cache)."""
     import jax
@@ -96,6 +97,7 @@ def test_compiled_programs_are_cached_on_disk(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow  # ~145 s with its fixture: subprocesses
 def test_generate_on_two_devices_equals_single_device(tiny_generate):
     """`dsv4 generate --devices 2` over 2 virtual CPU devices (the layers split across the
     devices: the default at few request slots; the checkpoint loaded straight onto each

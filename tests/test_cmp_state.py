@@ -118,6 +118,7 @@ def _expected_state(params, xs, cfg, layer, b, n):
     return want
 
 
+@pytest.mark.slow  # ~80 s
 def test_cached_state_and_logits_match_the_forward():
     """Two requests (190 and 3 tokens: past window wrap, CSA blocks and an HCA block; and
     before the first CSA block) prefilled in chunks, then 3 decode steps (both cross a CSA

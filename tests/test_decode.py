@@ -194,6 +194,7 @@ def test_generate_jitted_loop_equals_streaming_and_stops(tiny):
     assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
 
 
+@pytest.mark.slow  # ~70 s
 def test_stream_settles_inflight_step_before_pool_exhausted(tiny):
     """A pool with exactly the blocks the real steps need: the pipelined stream's extra
     step past a stop would need one more block; it must not turn into PoolExhausted."""
@@ -222,6 +223,7 @@ def test_stream_settles_inflight_step_before_pool_exhausted(tiny):
     assert not tight.bm.active.any() and len(tight.bm.free) == cs.num_blocks
 
 
+@pytest.mark.slow  # ~65 s
 def test_stream_step_keeps_every_buffer_in_place(tiny):
     """The stream step writes its state (tokens, positions, ...) and the cache over the
     donated inputs: no buffer moves from step to step (a moved buffer makes XLA update the

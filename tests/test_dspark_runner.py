@@ -156,6 +156,7 @@ def _chi2_pvalue(samples, p):
     return stats.chisquare(counts, counts.sum() * p / p.sum()).pvalue
 
 
+@pytest.mark.slow  # ~65 s (the MTP accept rule's chi-square test stays)
 def test_markov_drafts_and_accept_rule_keep_the_target_distribution():
     """The DSpark path's draws and accept rule (dspark_runner.draft_and_accept: the Markov
     head's sequential per-row draws, accept_rows with their q) on fixed target rows p,

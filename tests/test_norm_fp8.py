@@ -79,6 +79,7 @@ def test_linear_with_presimulated_rows():
         Q.linear(x, w, Numerics(False, "bfloat16"), xq=xq)
 
 
+@pytest.mark.slow  # ~70 s: the interpreted kernel in the whole forward
 def test_model_forward_through_the_norm_kernel(monkeypatch):
     """The whole forward with act-quant and the matmul kernels (interpreted): every norm
     that feeds a quantised matmul goes through rms_norm_fp8 (attn, q and ffn norms), and

@@ -39,6 +39,7 @@ print(json.dumps({"dlogits": float(np.abs(la - lb).max()), "scale": float(np.abs
 '''
 
 
+@pytest.mark.slow  # ~90 s: two stages on CPU devices
 def test_pipeline_equals_one_device():
     """Teacher-forced logits (prefill chunks + decode steps) equal to the last bit; every
     array on its stage's device. (The stream through the pipeline: tests/test_cli.py's

@@ -516,6 +516,7 @@ def test_cli_serve_start_failure_exits_1(capsys, monkeypatch):
     assert "dsv4 serve: failed" in err and "ready" not in err, err
 
 
+@pytest.mark.slow  # ~65 s (the scheduler's speculative tests stay)
 def test_speculative_server_gives_the_plain_text_and_reports_acceptance(embedded, server):
     """`dsv4 serve --speculative-tokens 2` on its own engine: greedy completions (streamed
     and not) give the plain server's text; usage reports the decode steps and the accepted
@@ -549,3 +550,39 @@ def test_speculative_server_gives_the_plain_text_and_reports_acceptance(embedded
         assert spec["accepted_draft_tokens"] == r.usage.completion_tokens - 1 - spec["decode_steps"]
     assert "".join(p.choices[0].text for p in parts if p.choices) == text_of(tok, want[1], stops)
     assert parts[-1].usage.model_extra["speculative"]["decode_steps"] >= 1
+
+
+def test_outbox_wakes_the_loop_once_per_burst():
+    """Outputs put from the engine thread while the loop is busy join one scheduled flush
+    (one loop wake-up a step, not one a token), arrive in order, and a closed loop drops
+    them without an error."""
+    from dsv4_jax.serve.api import Outbox
+
+    class Loop:
+        def __init__(self, closed=False):
+            self.calls, self.closed = [], closed
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls.append((fn, args))
+
+    class Q(list):
+        put_nowait = list.append
+
+    box, loop, q1, q2 = Outbox(), Loop(), Q(), Q()
+    items = [(i % 3, f"out{i}") for i in range(40)]
+    t = threading.Thread(target=lambda: [box.put(loop, q1 if i % 2 else q2, it)
+                                         for i, it in enumerate(items)])
+    t.start()
+    t.join()
+    assert len(loop.calls) == 1
+    fn, args = loop.calls.pop()
+    fn(*args)
+    assert q1 == items[1::2] and q2 == items[0::2]
+    box.put(loop, q1, "next")   # the flush ran: the next output schedules another
+    assert len(loop.calls) == 1
+    dead = Loop(closed=True)
+    box.put(dead, q1, "lost")
+    box.put(dead, q1, "lost")   # nothing left behind blocks later puts
+    assert not dead.calls and q1[-1] == items[-1]

@@ -204,10 +204,14 @@ def test_blocks_grow_with_requests_and_preemption_recomputes(sched):
     from dsv4_jax.cache import blocks_needed
     rng = np.random.default_rng(505)
     n_new = 140                      # each request reaches 2 blocks (> 128 tokens)
-    # alone (Engine.generate); prompts whose greedy run does not meet EOS first
+    # the reference: Engine.generate, three prompts at a time (their 2 blocks each fill
+    # the pool; the engine's batch is R rows whatever it holds, so a row's tokens do not
+    # depend on the others); prompts whose greedy run does not meet EOS first
+    cand = prompts_of(rng, rng.integers(90, 116, 12))
+    alone = [w for i in range(0, len(cand), 3)
+             for w in sched.eng.generate(cand[i:i + 3], max_new_tokens=n_new)]
     ps, want = [], []
-    for p in prompts_of(rng, rng.integers(90, 116, 16)):
-        w = sched.eng.generate([p], max_new_tokens=n_new)[0]
+    for p, w in zip(cand, alone):
         if len(w) == n_new and len(ps) < 9:
             ps.append(p)
             want.append(w)

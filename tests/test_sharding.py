@@ -409,6 +409,7 @@ print(json.dumps({"single": a, "mesh": b, "read": [host.memory_kind, len(host.de
 '''
 
 
+@pytest.mark.slow  # ~90 s (the sharded decode equality of `results` stays)
 def test_engine_on_a_mesh_generates_the_same_tokens(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -421,6 +422,7 @@ def test_engine_on_a_mesh_generates_the_same_tokens(tmp_path):
     assert res["read"] == ["pinned_host", 2]   # tokens read back without a device buffer
 
 
+@pytest.mark.slow  # ~75 s: the bench on a mesh
 def test_bench_decode_runs_on_a_mesh():
     """`dsv4 bench decode --devices 2 --expert 2`: weights drawn into their shards, the
     sharded step timed, and a per-device floor with the routed experts halved."""

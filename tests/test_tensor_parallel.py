@@ -159,6 +159,7 @@ def _run(tmp_path, mode, devices, steps, timeout):
     return {k: v for k, v in json.loads(out.read_text()).items()}
 
 
+@pytest.mark.slow  # ~140 s: 2 and 8 virtual devices, XLA path (test_tensor_pspecs_and_form stays)
 def test_tensor_layout_matches_one_device(tmp_path):
     """XLA path, f32: 16 greedy steps on 2 and 8 devices give one device's tokens and
     logits to f32 rounding; the compiled step has two all-reduces a layer and one

@@ -149,6 +149,7 @@ def test_views_multiply_like_the_weights_they_replace(tiny):
         assert set(L.block_params(ap1, sub)) == set(L.block_params(ap0, sub)), sub
 
 
+@pytest.mark.slow  # ~100 s (the kernel-path equality below stays)
 def test_logits_bit_identical(tiny):
     """Whole-sequence prefill (model.forward) and the cached step (a 64-token prefill
     chunk, then single-token decode steps: teacher forcing) give the same bits with the

@@ -228,6 +228,36 @@ def _chat_prompt(body) -> tuple[str, bool]:
 # ---------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------
+class Outbox:
+    """Outputs from the engine thread to the handlers' asyncio queues. A scheduler step
+    hands out one Output per running request; posting each with call_soon_threadsafe
+    would wake the event loop (a write to its self-pipe) once per token. Here the first
+    output of a burst schedules one flush, and the rest join it until the loop runs it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def put(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+        with self._lock:
+            items = self._items.get(loop)
+            if items is not None:   # a flush is scheduled and has not run yet
+                items.append((q, item))
+                return
+            self._items[loop] = [(q, item)]
+        try:
+            loop.call_soon_threadsafe(self._flush, loop)
+        except RuntimeError:   # the loop is closed: nobody reads
+            with self._lock:
+                self._items.pop(loop, None)
+
+    def _flush(self, loop) -> None:
+        with self._lock:
+            items = self._items.pop(loop, ())
+        for q, item in items:
+            q.put_nowait(item)
+
+
 class Server:
     """What the handlers share: the scheduler (and its engine thread), the tokenizer, the
     served model's name and the metrics."""
@@ -240,6 +270,7 @@ class Server:
         self.capacity = scheduler.cs.capacity
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self._outbox = Outbox()
 
     def start(self):
         self._stop.clear()
@@ -272,8 +303,7 @@ class Server:
 
         def sink(i):
             def put(o: Output):
-                with contextlib.suppress(RuntimeError):   # the loop is gone: nobody reads
-                    loop.call_soon_threadsafe(q.put_nowait, (i, o))
+                self._outbox.put(loop, q, (i, o))
             return put
 
         try:
