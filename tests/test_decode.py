@@ -72,7 +72,8 @@ def rel_per_pos(a, b):
     return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
-@pytest.mark.parametrize("nm", [F32, SIM], ids=["f32-nosim", "bf16-sim"])
+@pytest.mark.parametrize("nm", [F32, pytest.param(SIM, marks=pytest.mark.slow)],  # ~55 s
+                         ids=["f32-nosim", "bf16-sim"])
 def test_teacher_forced_decode_equals_prefill(tiny, nm):
     cfg, params = tiny
     tokens = np.random.default_rng(103).integers(0, cfg.vocab_size, (2, T_TOTAL)).astype(np.int32)
@@ -257,6 +258,7 @@ def test_stream_step_keeps_every_buffer_in_place(tiny):
     assert int(st["pos"][s]) == 3 and int(st["pos"][1 - s]) == 0 and int(st["i"]) == 4
 
 
+@pytest.mark.slow  # ~70 s
 def test_sampled_stream_across_a_block_equals_the_jitted_loop(tiny):
     """A sampled stream whose steps add a block (new block table) and end a request
     (new running set) mid-stream: the two host-side changes of the stream state. Same

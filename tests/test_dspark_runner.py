@@ -45,6 +45,7 @@ def eng(tiny):
     return _engine(*tiny)
 
 
+@pytest.mark.slow  # ~130 s (the scheduler and oracle-draft equalities stay)
 def test_greedy_dspark_equals_plain_and_rings_match_the_whole_sequence(tiny, eng):
     """Greedy DSpark (the random drafter: its drafts are mostly rejected, every step rolls
     rows back) gives exactly plain greedy's tokens for three requests at different
@@ -192,6 +193,7 @@ def test_markov_drafts_and_accept_rule_keep_the_target_distribution():
     assert min(_chi2_pvalue(bad[m > j, j], p[j]) for j in range(2)) < 1e-6
 
 
+@pytest.mark.slow  # ~45 s
 def test_split_attention_equals_one_pass(tiny, eng):
     """verify_layers with each layer's attention in parts of 4 + 2 rows (what the kernels
     take) gives the residuals and the cache of the one 6-row pass, for requests whose rows

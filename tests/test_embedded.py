@@ -88,6 +88,7 @@ def _ce(params, cfg, tokens):
     return float(jax.jit(ce)(params, jnp.asarray(tokens)))
 
 
+@pytest.mark.slow  # ~35 s
 def test_heldout_loss_is_far_below_a_random_models(embedded):
     """Measured on this test's tokens (the first 512 of 4 held-out files of CPython 3.12.1's
     stdlib; file openings, licence headers and module docstrings, are the hardest part of a

@@ -5,6 +5,7 @@ description."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dsv4_jax import sharding as SH
@@ -19,6 +20,7 @@ NM = Numerics(True, "bfloat16")
 PARAMS = P.init_params(CFG, 501)
 
 
+@pytest.mark.slow  # ~55 s (the module decode step equality stays)
 def test_nnx_model_equals_functional_forward():
     tokens = jnp.asarray(np.random.default_rng(502).integers(0, CFG.vocab_size, (1, 140)),
                          jnp.int32)

@@ -150,6 +150,7 @@ def test_flash_decode_step_lowers_for_cuda_with_matmul_kernels():
     assert 6 <= len(kernels) <= 12, len(kernels)
 
 
+@pytest.mark.slow  # ~40 s: interpreted kernels in the layers
 def test_model_layers_through_the_kernel():
     """The model's kernel call sites (dense linears with rows padded to 8, wo_a as 2 groups,
     routed FP4 experts in expert tiles with empty tiles) on the Mosaic-GPU interpreter equal

@@ -342,6 +342,7 @@ def test_a_failing_step_ends_its_requests_and_serving_goes_on(sched):
         small.submit(Request(p, sp, lambda o: None))
 
 
+@pytest.mark.slow  # ~40 s
 def test_generate_timing_covers_every_wave(sched):
     """Engine.generate over more prompts than slots runs waves; its timing counts every
     wave's decoded tokens (each prompt's first token comes from its prefill)."""

@@ -458,6 +458,7 @@ runpy.run_module("benchmarks.decode_bench", run_name="__main__")
     assert "matmul=xla B=2 ctx=300:" in out and "% of the bandwidth floor" in out
 
 
+@pytest.mark.slow  # ~50 s
 def test_step_anatomy_profiles_a_sharded_step():
     """benchmarks/step_anatomy.py --profile on a 2-device mesh: it compiles the sharded
     step, counts its kernels by source op and sums one device's kernel time from a profiler

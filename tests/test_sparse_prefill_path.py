@@ -102,7 +102,7 @@ def prefilled(tiny):
     return two_prefilled_requests(cfg, params, Numerics(True, "bfloat16"), seed=4904)
 
 
-@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("ratio", [4, pytest.param(128, marks=pytest.mark.slow)])  # ~30 s
 def test_sparse_prefill_kernel_interpreted_in_the_layer(tiny, prefilled, ratio):
     """One CSA / HCA layer's attention_cached on a chunk of 5 rows of two requests (request
     0 past an HCA block and the window wrap, request 1 with 3 real rows): the interpreted

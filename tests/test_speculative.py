@@ -182,6 +182,7 @@ def test_greedy_speculative_generation_equals_plain(tiny, eng):
     assert streamed == want
 
 
+@pytest.mark.slow  # ~35 s (the accept rule's distribution test stays)
 def test_sampled_speculative_generation_runs(tiny, eng):
     """Sampled: every request gets its tokens (the distribution is checked on the
     acceptance rule above), seeded runs repeat."""

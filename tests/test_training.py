@@ -141,6 +141,7 @@ def test_mtp_forward_with_debug_matches_model():
     assert idx.shape == (1, 16, cfg.num_experts_per_tok)
 
 
+@pytest.mark.slow  # ~100 s with the training fixture
 def test_training_reduces_loss(trained):
     base, s = trained
     first, last = s["heldout_initial"], s["heldout_final"]
@@ -156,6 +157,7 @@ def test_training_reduces_loss(trained):
     assert all(np.isfinite(r["indexer_kl"]) and r["max_load"] >= 1.0 for r in tr)
 
 
+@pytest.mark.slow  # needs the training fixture (~80 s)
 def test_export_loads_as_a_release_checkpoint(trained):
     base, _ = trained
     out = base / "model"

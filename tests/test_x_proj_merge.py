@@ -176,6 +176,7 @@ def _bits(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a
 
 
+@pytest.mark.slow  # ~110 s (the views and layout tests stay)
 def test_kernel_decode_path_bit_identical(tiny):
     """The decode path through the Pallas cache kernels (Mosaic GPU interpreter on CPU),
     where the compressor and indexer projections are read too: one CSA layer's attention
@@ -203,6 +204,7 @@ def _count_dots(hlo: str) -> int:
     return sum(" dot(" in line for line in hlo.splitlines())
 
 
+@pytest.mark.slow  # ~45 s
 def test_decode_step_multiplies_x_once_per_csa_block(tiny):
     """The three readers of a merged block (compressor, indexer compressor, indexer
     weights) are one dot after XLA's CSE: the decode step has 4 dots fewer per CSA block

@@ -177,6 +177,7 @@ def test_mhc_matches_numpy(setup):
         np.testing.assert_allclose(out[f"hidden.layer{i}"], Xn, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow  # ~30 s
 def test_component_modes_match_full_run(setup):
     cfg, w, tokens, out = setup
     layer = 1  # CSA: attention with compressor + indexer
