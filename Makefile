@@ -32,7 +32,8 @@ demo: setup
 test: setup setup-ref
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-# the tests marked slow (interpreted kernels on meshes, notebooks, subprocess meshes: ~10 min)
+# the tests marked slow: interpreted kernels on meshes and in whole models, subprocess meshes,
+# notebooks, second parametrisations of the default tests (each names its time)
 test-slow: setup setup-ref
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m slow
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -127,12 +128,29 @@ class StackSampler:
         self._t = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
 
     def __enter__(self):
+        self._cpu0, self._t0 = self.thread_cpu(), time.perf_counter()
         self._t.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
+        cpu1, self.wall_s = self.thread_cpu(), time.perf_counter() - self._t0
+        self.cpu_s = {n: round(c - self._cpu0.get(n, 0.0), 3) for n, c in cpu1.items()}
+
+    @staticmethod
+    def thread_cpu() -> dict[str, float]:
+        """CPU seconds (user + system) of each live thread, by name (Linux /proc): what a
+        thread blocked in C (a selector, a device wait) cannot show in its stack."""
+        out, tick = {}, os.sysconf("SC_CLK_TCK")
+        for t in threading.enumerate():
+            try:
+                with open(f"/proc/self/task/{t.native_id}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+                out[t.name] = out.get(t.name, 0.0) + (int(f[11]) + int(f[12])) / tick
+            except (OSError, TypeError, IndexError, ValueError):
+                pass
+        return out
 
     def _run(self):
         me = threading.get_ident()
@@ -156,8 +174,9 @@ class StackSampler:
                     c[k] = c.get(k, 0) + 1
 
     def report(self, top: int = 12) -> dict:
-        """{thread: {"leaf": [(function, share)], "ours": [...]}} for the busiest threads."""
-        out = {}
+        """{"cpu_s": {thread: CPU seconds}, "wall_s", thread: {"leaf": [(function, share of
+        the samples)], "ours": [...]}} for the busiest threads."""
+        out = {"wall_s": round(self.wall_s, 3), "cpu_s": self.cpu_s}
         for name in sorted(self.leaf, key=lambda n: -sum(self.leaf[n].values()))[:6]:
             out[name] = {kind: [(k, round(v / max(self.samples, 1), 3)) for k, v in
                                 sorted(d[name].items(), key=lambda kv: -kv[1])[:top]]
@@ -260,10 +279,12 @@ def main(argv=None):
         with BackgroundServer(srv) as url:
             load = run_load if args.clients_in_process else run_load_elsewhere
             if args.sample_stacks:
+                steps0 = srv.sch.steps
                 with StackSampler() as sampler:
                     out["load"] = load(url, name, prompts, args.max_tokens,
                                        args.concurrency, args.time_limit)
                 out["stacks"] = sampler.report()
+                out["stacks"]["scheduler_steps"] = srv.sch.steps - steps0
             else:
                 out["load"] = load(url, name, prompts, args.max_tokens, args.concurrency,
                                    args.time_limit)

@@ -138,3 +138,35 @@ def test_attention_op_cost_counts_the_attended_entries():
     holed = (args[0], args[1][:3] + (pos,), args[2], args[3], idx, args[5], args[6])
     win = sum(int(((p >= 0) & (p <= tb) & (p > tb - 128)).sum()) for p, tb in zip(pos, t))
     assert op_cost(holed)[0] == int((idx >= 0).sum()) + win < B * (k + 128)
+
+
+def test_serve_load_stack_sampler_sees_which_thread_works():
+    """The load test's sampler: a thread spinning in a function shows it as its leaf and
+    holds more CPU than one asleep."""
+    import threading
+    import time
+    from benchmarks.serve_load import StackSampler
+
+    stop = threading.Event()
+
+    done = [False]
+
+    def spin_here():
+        x = 0
+        while not done[0]:   # no call inside: the function itself is the leaf
+            x += 1
+
+    busy = threading.Thread(target=spin_here, name="busy")
+    idle = threading.Thread(target=stop.wait, name="idle")
+    busy.start()
+    idle.start()
+    with StackSampler(interval_s=0.005) as s:   # both threads live from start to end
+        time.sleep(0.5)
+    done[0] = True
+    stop.set()
+    busy.join()
+    idle.join()
+    rep = s.report()
+    assert s.samples > 20
+    assert rep["busy"]["leaf"][0][0].endswith(":spin_here")
+    assert rep["cpu_s"]["busy"] > 0.1 > rep["cpu_s"].get("idle", 0.0)
