@@ -23,6 +23,7 @@ cache's hit rate is read from the server's /metrics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -278,16 +279,12 @@ def main(argv=None):
         out["warm_up_s"] = time.perf_counter() - t0
         with BackgroundServer(srv) as url:
             load = run_load if args.clients_in_process else run_load_elsewhere
-            if args.sample_stacks:
-                steps0 = srv.sch.steps
-                with StackSampler() as sampler:
-                    out["load"] = load(url, name, prompts, args.max_tokens,
-                                       args.concurrency, args.time_limit)
-                out["stacks"] = sampler.report()
-                out["stacks"]["scheduler_steps"] = srv.sch.steps - steps0
-            else:
+            steps0 = srv.sch.steps
+            with StackSampler() if args.sample_stacks else contextlib.nullcontext() as sampler:
                 out["load"] = load(url, name, prompts, args.max_tokens, args.concurrency,
                                    args.time_limit)
+            if sampler is not None:
+                out["stacks"] = dict(sampler.report(), scheduler_steps=srv.sch.steps - steps0)
             import httpx
             out["prefix_cache"] = prefix_stats(httpx.get(url + "/metrics").text)
     json.dump(out, sys.stdout, indent=1, default=str)
