@@ -133,8 +133,12 @@ def test_gpu_mhc_comb_matches_reference():
 
 
 def test_loop_form_matches_the_unrolled_form_and_its_gradient():
-    """Numerics.sinkhorn_loop (training) computes what the unrolled inference form does, to
-    a few f32 ulps, and so does its gradient."""
+    """The loop form (Numerics.sinkhorn_loop: the default off a GPU backend, and training)
+    computes what the unrolled form (XLA-GPU's default) does, to a few f32 ulps, and so does
+    its gradient."""
+    assert Numerics().sinkhorn_as_loop == (jax.default_backend() != "gpu")
+    assert not Numerics(sinkhorn_loop=False).sinkhorn_as_loop
+    assert Numerics(sinkhorn_loop=True).sinkhorn_as_loop
     rng = np.random.default_rng(2)
     x = _logits(6, rng)
     ct = jnp.asarray(rng.standard_normal((6, 4, 4)), jnp.float32)

@@ -98,7 +98,7 @@ def _hc_mix(X, s, q, scale, base, cfg: Config, nm: Numerics):
     C = (m[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(*m.shape[:-1], N, N)
     C = jax.nn.softmax(C, -1) + cfg.hc_eps
     return pre, post, sinkhorn_reduce(C, cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                                      loop=nm.sinkhorn_loop)
+                                      loop=nm.sinkhorn_as_loop)
 
 
 def sinkhorn_reduce(C, iters: int, eps: float, loop: bool = False):
