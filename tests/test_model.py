@@ -30,6 +30,16 @@ def small(test_preset_model):
     return test_preset_model
 
 
+def jit_forward(cfg, nm, debug: bool = False):
+    """jit(model.forward) -> logits, or (logits, debug dict) with debug: one compiled
+    program instead of op-by-op dispatch (each op compiles on its own on CPU)."""
+    def f(p, t):
+        d = {} if debug else None
+        out = model.forward(p, t, cfg, nm, d)
+        return (out, d) if debug else out
+    return jax.jit(f)
+
+
 def dense_weights(params):
     return {k: np.asarray(Q.dequant(v, jnp.float32)) if Q.is_quantized(v) or
             v.dtype != jnp.int32 else np.asarray(v) for k, v in params.items()}
@@ -49,7 +59,8 @@ def test_full_model_logits_match_port(tiny_model):
     cfg, params = tiny_model
     tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), tokens, mode="full")
-    ours = np.asarray(jax.jit(lambda p, t: model.forward(p, t, cfg, F32))(params, tokens))
+    ours, dbg = jit_forward(cfg, F32, debug=True)(params, jnp.asarray(tokens))
+    ours = np.asarray(ours)
     want = ref["logits"]
     per_pos = np.linalg.norm(ours - want, axis=-1) / np.linalg.norm(want, axis=-1)
     print(f"full model logits vs port: max rel err {per_pos.max():.2e}, median "
@@ -58,8 +69,6 @@ def test_full_model_logits_match_port(tiny_model):
     assert np.mean(per_pos < 1e-3) > 0.99  # isolated top-k ties may flip (ARCHITECTURE 10)
     assert (ours.argmax(-1) == want.argmax(-1)).mean() > 0.99
     # indexer picks per CSA layer: the same sets
-    dbg = {}
-    model.forward(params, jnp.asarray(tokens), cfg, F32, dbg)
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_kind(i) == "csa":
             a = np.asarray(dbg[i]["indexer_topk"])
@@ -126,7 +135,7 @@ def test_simulation_on_stays_close_to_port(small):
     cfg, params = small
     tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (1, 200)).astype(np.int32)
     ref = harness.run_reference(cfg.to_hf_dict(), dense_weights(params), tokens, mode="full")
-    ours = np.asarray(model.forward(params, jnp.asarray(tokens), cfg, Numerics(True, "bfloat16")))
+    ours = np.asarray(jit_forward(cfg, Numerics(True, "bfloat16"))(params, jnp.asarray(tokens)))
     per_pos = (np.linalg.norm(ours - ref["logits"], axis=-1)
                / np.linalg.norm(ref["logits"], axis=-1))
     print(f"simulation on vs port: median rel {np.median(per_pos):.3f}")
@@ -312,9 +321,9 @@ def test_indexer_and_model_are_causal(small):
     a = rng.integers(0, cfg.vocab_size, (1, 160)).astype(np.int32)
     b = a.copy()
     b[0, 100:] = rng.integers(0, cfg.vocab_size, 60)
-    da, db = {}, {}
-    la = model.forward(params, jnp.asarray(a), cfg, F32, da)
-    lb = model.forward(params, jnp.asarray(b), cfg, F32, db)
+    fwd = jit_forward(cfg, F32, debug=True)
+    la, da = fwd(params, jnp.asarray(a))
+    lb, db = fwd(params, jnp.asarray(b))
     np.testing.assert_allclose(la[0, :100], lb[0, :100], rtol=1e-5, atol=1e-5)
     assert not np.allclose(la[0, 100:], lb[0, 100:])
     for i in range(cfg.num_hidden_layers):
@@ -329,8 +338,12 @@ def test_indexer_and_model_are_causal(small):
 def test_mtp_block_runs(small):
     cfg, params = small
     tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, (1, 40)).astype(np.int32)
-    X = model.forward_hidden(params, jnp.asarray(tokens), cfg, F32)
-    lg = model.mtp_forward(params, X[:, :-1], jnp.asarray(tokens[:, 1:]), cfg, F32)
+    @jax.jit
+    def run(p, t):
+        X = model.forward_hidden(p, t, cfg, F32)
+        return model.mtp_forward(p, X[:, :-1], t[:, 1:], cfg, F32)
+
+    lg = run(params, jnp.asarray(tokens))
     assert lg.shape == (1, 39, cfg.vocab_size) and bool(jnp.isfinite(lg).all())
 
 
