@@ -173,7 +173,7 @@ class Engine:
         self.progress = progress
         self.last_stream_state = None  # the device state after the last stream step
         self.acceptance = None  # speculative decoding: mean tokens per step (speculative.py)
-        self._loops = {}  # compiled while_loop programs by (sampler, max_new, stops)
+        self._loops = {}  # compiled while_loop programs by (sampler, width, stop count)
         self.timing = Timing()
 
     # the runner's parameters, cache and block table, as the drivers below use them
@@ -411,14 +411,18 @@ class Engine:
             active = jnp.zeros(R, bool).at[jnp.asarray(slots)].set(True)
             args = (self.state, self.cache, tok0, active, jnp.asarray(self.bm.length, jnp.int32),
                     jnp.asarray(self.bm.table), key)
-            # the sampler's kind (and top-k's k) keys the program; its values are arguments
-            stops = tuple(sorted({self.cfg.eos_token_id, *stop_ids}))
-            lkey = (jax.tree.structure(sampler), max_new_tokens, stops)
+            # the sampler's kind (and top-k's k), the output width and the stop list's
+            # length (both bucketed) key the program; the values are arguments
+            stops = sorted({self.cfg.eos_token_id, *stop_ids})
+            cap, n_stops = loop_bucket(max_new_tokens), loop_bucket(len(stops), 4)
+            stop_arr = jnp.asarray(stops + [-1] * (n_stops - len(stops)), jnp.int32)
+            largs = (*args, jnp.int32(max_new_tokens), stop_arr, sampler)
+            lkey = (jax.tree.structure(sampler), cap, n_stops)
             if lkey not in self._loops:
-                self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm, max_new_tokens,
-                                                stops).lower(*args, sampler).compile()
+                self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm,
+                                                cap).lower(*largs).compile()
             t2 = time.perf_counter()
-            out, n_gen, self.cache = self._loops[lkey](*args, sampler)
+            out, n_gen, self.cache = self._loops[lkey](*largs)
             out, n_gen = np.asarray(out), np.asarray(n_gen)
             t3 = time.perf_counter()
             self.timing = Timing(prefill_s=t1 - t0, first_token_s=t1 - t0, compile_s=t2 - t1,
@@ -454,17 +458,22 @@ class Engine:
                 self.bm.release(s)
 
 
-def _loop_fn(apply, R: int, max_new: int, stops: tuple[int, ...]):
-    """run(p, cache, tok0, active, pos0, table, key, sampler) -> (tokens [R, max_new],
-    generated counts [R], cache): a while_loop over decode steps apply(p, cache, tokens,
-    slots, pos, nvalid, table) -> (logits, cache), each sampled with `sampler` (a pytree:
-    its settings traced); a request stops on a stop token or at max_new."""
-    stop_arr = jnp.asarray(stops, jnp.int32)
+def loop_bucket(n: int, least: int = 16) -> int:
+    """The power of two >= n (at least `least`): the fused loop's output width for n new
+    tokens and its stop-list length, so that other lengths reuse the compiled loop."""
+    return max(least, 1 << max(n - 1, 0).bit_length())
 
-    def run(p, cache, tok0, active, pos0, table, key, sampler):
-        out = jnp.zeros((R, max_new), jnp.int32).at[:, 0].set(tok0)
+
+def _loop_fn(apply, R: int, cap: int):
+    """run(p, cache, tok0, active, pos0, table, key, max_new, stops, sampler) -> (tokens
+    [R, cap], generated counts [R], cache): a while_loop over decode steps apply(p, cache,
+    tokens, slots, pos, nvalid, table) -> (logits, cache), each sampled with `sampler` (a
+    pytree: its settings traced); a request stops on a token of stops [S] int32 (padded with
+    -1) or at max_new (int32 scalar, <= cap) tokens."""
+    def run(p, cache, tok0, active, pos0, table, key, max_new, stops, sampler):
+        out = jnp.zeros((R, cap), jnp.int32).at[:, 0].set(tok0)
         n_gen = jnp.where(active, 1, 0)
-        running = active & ~jnp.isin(tok0, stop_arr)
+        running = active & ~jnp.isin(tok0, stops)
 
         def cond(c):
             return jnp.any(c[3]) & (c[5] < max_new)
@@ -477,7 +486,7 @@ def _loop_fn(apply, R: int, max_new: int, stops: tuple[int, ...]):
             out = out.at[:, i].set(jnp.where(running, nxt, 0))
             n_gen = n_gen + running
             pos = pos + running
-            running = running & ~jnp.isin(nxt, stop_arr) & (i + 1 < max_new)
+            running = running & ~jnp.isin(nxt, stops) & (i + 1 < max_new)
             return cache, nxt, pos, running, out, i + 1, n_gen
 
         c = jax.lax.while_loop(cond, body, (cache, tok0, pos0, running, out, jnp.int32(1), n_gen))
@@ -486,10 +495,11 @@ def _loop_fn(apply, R: int, max_new: int, stops: tuple[int, ...]):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, max_new: int, stops: tuple[int, ...]):
+def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, cap: int):
     """jit(while_loop over the module's decode steps) on its split state: (state, cache,
-    tok0 [R], active [R] bool, pos0 [R], table [R, MAXB], key, sampler) -> (tokens
-    [R, max_new], counts [R], cache), the cache donated; one compilation per sampler kind."""
+    tok0 [R], active [R] bool, pos0 [R], table [R, MAXB], key, max_new int32, stops [S]
+    int32, sampler) -> (tokens [R, cap], counts [R], cache), the cache donated; one
+    compilation per sampler kind, output width cap and stop-list length S."""
     apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
-    return jax.jit(_loop_fn(apply, cs.max_requests, max_new, stops),
+    return jax.jit(_loop_fn(apply, cs.max_requests, cap),
                    donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)

@@ -8,6 +8,7 @@ from flax import nnx
 import pytest
 
 from dsv4_jax import config, model, params as P
+from dsv4_jax.serve import metrics as MX
 from dsv4_jax.cache import (BlockManager, CacheSpec, CapacityExceeded, PoolExhausted,
                             blocks_needed, cache_bytes, init_cache)
 from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
@@ -193,6 +194,16 @@ def test_generate_jitted_loop_equals_streaming_and_stops(tiny):
             d[i].append(t)
     assert d == c
     assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
+    # the loop's length and stop ids are arguments: other values (in the same buckets)
+    # lower no program and give the same tokens as the first runs' prefixes
+    MX.watch_lowerings()
+    n0 = MX.lowerings()
+    assert eng.generate(prompts, max_new_tokens=5) == [x[:5] for x in a]
+    e = eng.generate(prompts, max_new_tokens=8, stop_ids=[stop, a[r][0] + 1, 3])
+    assert MX.lowerings() == n0
+    for x, y in zip(e, a):
+        stop_at = [j for j, t in enumerate(y) if t in (stop, a[r][0] + 1, 3)]
+        assert x == (y[:stop_at[0] + 1] if stop_at else y)
 
 
 @pytest.mark.slow  # ~70 s
