@@ -1,5 +1,5 @@
 """Continuous batching (serve.scheduler) and per-request sampling as data
-(serve.sampling), on the tiny model without HTTP.
+(serve.sampling), on the tiny model (one layer of each kind) without HTTP.
 
 One engine and one warmed-up scheduler per module: CPU compilation is most of the time.
 Greedy requests are checked against Engine.generate on the same prompts (the fixed-batch
@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from dsv4_jax import config, params as P
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
@@ -21,8 +22,12 @@ R, CHUNK = 4, 16
 
 
 @pytest.fixture(scope="module")
-def sched(tiny_model):
-    cfg, params = tiny_model
+def sched():
+    """The tiny preset cut to one layer of each kind (SWA with hash routing, CSA, HCA):
+    scheduling does not depend on the depth, compilation does."""
+    cfg = config.tiny().replace(num_hidden_layers=3, compress_ratios=(0, 4, 128, 0),
+                                num_hash_layers=1)
+    params = P.init_params(cfg, 501)
     MX.watch_lowerings()
     cs = CacheSpec.for_numerics(Numerics(), max_requests=R, num_blocks=6, max_blocks=2)
     eng = Engine(cfg, params, cache_spec=cs, prefill_chunk=CHUNK, progress=False)
