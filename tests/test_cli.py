@@ -1,4 +1,4 @@
-"""The `dsv4` command line end to end on the tiny preset: a synthetic checkpoint, conversion,
+"""The `dsv4` command line end to end on the tiny preset (its first three layers): a synthetic checkpoint, conversion,
 inspection, generation from the converted checkpoint, and teacher-forced logits that equal
 the engine's."""
 import json
@@ -11,6 +11,7 @@ from pallas_kernels import formats as kvformat
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
+from checkpoints.synthetic import truncate_layers
 
 
 def run(argv):
@@ -25,7 +26,9 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
     """Relative paths throughout (the working directory is tmp_path)."""
     monkeypatch.chdir(tmp_path)
     seed = 401
-    assert run(["make-checkpoint", "--preset", "tiny", "--seed", str(seed), "--quiet", "src"]) == 0
+    # one layer of each kind (SWA, CSA, HCA): the commands do not depend on the depth
+    assert run(["make-checkpoint", "--preset", "tiny", "--layers", "3", "--seed", str(seed),
+                "--quiet", "src"]) == 0
     assert run(["convert", "src", "dst", "--quiet"]) == 0
     assert run(["inspect", "dst"]) == 0
     assert "csa" in capsys.readouterr().out
@@ -36,7 +39,7 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
                 "--act-quant", "off", "--dtype", "float32", "--out", "o.npz"]) == 0
     got = np.load(tmp_path / "o.npz")["logits"]
     assert got.shape == (2, 6, 1024)
-    cfg = config.tiny()
+    cfg = truncate_layers(config.tiny(), 3)
     nm = Numerics(False, "float32")
     # the cache the CLI sized for these tokens: the same programs (compiled once)
     cs = CacheSpec.for_numerics(nm, max_requests=4, num_blocks=64, max_blocks=16)
