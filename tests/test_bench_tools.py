@@ -170,3 +170,17 @@ def test_serve_load_stack_sampler_sees_which_thread_works():
     assert s.samples > 20
     assert rep["busy"]["leaf"][0][0].endswith(":spin_here")
     assert rep["cpu_s"]["busy"] > 0.1 > rep["cpu_s"].get("idle", 0.0)
+
+
+def test_gpu_check_prefill_names_where_an_output_is_wrong(capsys):
+    """The failing attention check reports which rows, heads and columns are off."""
+    from benchmarks.gpu_check_prefill import where_wrong
+    rng = np.random.default_rng(7)
+    ref = rng.standard_normal((16, 4, 512)).astype(np.float32)
+    y = ref.copy()
+    y[3, 2, 100:110] += 1.0
+    y[9, 0, 7] = np.nan
+    where_wrong("x", y, ref)
+    out = capsys.readouterr().out
+    assert "rows 2/16 (first [3, 9])" in out and "heads 2/4 (first [0, 2])" in out
+    assert "cols 11/512 (first [7, 100," in out and "NaN 1" in out
