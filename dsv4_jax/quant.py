@@ -50,9 +50,10 @@ class Numerics:
     exact_fp4: bool = False
     # The Sinkhorn iterations of the mHC mixing matrices (the XLA form; the GPU kernel
     # hc_sinkhorn loops itself) as a loop instead of unrolled. None: a loop except on a GPU
-    # backend. On CPU the loop compiles a third faster and runs no slower (tiny preset,
-    # B = 1: step compile 6.3 -> 3.8 s, 27 -> 16 ms a step); XLA-GPU fuses the unrolled
-    # form into fewer kernels, but its gradient compiles for many minutes (training: True).
+    # backend. On CPU the loop compiles a third faster and runs no slower (tiny preset, f32,
+    # B = 1: step compile 6.3 -> 3.8 s, 27 -> 16 ms a step); on XLA-GPU a loop launches
+    # kernels every iteration (unrolled: ~11 a site), but the unrolled gradient compiles
+    # for many minutes (training: True).
     sinkhorn_loop: bool | None = None
     # Prefill (many rows): the routed experts of a chunk sorted into expert row tiles through
     # the grouped expert matmul (each expert's weights read once a tile, at tensor-core
