@@ -33,7 +33,7 @@ from flax import nnx
 from dsv4_jax.decode import host_reader, init_stream_state, read_tokens
 from dsv4_jax.distributed import (init_processes_from_env, make_mesh, sharded_step_program,
                                   sharded_stream_program)
-from dsv4_jax.generate import Greedy, decode_loop, loop_bucket
+from dsv4_jax.generate import Greedy, decode_loop, loop_bucket, loop_stops
 from dsv4_jax.nnx_model import DeepSeekV4, step_program, stream_program
 from dsv4_jax.pipeline import Pipeline, PipelineStep, PipelineStream
 from dsv4_jax.quant import Numerics
@@ -255,7 +255,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         run = decode_loop(graphdef, cs, nm, loop_bucket(steps + 1))
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
         args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed),
-                jnp.int32(steps + 1), jnp.full(4, -1, jnp.int32), Greedy())   # no stop ids
+                jnp.int32(steps + 1), loop_stops(()), Greedy())   # no stop ids
         comp = run.lower(state, cache, *args).compile()
         _, n_gen, cache = comp(state, cache, *args)  # warm
         t0 = time.perf_counter()

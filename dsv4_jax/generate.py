@@ -413,11 +413,10 @@ class Engine:
                     jnp.asarray(self.bm.table), key)
             # the sampler's kind (and top-k's k), the output width and the stop list's
             # length (both bucketed) key the program; the values are arguments
-            stops = sorted({self.cfg.eos_token_id, *stop_ids})
-            cap, n_stops = loop_bucket(max_new_tokens), loop_bucket(len(stops), 4)
-            stop_arr = jnp.asarray(stops + [-1] * (n_stops - len(stops)), jnp.int32)
-            largs = (*args, jnp.int32(max_new_tokens), stop_arr, sampler)
-            lkey = (jax.tree.structure(sampler), cap, n_stops)
+            cap, stops = loop_bucket(max_new_tokens), loop_stops({self.cfg.eos_token_id,
+                                                                   *stop_ids})
+            largs = (*args, jnp.int32(max_new_tokens), stops, sampler)
+            lkey = (jax.tree.structure(sampler), cap, stops.shape[0])
             if lkey not in self._loops:
                 self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm,
                                                 cap).lower(*largs).compile()
@@ -462,6 +461,13 @@ def loop_bucket(n: int, least: int = 16) -> int:
     """The power of two >= n (at least `least`): the fused loop's output width for n new
     tokens and its stop-list length, so that other lengths reuse the compiled loop."""
     return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def loop_stops(stop_ids) -> jax.Array:
+    """The fused loop's stop ids: int32 [S], S a bucketed length (loop_bucket, at least 4),
+    padded with -1 (no token)."""
+    stops = sorted(stop_ids)
+    return jnp.asarray(stops + [-1] * (loop_bucket(len(stops), 4) - len(stops)), jnp.int32)
 
 
 def _loop_fn(apply, R: int, cap: int):

@@ -147,9 +147,8 @@ def test_serve_load_stack_sampler_sees_which_thread_works():
     import time
     from benchmarks.serve_load import StackSampler
 
-    stop = threading.Event()
-
-    done = [False]
+    stop = threading.Event()   # the idle thread waits on it
+    done = [False]             # the busy one polls a flag: Event.is_set would be a call
 
     def spin_here():
         x = 0

@@ -208,7 +208,7 @@ def test_blocks_grow_with_requests_and_preemption_recomputes(sched):
     the request run alone; no step compiles a program."""
     from dsv4_jax.cache import blocks_needed
     rng = np.random.default_rng(505)
-    n_new = 48                       # each request reaches 2 blocks (> 132 tokens)
+    n_new = 48                       # each request reaches 2 blocks (>= 132 tokens)
     # the reference: Engine.generate, three prompts at a time (their 2 blocks each fill
     # the pool; the engine's batch is R rows whatever it holds, so a row's tokens do not
     # depend on the others); prompts whose greedy run does not meet EOS first
