@@ -1,7 +1,7 @@
 """GPU check of the prefill kernels (issue 49), one run, ~3 minutes on an H100 / H200:
 correctness against their references and timings against the XLA path each replaces.
 
-    PYTHONPATH=. python3 -m benchmarks.gpu_check_prefill [--quick]
+    PYTHONPATH=. python3 -m benchmarks.gpu_check_prefill [--quick] [--what matmul|attention]
 
 1. grouped_expert_matmul (FP4 and FP8 experts, Flash widths: the merged w13 [256, 4096,
    4096] and w2 [256, 4096, 2048]) on 8192 tokens x 6 experts routed uniformly, sorted
@@ -183,12 +183,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the slow dense-loop baseline")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--what", choices=("all", "matmul", "attention"), default="all")
     a = ap.parse_args()
     dev = jax.devices()[0]
     peak = tensor_peak()
     print(f"device {dev.device_kind}; dense BF16 ceiling (jnp.dot 8192^3) {peak / 1e12:.0f} TFLOP/s")
-    check_matmul(peak, a.tokens, 6, 256, a.quick)
-    check_attention(2048, 16384, a.quick)
+    if a.what in ("all", "matmul"):
+        check_matmul(peak, a.tokens, 6, 256, a.quick)
+    if a.what in ("all", "attention"):
+        check_attention(2048, 16384, a.quick)
 
 
 if __name__ == "__main__":
