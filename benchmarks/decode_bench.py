@@ -31,14 +31,15 @@ from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
 from flax import nnx
 
 from dsv4_jax.decode import host_reader, init_stream_state, read_tokens
-from dsv4_jax.distributed import (init_processes_from_env, make_mesh, sharded_step_program,
-                                  sharded_stream_program)
-from dsv4_jax.generate import Greedy, decode_loop, loop_bucket, loop_stops
-from dsv4_jax.nnx_model import DeepSeekV4, step_program, stream_program
-from dsv4_jax.pipeline import Pipeline, PipelineStep, PipelineStream
+from dsv4_jax.distributed import init_processes_from_env, make_mesh
+from dsv4_jax.generate import Greedy, loop_bucket, loop_stops
+from dsv4_jax.nnx_model import DeepSeekV4
+from dsv4_jax.pipeline import Pipeline
+from dsv4_jax.programs import (Layout, decode_program, generate_loop, step_program,
+                               verify_programs)
 from dsv4_jax.quant import Numerics
 from dsv4_jax import dspark as DS, dspark_runner as DR, speculative as SP
-from dsv4_jax.serve.sampling import ROW_KEYS, TOP_LOGPROBS
+from dsv4_jax.serve.sampling import ROW_KEYS, TOP_LOGPROBS, RowSampler
 from dsv4_jax.sharding import param_shardings, shard_cache
 
 ENTRY_BYTES = 448 + 8 + 128  # FP8 nope + e8m0 scales + bf16 rope
@@ -172,18 +173,16 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
     poss = [jnp.full(B, ctx + i, jnp.int32) for i in range(2 * steps + 1)]
     # the programs Engine runs: over the NNX module's split state, the cache donated
+    lay = Layout.of(cfg, params, mesh, pipeline)
     if pipeline is None:
         graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
     else:
+        graphdef = None
         state = [{k: v for k, v in params.items() if pipeline.stage_of(k) == s}
                  for s in range(pipeline.n)]
-    prog_form = dict(include_mtp=any(key.startswith("mtp.") for key in params),
-                     x_proj_merged=P.x_proj_is_merged(params))
     out = {}
     if "step" in what:
-        step = (PipelineStep(cfg, cs, nm, pipeline) if pipeline is not None else
-                step_program(graphdef, cs, nm) if mesh is None
-                else sharded_step_program(cfg, graphdef, cs, nm, mesh, **prog_form))
+        step = step_program(lay, graphdef, cs, nm)
         t0 = time.perf_counter()
         args = (state, cache, toks, slots, poss[0], one, table)
         if pipeline is not None:
@@ -213,16 +212,9 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         lg.block_until_ready()
         out["ms_pipe_fixed"] = 1e3 * (time.perf_counter() - t0) / steps
     if "stream" in what:
-        if pipeline is not None:
-            prog = PipelineStream(cfg, cs, nm, pipeline, Greedy())
-        elif mesh is None:
-            prog = stream_program(graphdef, cs, nm, Greedy())
-        else:
-            prog = sharded_stream_program(cfg, graphdef, cs, nm, mesh, Greedy(), **prog_form)
+        prog = decode_program(lay, graphdef, cs, nm, Greedy())
         st = init_stream_state(toks[:, 0], poss[-1], one, table, jax.random.key(seed),
-                               sharding=pipeline.sharding(pipeline.n - 1) if pipeline else
-                               None if mesh is None else
-                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                               sharding=lay.state_sharding())
         t0 = time.perf_counter()
         if pipeline is not None:
             texts = prog.compile(state, cache, st)
@@ -252,7 +244,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         out.update(bench_speculative(cfg, params, cs, cache, table, B, ctx, spec_k, steps,
                                      seed, nm, mesh))
     if loop and mesh is None and pipeline is None:
-        run = decode_loop(graphdef, cs, nm, loop_bucket(steps + 1))
+        run = generate_loop(lay, graphdef, cs, nm, loop_bucket(steps + 1))
         pos0 = jnp.full(B, ctx + 2 * steps + 1, jnp.int32)
         args = (toks[:, 0], jnp.ones(B, bool), pos0, table, jax.random.key(seed),
                 jnp.int32(steps + 1), loop_stops(()), Greedy())   # no stop ids
@@ -267,7 +259,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
 
 def bench_speculative(cfg, params, cs, cache, table, B: int, ctx: int, k: int, steps: int,
                       seed: int, nm, mesh=None) -> dict:
-    """The speculative step (speculative.spec_programs, greedy) on the random cache from
+    """The speculative step (programs.verify_programs, greedy) on the random cache from
     position ctx + 2 * steps + 1 (past the plain steps' writes): ms_spec per step (its
     emitted-token count read one step behind, as Engine.stream), ms_spec_sync (each step
     waiting for its count), tokens_per_step (measured mean over the batch: random weights
@@ -276,16 +268,13 @@ def bench_speculative(cfg, params, cs, cache, table, B: int, ctx: int, k: int, s
         raise ValueError("the speculative bench needs the MTP block's weights")
     graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
     mcache = jax.device_put(SP.init_mtp_cache(cfg, cs), jax.devices()[0])
-    sh = rep = None
+    lay, rep = Layout.of(cfg, params, mesh), None
     if mesh is not None:
-        from dsv4_jax.distributed import state_shardings
         from dsv4_jax.sharding import cache_shardings
-        csh = cache_shardings(cfg, cs, mesh)
-        msh = SP.mtp_cache_shardings(cfg, cs, csh, mesh)
-        sh = (state_shardings(cfg, mesh, True, P.x_proj_is_merged(params)), csh, msh)
-        mcache = jax.device_put(mcache, msh)
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    _, step = SP.spec_programs(cfg, graphdef, cs, nm, Greedy(), k, mesh, sh)
+        mcache = jax.device_put(mcache, SP.mtp_cache_shardings(
+            cfg, cs, cache_shardings(cfg, cs, mesh), mesh))
+        rep = lay.replicated()
+    _, step = verify_programs(lay, graphdef, cs, nm, Greedy(), SP.Speculation(k))
     pos0 = ctx + 2 * steps + 1
     h = jax.random.normal(jax.random.key(seed + 2), (B, cfg.hc_mult, cfg.hidden_size))
     toks = np.asarray(jax.random.randint(jax.random.key(seed + 3), (B,), 0, cfg.vocab_size))
@@ -332,7 +321,8 @@ def bench_dspark(cfg, params, cs, cache, table, B: int, ctx: int, steps: int, se
     from flax import nnx as _nnx
     DR.check(cfg, params)
     graphdef, state = _nnx.split(DeepSeekV4.from_params(cfg, params))
-    _, step = DR.programs(cfg, graphdef, cs, nm, TOP_LOGPROBS)
+    _, step = verify_programs(Layout(cfg), graphdef, cs, nm, RowSampler(TOP_LOGPROBS),
+                              DR.DSpark())
     pos0 = ctx + 2 * steps + 1
     st = DR.decode_state(cfg, B, nm, TOP_LOGPROBS)
     W = cfg.sliding_window

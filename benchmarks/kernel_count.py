@@ -4,8 +4,8 @@
         [--context 4096] [--kernels on|off] [--matmul pallas|xla] [--spec h200|h100_sxm|b200]
         [--devices 2 --expert 2 | --devices 2 --model 2] [--top 25] [--hlo-out step.hlo]
 
---model N (= --devices) compiles the tensor layout's step (distributed.tensor_step: heads and
-expert columns split N ways, the kernels on) and also counts its collectives per layer.
+--model N (= --devices) compiles the tensor layout's step (heads and expert columns split N
+ways, the kernels on) and also counts its collectives per layer.
 
 --spec b200 compiles for a described B200 (sm_100a): the kernel packages then take their
 Blackwell variants (docs/KERNELS.md). XLA compiles for a GPU it knows only by description: a compile-only PJRT topology made from
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import argparse
-import functools
 import glob
 import re
 import tempfile
@@ -44,9 +43,9 @@ from jax.experimental import topologies
 from benchmarks.common import kernels_by_layer, kernels_by_source, op_sources
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec, init_cache
-from dsv4_jax.decode import STEP_COMPILER_OPTIONS, step
-from dsv4_jax.distributed import (make_mesh, make_tensor_mesh, sharded_step, tensor_shardings,
-                                  tensor_step)
+from dsv4_jax.decode import STEP_COMPILER_OPTIONS
+from dsv4_jax.distributed import make_mesh, make_tensor_mesh, tensor_shardings
+from dsv4_jax.programs import Layout, split, step_program
 from dsv4_jax.quant import Numerics
 
 SPECS = os.path.join(os.path.dirname(__file__), "gpu_specs")
@@ -129,19 +128,19 @@ def compile_step(cfg, cs: CacheSpec, nm: Numerics, B: int, devices, expert=None,
     opts = dict(STEP_COMPILER_OPTIONS, **(options or {}))
     if model:
         mesh = make_tensor_mesh(len(devices), devices=devices)
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        f = tensor_step(cfg, cs, nm, mesh)
+        lay = Layout(cfg, mesh=mesh)
         params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                               params, tensor_shardings(params, mesh))
-        cache, args = _abstract((cache, args), rep)
+        cache, args = _abstract((cache, args), lay.replicated())
     elif len(devices) > 1:
-        mesh = make_mesh(len(devices), expert=expert, devices=devices)
-        f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).form(True)
+        lay = Layout.of(cfg, params, make_mesh(len(devices), expert=expert, devices=devices))
     else:
-        sh = jax.sharding.SingleDeviceSharding(devices[0])
-        f = jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
-        params, cache, args = _abstract((params, cache, args), sh)
-    return _compile(f, (params, cache, *args), devices[0].device_kind, opts)
+        lay = Layout(cfg)
+        params, cache, args = _abstract((params, cache, args),
+                                        jax.sharding.SingleDeviceSharding(devices[0]))
+    graphdef, state = split(cfg, params)
+    f = step_program(lay, graphdef, cs, nm)
+    return _compile(f, (state, cache, *args), devices[0].device_kind, opts)
 
 
 COLLECTIVE_OPS = ("all-reduce", "all-reduce-start", "all-gather", "all-gather-start",

@@ -33,8 +33,9 @@ from benchmarks.common import kernels_by_source, op_sources
 from benchmarks.decode_bench import random_cache
 from dsv4_jax import config as C, params as P
 from dsv4_jax.cache import BLOCK_TOKENS, CacheSpec
-from dsv4_jax.decode import STEP_COMPILER_OPTIONS, compiled_step
-from dsv4_jax.distributed import make_mesh, sharded_step
+from dsv4_jax.decode import STEP_COMPILER_OPTIONS
+from dsv4_jax.distributed import make_mesh
+from dsv4_jax.programs import Layout, split, step_program
 from dsv4_jax.sharding import param_shardings, shard_cache
 from dsv4_jax.quant import Numerics
 
@@ -175,17 +176,16 @@ def main(argv=None):
     params = jax.block_until_ready(P.merge_x_proj(params, cfg, consume=True))
     print(f"weights drawn in {time.perf_counter() - t0:.0f} s", flush=True)
     cache = random_cache(cfg, cs, B, ctx, jax.random.key(0))
-    if mesh is None:
-        f = compiled_step(cfg, cs, nm)
-    else:
+    if mesh is not None:
         cache = shard_cache(cache, cfg, cs, mesh)
-        f = sharded_step(cfg, cs, nm, mesh, include_mtp=False).form(True)
+    graphdef, state = split(cfg, params)
+    f = step_program(Layout.of(cfg, params, mesh), graphdef, cs, nm)
     table = jnp.arange(B * mb, dtype=jnp.int32).reshape(B, mb)
     toks = jax.random.randint(jax.random.key(1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     args = (toks, jnp.arange(B, dtype=jnp.int32), jnp.full(B, ctx, jnp.int32),
             jnp.ones(B, jnp.int32), table)
     t0 = time.perf_counter()
-    lowered = f.lower(params, cache, *args)
+    lowered = f.lower(state, cache, *args)
     opts = dict(STEP_COMPILER_OPTIONS, **(PROFILE_OPTIONS if a.profile else {}))
     compiled = lowered.compile(opts)
     print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -199,14 +199,14 @@ def main(argv=None):
     ts, td = [], []
     for _ in range(22):
         t0 = time.perf_counter()
-        lg, cache = compiled(params, cache, *args)
+        lg, cache = compiled(state, cache, *args)
         td.append(time.perf_counter() - t0)  # the call returns once the step is enqueued
         lg.block_until_ready()
         ts.append(time.perf_counter() - t0)
     ms = 1e3 * float(np.median(ts[2:]))
     t0 = time.perf_counter()
     for _ in range(20):  # back to back, one wait: host launch overlaps the GPU's work
-        lg, cache = compiled(params, cache, *args)
+        lg, cache = compiled(state, cache, *args)
     lg.block_until_ready()
     pipe = 1e3 * (time.perf_counter() - t0) / 20
     print(f"step {ms:.3f} ms (host enqueue {1e3 * float(np.median(td[2:])):.3f} ms); "

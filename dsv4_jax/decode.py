@@ -405,15 +405,6 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_graph_enable_concurrent_region": True,
                          **EXACT_COMPILER_OPTIONS}
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_step(cfg: Config, cs: CacheSpec, nm: Numerics):
-    """jit(step) on a flat parameter tree, the cache donated; one compilation per (B, T)
-    shape. The same program as nnx_model.step_program, which Engine runs on the module's
-    state."""
-    return jax.jit(functools.partial(step, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,),
-                   compiler_options=STEP_COMPILER_OPTIONS)
-
-
 # ---------------------------------------------------------------------------------------
 # Streaming step on a device-resident state: nothing moves between steps
 # ---------------------------------------------------------------------------------------
@@ -476,16 +467,6 @@ def stream_step_fn(step_fn, sampler):
         return cache, dict(st, **upd, tok=jnp.where(run_[:, None], nxt[:, None], st["tok"]),
                            pos=st["pos"] + st["nvalid"])
     return run
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, sampler):
-    """jit(stream_step_fn(step)) on a flat parameter tree, the cache and the stream state
-    donated (nnx_model.stream_program on the module's state)."""
-    def step_(params, cache, tokens, slots, pos, nvalid, table):
-        return step(params, cache, tokens, slots, pos, nvalid, table, cfg, cs, nm)
-    return jax.jit(stream_step_fn(step_, sampler), donate_argnums=(1, 2),
-                   compiler_options=STEP_COMPILER_OPTIONS)
 
 
 # The host reads a step's tokens through this copy (one small program): reading st.tok

@@ -1,5 +1,5 @@
 """Sharded execution over a device mesh: meshes and multi-process start-up, the
-expert-parallel MoE, and the sharded programs (forward, decode step, stream step). The
+expert-parallel MoE, and the sharded forms of the step (programs.py jits them). The
 same code runs on 1, 2, 4, 8 (or any number of) devices, and on several hosts after
 `jax.distributed.initialize()` (docs/SHARDING.md). Where each array lives (the
 logical-axis rules, the parameter / cache / module-state shardings) is sharding.py.
@@ -10,8 +10,9 @@ outside its range get weight 0) and a psum over the EP axes combines the outputs
 expert weights never move. Tensor parallelism on the ("data", "expert", "model") mesh is
 left to GSPMD (jit with in/out shardings), kernels off; the tensor layout (a mesh of one
 "model" axis, `make_tensor_mesh`) runs the whole step as one shard_map with every kernel on
-its local heads and weights (the last section). The decode step runs data-parallel (a shard_map over "data": each group steps
-its own request slots and pool blocks, `DataParallelBlockManager`) when the batch splits.
+its local heads and weights (the last section). The decode step runs data-parallel (a
+shard_map over "data": each group steps its own request slots and pool blocks,
+`DataParallelBlockManager`) when the batch splits.
 """
 from __future__ import annotations
 
@@ -24,19 +25,17 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import BlockManager, CacheSpec, PoolExhausted, blocks_needed, cache_structs
 from .config import Config
 from .quant import Numerics
-from .sharding import (AXES, _put, cache_shardings, expert_axes, param_shardings)
+from .sharding import AXES, _put, expert_axes, param_shardings
 from . import decode as D
 from . import layers as L
 from .layers import experts
 from . import model as M
 from . import nnx_model as NX
-from . import param_specs as PS
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,51 +144,6 @@ def _constrain_batch(x, mesh: Mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(b))) if b else x
 
 
-class PerParamForm:
-    """A sharded program, jitted once per form of the parameter tree it is called with: as
-    params.describe has it, or in decode form (params.merge_x_proj), whose in_shardings
-    differ in those keys. `make(x_proj_merged: bool) -> jitted`. A call, `lower` and
-    `_cache_size` go to the program(s) of the tree given; `program(params)` is that jitted
-    function."""
-
-    def __init__(self, make):
-        self._make, self._progs = make, {}
-
-    def form(self, x_proj_merged: bool):
-        if x_proj_merged not in self._progs:
-            self._progs[x_proj_merged] = self._make(x_proj_merged)
-        return self._progs[x_proj_merged]
-
-    def program(self, params):
-        return self.form(PS.x_proj_is_merged(params))
-
-    def __call__(self, params, *args):
-        return self.program(params)(params, *args)
-
-    def lower(self, params, *args):
-        return self.program(params).lower(params, *args)
-
-    def _cache_size(self) -> int:
-        return sum(p._cache_size() for p in self._progs.values())
-
-
-@functools.lru_cache(maxsize=None)
-def sharded_forward(cfg: Config, nm: Numerics, mesh: Mesh, include_mtp: bool = True):
-    """jit(model.forward) over the mesh: (params placed by shard_params, tokens [B, T]) ->
-    logits [B, T, V] f32 (replicated). One compilation per token shape (and parameter
-    form, PerParamForm)."""
-    rep = NamedSharding(mesh, P())
-
-    def fwd(params, tokens):
-        with expert_parallel(cfg, mesh):
-            return M.forward(params, _constrain_batch(tokens, mesh), cfg, nm)
-
-    return PerParamForm(lambda merged: jax.jit(
-        fwd, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp,
-                                           x_proj_merged=merged), rep),
-        out_shardings=rep, compiler_options=D.STEP_COMPILER_OPTIONS))
-
-
 def data_groups(cs: CacheSpec, mesh: Mesh) -> int:
     """Number of data-parallel groups the step can run locally: the "data" size when it
     divides both the request slots and the pool blocks, else 1."""
@@ -272,32 +226,7 @@ def check_data_parallel_batch(slots, cs: CacheSpec, groups: int) -> None:
                          f"got slots {slots.tolist()}")
 
 
-class ShardedStep(PerParamForm):
-    """The jitted sharded step (one per parameter form, PerParamForm) plus a host-side
-    check of the batch layout (only when the slots are a host array: no device
-    synchronisation). `jitted` is the step for params.describe's form; other attribute
-    access goes to it; `fn` is the unjitted step."""
-
-    def __init__(self, make, cs: CacheSpec, groups: int, fn):
-        super().__init__(make)
-        self.cs, self.groups, self.fn = cs, groups, fn
-
-    @property
-    def jitted(self):
-        return self.form(False)
-
-    def __call__(self, params, cache, tokens, slots, pos, nvalid, block_table):
-        if isinstance(slots, np.ndarray):
-            check_data_parallel_batch(slots, self.cs, self.groups)
-        return self.program(params)(params, cache, tokens, slots, pos, nvalid, block_table)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_make", "_progs"):
-            raise AttributeError(name)
-        return getattr(self.jitted, name)
-
-
-def _data_parallel_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, apply):
+def data_parallel_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, apply):
     """The sharded form of a step `apply(p, cache, tokens, slots, pos, nvalid, block_table,
     cs) -> (logits, cache)` (p: the flat tree or the module state) -> (stp(p, cache, tokens,
     slots, pos, nvalid, block_table), G). With G = data_groups(cs, mesh) > 1 and B
@@ -341,94 +270,11 @@ def _data_parallel_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, ap
     return stp, G
 
 
-@functools.lru_cache(maxsize=None)
-def sharded_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh,
-                 include_mtp: bool = True):
-    """jit(decode.step) over the mesh on a flat parameter tree (shard_params), the cache
-    donated and kept in its sharding: (params, cache, tokens [B, T], slots, pos, nvalid
-    [B], block_table [R, MAXB]) -> (logits [B, V] f32 replicated, new cache). Same
-    signature and results as decode.compiled_step; one compilation per (B, T); the host
-    only feeds small int arrays (no host synchronisation inside the step). The module form
-    (what Engine runs) is `sharded_step_program`.
-
-    Data-parallel when the batch splits (_data_parallel_step): use DataParallelBlockManager
-    and put group g's requests in the g-th chunk of rows; expert and tensor parallelism
-    inside as usual."""
-    def apply(params, *a):   # the module built in the trace: the same step as Engine's
-        return NX.DeepSeekV4.from_params(cfg, params).step(*a[:-1], cs=a[-1], nm=nm)
-    stp, G = _data_parallel_step(cfg, cs, nm, mesh, apply)
-    rep = NamedSharding(mesh, P())
-    csh = cache_shardings(cfg, cs, mesh)
-
-    def make(merged):
-        return jax.jit(stp, in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp,
-                                                          x_proj_merged=merged),
-                                          csh, rep, rep, rep, rep, rep),
-                       out_shardings=(rep, csh), donate_argnums=(1,),
-                       compiler_options=D.STEP_COMPILER_OPTIONS)
-    return ShardedStep(make, cs, G, stp)
-
-
-@functools.lru_cache(maxsize=None)
-def sharded_stream_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh, sampler,
-                        include_mtp: bool = True):
-    """decode.compiled_stream_step over the mesh on a flat tree: (params, cache, st) ->
-    (cache, st') with the cache kept in its sharding, the stream state replicated, both
-    donated (every buffer stays in place from step to step)."""
-    stp = sharded_step(cfg, cs, nm, mesh, include_mtp).fn
-    rep = NamedSharding(mesh, P())
-    csh = cache_shardings(cfg, cs, mesh)
-    return PerParamForm(lambda merged: jax.jit(
-        D.stream_step_fn(stp, sampler),
-        in_shardings=(param_shardings(cfg, mesh, include_mtp=include_mtp, x_proj_merged=merged),
-                      csh, rep),
-        out_shardings=(csh, rep), donate_argnums=(1, 2),
-        compiler_options=D.STEP_COMPILER_OPTIONS))
-
-
-# ---------------------------------------------------------------------------------------
-# The module's programs over the mesh (what Engine runs)
-# ---------------------------------------------------------------------------------------
 def state_shardings(cfg: Config, mesh: Mesh, include_mtp: bool = True,
                     x_proj_merged: bool = False, rules=None):
     """The NamedShardings of the module state nnx.split(DeepSeekV4.from_params(cfg, p))
     for a tree p of that form: sharding.param_shardings, arranged as the module holds it."""
     return NX.state_of(cfg, param_shardings(cfg, mesh, rules, include_mtp, x_proj_merged))
-
-
-def _module_apply(graphdef, nm: Numerics):
-    return lambda state, *a: NX.apply_step(graphdef, state, *a[:-1], cs=a[-1], nm=nm)
-
-
-@functools.lru_cache(maxsize=None)
-def sharded_step_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh,
-                         include_mtp: bool = True, x_proj_merged: bool = True):
-    """nnx_model.step_program over the mesh: jit (state, cache, tokens [B, T], slots, pos,
-    nvalid [B], block_table [R, MAXB]) -> (logits [B, V] f32 replicated, new cache), the
-    state placed by state_shardings, the cache by sharding.cache_shardings and donated.
-    Data-parallel as sharded_step."""
-    stp, _ = _data_parallel_step(cfg, cs, nm, mesh, _module_apply(graphdef, nm))
-    rep = NamedSharding(mesh, P())
-    csh = cache_shardings(cfg, cs, mesh)
-    return jax.jit(stp, in_shardings=(state_shardings(cfg, mesh, include_mtp, x_proj_merged),
-                                      csh, rep, rep, rep, rep, rep),
-                   out_shardings=(rep, csh), donate_argnums=(1,),
-                   compiler_options=D.STEP_COMPILER_OPTIONS)
-
-
-@functools.lru_cache(maxsize=None)
-def sharded_stream_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh,
-                           sampler, include_mtp: bool = True, x_proj_merged: bool = True):
-    """nnx_model.stream_program over the mesh: (state, cache, st) -> (cache, st'), the
-    cache in its sharding, the stream state replicated, both donated."""
-    stp, _ = _data_parallel_step(cfg, cs, nm, mesh, _module_apply(graphdef, nm))
-    rep = NamedSharding(mesh, P())
-    csh = cache_shardings(cfg, cs, mesh)
-    return jax.jit(D.stream_step_fn(stp, sampler),
-                   in_shardings=(state_shardings(cfg, mesh, include_mtp, x_proj_merged),
-                                 csh, rep),
-                   out_shardings=(csh, rep), donate_argnums=(1, 2),
-                   compiler_options=D.STEP_COMPILER_OPTIONS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -640,38 +486,3 @@ def tensor_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh):
                              out_specs=(P(), P()), check_vma=False)(
             params, cache, tokens, slots, pos, nvalid, block_table)
     return stp
-
-
-@functools.lru_cache(maxsize=None)
-def tensor_step(cfg: Config, cs: CacheSpec, nm: Numerics, mesh: Mesh):
-    """jit(tensor_step_fn) on a flat tree placed by shard_tensor_params, the cache donated
-    and kept replicated (decode.compiled_step's signature)."""
-    rep = NamedSharding(mesh, P())
-    return jax.jit(tensor_step_fn(cfg, cs, nm, mesh), out_shardings=(rep, rep),
-                   donate_argnums=(1,), compiler_options=D.STEP_COMPILER_OPTIONS)
-
-
-def _tensor_module_step(cfg, graphdef, cs, nm, mesh):
-    stp = tensor_step_fn(cfg, cs, nm, mesh)
-    return lambda state, *a: stp(nnx.merge(graphdef, state).to_params(), *a)
-
-
-@functools.lru_cache(maxsize=None)
-def tensor_step_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh):
-    """nnx_model.step_program in the tensor layout: jit (state, cache, tokens [B, T], slots,
-    pos, nvalid [B], block_table) -> (logits [B, V] f32 replicated, new cache), the state
-    placed by shard_tensor_params, the cache replicated and donated."""
-    rep = NamedSharding(mesh, P())
-    return jax.jit(_tensor_module_step(cfg, graphdef, cs, nm, mesh), out_shardings=(rep, rep),
-                   donate_argnums=(1,), compiler_options=D.STEP_COMPILER_OPTIONS)
-
-
-@functools.lru_cache(maxsize=None)
-def tensor_stream_program(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, mesh: Mesh,
-                          sampler):
-    """nnx_model.stream_program in the tensor layout: (state, cache, st) -> (cache, st'),
-    the cache and the stream state replicated and donated."""
-    rep = NamedSharding(mesh, P())
-    return jax.jit(D.stream_step_fn(_tensor_module_step(cfg, graphdef, cs, nm, mesh), sampler),
-                   out_shardings=(rep, rep), donate_argnums=(1, 2),
-                   compiler_options=D.STEP_COMPILER_OPTIONS)

@@ -31,6 +31,8 @@ drafter's rings dsp_kv [S, R, W, K], dsp_pos [R, W].
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,13 @@ from .cache import CacheSpec
 from .config import Config
 from .quant import Numerics
 from .serve.sampling import ROW_KEYS, _sample_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class DSpark:
+    """The runner's DSpark mode: the V4-Flash-0731 drafter's block of dspark_block_size
+    drafts verified per step (its programs: programs.verify_programs)."""
+
 
 F32 = jnp.float32
 
@@ -175,18 +184,3 @@ def step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, n_top: int):
                    dsp_kv=rings["kv"].astype(st["dsp_kv"].dtype), dsp_pos=rings["pos"])
         return cache, new
     return run
-
-
-def programs(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, n_top: int):
-    """(prefill, step) jitted on the module state (nnx.split of nnx_model.DeepSeekV4), one
-    device: prefill(state, cache, kv, rpos, tokens, slot, pos, nvalid, table, rows, draws)
-    -> (cache, kv, rpos, sampled) with cache / kv / rpos donated; step(state, cache, st)
-    -> (cache, st') with cache and st donated."""
-    from flax import nnx
-    flat = lambda state: nnx.merge(graphdef, state).to_params()
-    pre = lambda s, *a: prefill_fn(flat(s), *a, cfg=cfg, cs=cs, nm=nm, n_top=n_top)
-    stp_ = step_fn(cfg, cs, nm, n_top)
-    stp = lambda s, c, st: stp_(flat(s), c, st)
-    opts = dict(compiler_options=D.STEP_COMPILER_OPTIONS)
-    return (jax.jit(pre, donate_argnums=(1, 2, 3), **opts),
-            jax.jit(stp, donate_argnums=(1, 2), **opts))

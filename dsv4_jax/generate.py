@@ -9,7 +9,6 @@ model as an NNX module (nnx_model.DeepSeekV4) and runs its compiled step program
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Iterator, Sequence
 
@@ -20,9 +19,9 @@ from tqdm.auto import tqdm
 
 from .cache import CacheSpec, CapacityExceeded, PoolExhausted
 from .config import Config
-from .decode import STEP_COMPILER_OPTIONS, init_stream_state, put_state, read_tokens
-from .nnx_model import apply_step
+from .decode import init_stream_state, put_state, read_tokens
 from .quant import Numerics
+from .programs import generate_loop
 from .runner import ModelRunner
 from . import speculative as SP
 from . import pipeline as PL
@@ -418,8 +417,8 @@ class Engine:
             largs = (*args, jnp.int32(max_new_tokens), stops, sampler)
             lkey = (jax.tree.structure(sampler), cap, stops.shape[0])
             if lkey not in self._loops:
-                self._loops[lkey] = decode_loop(self.graphdef, self.cs, self.nm,
-                                                cap).lower(*largs).compile()
+                self._loops[lkey] = generate_loop(self.runner.layout, self.graphdef, self.cs,
+                                                  self.nm, cap).lower(*largs).compile()
             t2 = time.perf_counter()
             out, n_gen, self.cache = self._loops[lkey](*largs)
             out, n_gen = np.asarray(out), np.asarray(n_gen)
@@ -468,44 +467,3 @@ def loop_stops(stop_ids) -> jax.Array:
     padded with -1 (no token)."""
     stops = sorted(stop_ids)
     return jnp.asarray(stops + [-1] * (loop_bucket(len(stops), 4) - len(stops)), jnp.int32)
-
-
-def _loop_fn(apply, R: int, cap: int):
-    """run(p, cache, tok0, active, pos0, table, key, max_new, stops, sampler) -> (tokens
-    [R, cap], generated counts [R], cache): a while_loop over decode steps apply(p, cache,
-    tokens, slots, pos, nvalid, table) -> (logits, cache), each sampled with `sampler` (a
-    pytree: its settings traced); a request stops on a token of stops [S] int32 (padded with
-    -1) or at max_new (int32 scalar, <= cap) tokens."""
-    def run(p, cache, tok0, active, pos0, table, key, max_new, stops, sampler):
-        out = jnp.zeros((R, cap), jnp.int32).at[:, 0].set(tok0)
-        n_gen = jnp.where(active, 1, 0)
-        running = active & ~jnp.isin(tok0, stops)
-
-        def cond(c):
-            return jnp.any(c[3]) & (c[5] < max_new)
-
-        def body(c):
-            cache, tok, pos, running, out, i, n_gen = c
-            logits, cache = apply(p, cache, tok[:, None], jnp.arange(R), pos,
-                                  running.astype(jnp.int32), table)
-            nxt = sampler.get_next_tokens(logits, jax.random.fold_in(key, i))
-            out = out.at[:, i].set(jnp.where(running, nxt, 0))
-            n_gen = n_gen + running
-            pos = pos + running
-            running = running & ~jnp.isin(nxt, stops) & (i + 1 < max_new)
-            return cache, nxt, pos, running, out, i + 1, n_gen
-
-        c = jax.lax.while_loop(cond, body, (cache, tok0, pos0, running, out, jnp.int32(1), n_gen))
-        return c[4], c[6], c[0]
-    return run
-
-
-@functools.lru_cache(maxsize=None)
-def decode_loop(graphdef, cs: CacheSpec, nm: Numerics, cap: int):
-    """jit(while_loop over the module's decode steps) on its split state: (state, cache,
-    tok0 [R], active [R] bool, pos0 [R], table [R, MAXB], key, max_new int32, stops [S]
-    int32, sampler) -> (tokens [R, cap], counts [R], cache), the cache donated; one
-    compilation per sampler kind, output width cap and stop-list length S."""
-    apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
-    return jax.jit(_loop_fn(apply, cs.max_requests, cap),
-                   donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)

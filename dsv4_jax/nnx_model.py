@@ -11,12 +11,9 @@ the arrays of the flat parameter tree) and exposes the three ways the model runs
 Each calls the same pure functions as the functional API (model.forward, decode.step),
 so both give bit-identical results. The compiled programs are `jax.jit` over the split
 module: the graph definition is static, the parameter state and the cache are arguments
-and the cache is donated (`step_program`, `stream_program`). One XLA program per step;
-`Engine` (generate.py) and the sharded programs (distributed.py) run these.
+and the cache is donated (programs.py, for every layout). One XLA program per step.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 from flax import nnx
@@ -134,25 +131,6 @@ def apply_step(graphdef, state, cache, tokens, slots, pos, nvalid, block_table, 
     step programs compile."""
     return nnx.merge(graphdef, state).step(cache, tokens, slots, pos, nvalid, block_table,
                                            cs=cs, nm=nm)
-
-
-@functools.lru_cache(maxsize=None)
-def step_program(graphdef, cs: CacheSpec, nm: Numerics):
-    """jit: (state, cache, tokens [B, T], slots, pos, nvalid [B], block_table [R, MAXB]) ->
-    (logits [B, V] f32, new cache), the cache donated; graphdef, cs and nm static. One
-    compilation per (B, T): a prefill chunk shape and the decode shape."""
-    return jax.jit(functools.partial(apply_step, graphdef, cs=cs, nm=nm), donate_argnums=(1,),
-                   compiler_options=D.STEP_COMPILER_OPTIONS)
-
-
-@functools.lru_cache(maxsize=None)
-def stream_program(graphdef, cs: CacheSpec, nm: Numerics, sampler):
-    """jit(decode.stream_step_fn): (state, cache, st) -> (cache, st'), one decode step of
-    every running slot with the next tokens sampled in the same program; the cache and the
-    stream state donated, so no buffer moves between steps."""
-    return jax.jit(D.stream_step_fn(functools.partial(apply_step, graphdef, cs=cs, nm=nm),
-                                    sampler),
-                   donate_argnums=(1, 2), compiler_options=D.STEP_COMPILER_OPTIONS)
 
 
 def state_of(cfg: Config, tree: dict):

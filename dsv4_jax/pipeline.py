@@ -23,7 +23,7 @@ import numpy as np
 
 from .cache import CacheSpec, init_cache as full
 from .config import Config
-from .decode import STEP_COMPILER_OPTIONS, step_head, step_layers, stream_step_fn
+from .decode import step_head, step_layers
 from .quant import Numerics
 from . import model as M
 from . import param_specs as PS
@@ -125,7 +125,7 @@ def init_cache(cfg: Config, cs: CacheSpec, pipe: Pipeline) -> list[dict]:
     return out
 
 
-def _stage_fn(cfg: Config, cs: CacheSpec, nm: Numerics, pipe: Pipeline, s: int):
+def stage_fn(cfg: Config, cs: CacheSpec, nm: Numerics, pipe: Pipeline, s: int):
     first, last = s == 0, s == pipe.n - 1
 
     def run(p, cache, X, tokens, slots, pos, nvalid, table):
@@ -139,13 +139,11 @@ def _stage_fn(cfg: Config, cs: CacheSpec, nm: Numerics, pipe: Pipeline, s: int):
 
 class PipelineStep:
     """step(params list, caches list, tokens [B, T], slots, pos, nvalid [B], table) ->
-    (logits [B, V] f32, caches list): decode.step run stage by stage, each stage's cache
-    donated."""
+    (logits [B, V] f32, caches list): decode.step run stage by stage. progs[s]: stage s's
+    jitted stage_fn, its cache donated (programs.step_program builds them)."""
 
-    def __init__(self, cfg: Config, cs: CacheSpec, nm: Numerics, pipe: Pipeline):
-        self.pipe = pipe
-        self.progs = [jax.jit(_stage_fn(cfg, cs, nm, pipe, s), donate_argnums=(1,),
-                              compiler_options=STEP_COMPILER_OPTIONS) for s in range(pipe.n)]
+    def __init__(self, pipe: Pipeline, progs):
+        self.pipe, self.progs = pipe, list(progs)
 
     def __call__(self, params, caches, tokens, slots, pos, nvalid, table):
         X, new = None, []
@@ -172,17 +170,12 @@ class PipelineStep:
 class PipelineStream:
     """stream(params list, caches list, st) -> (caches list, st'): the stream step
     (decode.stream_step_fn) with the layers split across devices. st lives on the last
-    device, where the next tokens are sampled; the earlier stages read a copy."""
+    device, where the next tokens are sampled; the earlier stages read a copy. progs: the
+    jitted stage_fn of every stage but the last; last: the last stage's stream step
+    ((params, X), cache, st) -> (cache, st') (programs.decode_program builds them)."""
 
-    def __init__(self, cfg: Config, cs: CacheSpec, nm: Numerics, pipe: Pipeline, sampler):
-        self.pipe = pipe
-        fns = [_stage_fn(cfg, cs, nm, pipe, s) for s in range(pipe.n)]
-        self.progs = [jax.jit(f, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)
-                      for f in fns[:-1]]
-        last = fns[-1]
-        self.last = jax.jit(stream_step_fn(lambda pX, c, *a: last(pX[0], c, pX[1], *a),
-                                           sampler),
-                            donate_argnums=(1, 2), compiler_options=STEP_COMPILER_OPTIONS)
+    def __init__(self, pipe: Pipeline, progs, last):
+        self.pipe, self.progs, self.last = pipe, list(progs), last
         self._slots = {}   # stage -> arange(R) on its device
 
     def __call__(self, params, caches, st):

@@ -36,13 +36,14 @@ from flax import nnx
 
 from .cache import BlockManager, CacheSpec, init_cache
 from .config import Config
-from .decode import STEP_COMPILER_OPTIONS, host_reader, put_state
-from .nnx_model import DeepSeekV4, apply_step, step_program, stream_program
-from .param_specs import x_proj_is_merged
+from .decode import host_reader, put_state
+from .dspark_runner import DSpark
+from .nnx_model import DeepSeekV4
+from .programs import Layout, decode_program, step_program, verify_programs
 from .params import merge_x_proj as merge_decode_form
 from .quant import Numerics
-from .serve.sampling import (ROW_KEYS, TOP_LOGPROBS, RowSampler, SamplingRows, _sample_rows,
-                             sample_rows)
+from .serve.sampling import ROW_KEYS, TOP_LOGPROBS, RowSampler, SamplingRows, _sample_rows
+from .speculative import Speculation
 from . import distributed as dist
 from . import pipeline as PL
 from . import sharding as SH
@@ -111,21 +112,6 @@ class StepResult:
                      tl[:, None])
 
 
-@dataclasses.dataclass(frozen=True)
-class Speculation:
-    """The runner's speculative mode: k MTP drafts verified per step (speculative.py)."""
-    k: int = 1
-
-    def __post_init__(self):
-        SP.check_draft_count(self.k)
-
-
-@dataclasses.dataclass(frozen=True)
-class DSpark:
-    """The runner's DSpark mode: the V4-Flash-0731 drafter's block of dspark_block_size
-    drafts verified per step (dspark_runner.py)."""
-
-
 # ---------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------
@@ -159,44 +145,33 @@ class ModelRunner:
             self.state = PL.split_params(params, pipeline)
             self.cache = PL.init_cache(cfg, self.cs, pipeline)
             self.bm = BlockManager(cfg, self.cs)
-            self.step = PL.PipelineStep(cfg, self.cs, numerics, pipeline)
-            self.state_sharding = pipeline.sharding(pipeline.n - 1)
-            self.form = None
-            return
-        self.cache = init_cache(cfg, self.cs)
-        if mesh is None:
-            # placed (committed) as the step returns it: an uncommitted cache makes the second
-            # step compile again (a 4-layer Flash check lost ~36 s a step to it on the H100)
-            self.cache = jax.device_put(self.cache, jax.devices()[0])
-            self.bm = BlockManager(cfg, self.cs)
-        elif dist.is_tensor_mesh(mesh):
-            # the tensor layout: heads and expert columns split, the cache replicated (note:
-            # self.params is then in dist.tensor_form, the w1 / w3 row merges permuted)
-            params = dist.shard_tensor_params(params, mesh)
-            self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
-            self.bm = BlockManager(cfg, self.cs)
         else:
-            params = SH.shard_params(params, cfg, mesh)
-            self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
-            self.bm = dist.DataParallelBlockManager(cfg, self.cs, dist.data_groups(self.cs, mesh))
-        # the model as an NNX module; the compiled programs take its split state
-        self.model = DeepSeekV4.from_params(cfg, params)
-        self.graphdef, self.state = nnx.split(self.model)
-        self.form = None
-        if mesh is None:
-            self.step = step_program(self.graphdef, self.cs, numerics)
-            self.state_sharding = None
-        elif dist.is_tensor_mesh(mesh):
-            self.step = dist.tensor_step_program(cfg, self.graphdef, self.cs, numerics, mesh)
-            self.state_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        else:
-            # a checkpoint loaded without its MTP block steps without it (the step never
-            # runs MTP; its shardings must match the tree it is given)
-            self.form = dict(include_mtp=any(k.startswith("mtp.") for k in params),
-                             x_proj_merged=x_proj_is_merged(params))
-            self.step = dist.sharded_step_program(cfg, self.graphdef, self.cs, numerics, mesh,
-                                                  **self.form)
-            self.state_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.cache = init_cache(cfg, self.cs)
+            if mesh is None:
+                # placed (committed) as the step returns it: an uncommitted cache makes the
+                # second step compile again (a 4-layer Flash check lost ~36 s a step to it on
+                # the H100)
+                self.cache = jax.device_put(self.cache, jax.devices()[0])
+                self.bm = BlockManager(cfg, self.cs)
+            elif dist.is_tensor_mesh(mesh):
+                # the tensor layout: heads and expert columns split, the cache replicated
+                # (self.params is then in dist.tensor_form, the w1 / w3 row merges permuted)
+                params = dist.shard_tensor_params(params, mesh)
+                self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
+                self.bm = BlockManager(cfg, self.cs)
+            else:
+                params = SH.shard_params(params, cfg, mesh)
+                self.cache = SH.shard_cache(self.cache, cfg, self.cs, mesh)
+                self.bm = dist.DataParallelBlockManager(cfg, self.cs,
+                                                        dist.data_groups(self.cs, mesh))
+            # the model as an NNX module; the compiled programs take its split state
+            self.model = DeepSeekV4.from_params(cfg, params)
+            self.graphdef, self.state = nnx.split(self.model)
+        # a checkpoint loaded without its MTP block steps without it (the shardings of a
+        # mesh's programs follow the tree they are given)
+        self.layout = Layout.of(cfg, params, mesh, pipeline)
+        self.state_sharding = self.layout.state_sharding()
+        self.step = step_program(self.layout, self.graphdef, self.cs, numerics)
 
     # ---- the plain step --------------------------------------------------------------
     @property
@@ -231,35 +206,15 @@ class ModelRunner:
     def stream_program(self, sampler):
         """The stream step (decode.stream_step_fn) of this layout with `sampler` (a fixed
         generate.py sampler, or serve.sampling.RowSampler)."""
-        if self.pipeline is not None:
-            key = ("pipeline", sampler)
-            if key not in self.programs:
-                self.programs[key] = PL.PipelineStream(self.cfg, self.cs, self.nm,
-                                                       self.pipeline, sampler)
-            return self.programs[key]
-        if self.mesh is None:
-            return stream_program(self.graphdef, self.cs, self.nm, sampler)
-        if dist.is_tensor_mesh(self.mesh):
-            return dist.tensor_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
-                                              self.mesh, sampler)
-        return dist.sharded_stream_program(self.cfg, self.graphdef, self.cs, self.nm,
-                                           self.mesh, sampler, **self.form)
+        return decode_program(self.layout, self.graphdef, self.cs, self.nm, sampler)
 
     def spec_programs(self, sampler, k: int):
-        """speculative.spec_programs for this layout: (prefill, step)."""
+        """The MTP (prefill, step) for this layout (programs.verify_programs)."""
         key = ("speculative", sampler, k)
         if key not in self.programs:
-            if self.pipeline is not None:
-                raise ValueError("speculative decoding runs on one device or a mesh, not a "
-                                 "pipeline layout")
-            sh = None
-            if self.mesh is not None:
-                csh = SH.cache_shardings(self.cfg, self.cs, self.mesh)
-                sh = (dist.state_shardings(self.cfg, self.mesh, self.form["include_mtp"],
-                                           self.form["x_proj_merged"]),
-                      csh, SP.mtp_cache_shardings(self.cfg, self.cs, csh, self.mesh))
-            self.programs[key] = SP.spec_programs(self.cfg, self.graphdef, self.cs, self.nm,
-                                                  sampler, k, self.mesh, sh)
+            self.check_speculation(k)
+            self.programs[key] = verify_programs(self.layout, self.graphdef, self.cs, self.nm,
+                                                 sampler, Speculation(k))
         return self.programs[key]
 
     def ensure_mtp_cache(self) -> None:
@@ -285,13 +240,12 @@ class ModelRunner:
 
     # ---- the scheduler's step: prefill chunks + the decode step, sampled per row ------
     def dspark_programs(self):
-        """dspark_runner.programs for this layout: (prefill, step); one device only."""
-        key = ("dspark",)
-        if key not in self.programs:
+        """The DSpark (prefill, step) (programs.verify_programs); one device only."""
+        if ("dspark",) not in self.programs:
             self.check_dspark()
-            self.programs[key] = DR.programs(self.cfg, self.graphdef, self.cs, self.nm,
-                                             TOP_LOGPROBS)
-        return self.programs[key]
+            self.programs[("dspark",)] = verify_programs(
+                self.layout, self.graphdef, self.cs, self.nm, RowSampler(TOP_LOGPROBS), DSpark())
+        return self.programs[("dspark",)]
 
     def check_dspark(self) -> None:
         """Clear errors before any heavy work: the layout, the config and the drafter."""
@@ -317,8 +271,8 @@ class ModelRunner:
 
     def _prefill_program(self):
         """(state, cache, [mcache,] tokens [1, C], slot / pos / nvalid [1], table, rows
-        {name: [1]}, draws [1] [, h_prev]) -> sampled outputs, all in one program on one
-        device; other layouts run the step and the sampler as two."""
+        {name: [1]}, draws [1] [, h_prev]) -> sampled outputs (in the step's program but
+        for MTP speculation and a pipeline)."""
         spec = self.speculation
         key = ("prefill", spec)
         if key in self.programs:
@@ -340,16 +294,12 @@ class ModelRunner:
                 logits, h, self.cache, self.mtp_cache = pre(self.state, self.cache,
                                                             self.mtp_cache, *a)
                 return _sample_jit(logits, rows, draws), h
-        elif self.mesh is None and self.pipeline is None:
-            prog = step_and_sample(self.graphdef, self.cs, self.nm)
+        else:
+            prog = step_program(self.layout, self.graphdef, self.cs, self.nm, TOP_LOGPROBS)
 
             def run(rows, draws, *a):
                 self.cache, out = prog(self.state, self.cache, *a, rows, draws)
                 return out, None
-        else:
-            def run(rows, draws, tokens, slot, pos, nvalid, table):
-                return sample_rows(self.run_step(tokens, slot, pos, nvalid), rows, draws,
-                                   n_top=TOP_LOGPROBS), None
         self.programs[key] = run
         return run
 
@@ -545,16 +495,3 @@ def _read_plain(st):
 def _read_spec(st):
     """-> (tokens [R, k+1], counts [R], logprobs [R, k+1], top ids / logprobs [R, k+1, K])."""
     return host_reader("out", "n_out", "lp", "top_ids", "top_lp")(st)
-
-
-@functools.lru_cache(maxsize=None)
-def step_and_sample(graphdef, cs: CacheSpec, nm: Numerics):
-    """jit: (state, cache, tokens [B, T], slots / pos / nvalid [B], table [R, MAXB], rows
-    {name: [B]}, draws [B]) -> (new cache, serve.sampling outputs), the cache donated: the
-    step with the per-row sampler in the same program."""
-    apply = functools.partial(apply_step, graphdef, cs=cs, nm=nm)
-
-    def run(state, cache, tokens, slots, pos, nvalid, table, rows, draws):
-        logits, cache = apply(state, cache, tokens, slots, pos, nvalid, table)
-        return cache, _sample_rows(logits, rows, draws, n_top=TOP_LOGPROBS)
-    return jax.jit(run, donate_argnums=(1,), compiler_options=STEP_COMPILER_OPTIONS)

@@ -502,39 +502,6 @@ def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
     return run
 
 
-def spec_programs(cfg: Config, graphdef, cs: CacheSpec, nm: Numerics, sampler, k: int,
-                  mesh=None, shardings=None):
-    """(prefill, step) jitted on the module state (nnx.split of nnx_model.DeepSeekV4):
-    prefill(state, cache, mcache, tokens [1, C], slot, pos, nvalid [1], table, h_prev
-    [1, N, D]) -> (logits, last residual, cache, mcache); step(state, cache, mcache, st) ->
-    (cache, mcache, st'). Caches (and st) donated; one compilation each (keep the pair:
-    ModelRunner.spec_programs does). mesh: run under the mesh's expert parallelism, shardings =
-    (state, cache, mcache) shardings (the stream state replicated)."""
-    from flax import nnx
-    flat = lambda state: nnx.merge(graphdef, state).to_params()
-    pre = lambda s, c, m, *a: prefill_fn(flat(s), c, m, *a, cfg=cfg, cs=cs, nm=nm)
-    stp_ = spec_step_fn(cfg, cs, nm, sampler, k)
-    stp = lambda s, c, m, st: stp_(flat(s), c, m, st)
-    opts = dict(compiler_options=D.STEP_COMPILER_OPTIONS)
-    if mesh is None:
-        return (jax.jit(pre, donate_argnums=(1, 2), **opts),
-                jax.jit(stp, donate_argnums=(1, 2, 3), **opts))
-    from .distributed import expert_parallel
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    ssh, csh, msh = shardings
-
-    def in_mesh(f):
-        def g(*a):
-            with expert_parallel(cfg, mesh):
-                return f(*a)
-        return g
-    return (jax.jit(in_mesh(pre), donate_argnums=(1, 2),
-                    in_shardings=(ssh, csh, msh) + (rep,) * 6,
-                    out_shardings=(rep, rep, csh, msh), **opts),
-            jax.jit(in_mesh(stp), donate_argnums=(1, 2, 3), in_shardings=(ssh, csh, msh, rep),
-                    out_shardings=(csh, msh, rep), **opts))
-
-
 def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: dict, mesh):
     """The MTP cache's shardings: those of a main layer of the same ratio (same arrays),
     else replicated."""

@@ -11,8 +11,9 @@ from dsv4_jax import config, model, params as P
 from dsv4_jax.serve import metrics as MX
 from dsv4_jax.cache import (BlockManager, CacheSpec, CapacityExceeded, PoolExhausted,
                             blocks_needed, cache_bytes, init_cache)
-from dsv4_jax.decode import compiled_step, compiled_stream_step, init_stream_state, read_tokens
-from dsv4_jax.nnx_model import DeepSeekV4, step_program
+from dsv4_jax.decode import init_stream_state, read_tokens
+from dsv4_jax.nnx_model import DeepSeekV4
+from dsv4_jax.programs import Layout, decode_program, split, step_program
 from dsv4_jax.generate import Engine, Greedy, MinP, TopK, TopP
 from dsv4_jax.quant import Numerics
 
@@ -106,7 +107,7 @@ def test_step_compiles_once_and_donates_cache(tiny):
     cfg, params = tiny
     cs = CacheSpec.for_numerics(F32, max_requests=2, num_blocks=12, max_blocks=4)
     graphdef, state = nnx.split(DeepSeekV4.from_params(cfg, params))
-    step = step_program(graphdef, cs, F32)   # the program Engine runs: over the module state
+    step = step_program(Layout(cfg), graphdef, cs, F32)   # the program Engine runs
     cache = init_cache(cfg, cs)
     bm = BlockManager(cfg, cs)
     s = bm.admit(1)
@@ -242,8 +243,9 @@ def test_stream_step_keeps_every_buffer_in_place(tiny):
     step's CUDA graph on the GPU). Its tokens are the greedy tokens of the plain step."""
     cfg, params = tiny
     cs = CacheSpec.for_numerics(F32, max_requests=2, num_blocks=12, max_blocks=4)
-    prog = compiled_stream_step(cfg, cs, F32, Greedy())
-    step = compiled_step(cfg, cs, F32)
+    graphdef, params = split(cfg, params)     # the module state
+    prog = decode_program(Layout(cfg), graphdef, cs, F32, Greedy())
+    step = step_program(Layout(cfg), graphdef, cs, F32)
     bm = BlockManager(cfg, cs)
     s = bm.admit(1)
     bm.ensure(s, 4)

@@ -14,7 +14,7 @@ from dsv4_jax import speculative as SP
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
-from dsv4_jax.runner import DSpark
+from dsv4_jax.dspark_runner import DSpark
 from dsv4_jax.serve.sampling import SamplingParams
 from dsv4_jax.serve.scheduler import Request, Scheduler, SchedulerConfig
 from dsv4_jax.tokenizer import ByteTokenizer

@@ -97,3 +97,34 @@ def test_kernels_import_neither_the_model_nor_the_checkpoints():
     bad = {m: sorted(n for n in deps if n.startswith(("dsv4_jax", "checkpoints")))
            for m, deps in graph.items() if m.startswith("pallas_kernels")}
     assert not {m: d for m, d in bad.items() if d}
+
+
+# The only jits outside programs.py: small programs that are not the model's step (kernel
+# wrappers, decode-state and prefix-cache updates, token read-back, samplers, initialisers,
+# loaders).
+OTHER_JITS = {"dsv4_jax.decode": 3, "dsv4_jax.generate": 1, "dsv4_jax.layers.experts": 1,
+              "dsv4_jax.loading": 1, "dsv4_jax.params": 2, "dsv4_jax.pipeline": 1,
+              "dsv4_jax.quant": 1, "dsv4_jax.runner": 4, "dsv4_jax.serve.prefix": 2,
+              "dsv4_jax.serve.sampling": 1, "dsv4_jax.speculative": 1}
+
+
+def _jax_jits(f: pathlib.Path) -> int:
+    """How many times the module's code names jax.jit / nnx.jit (calls and decorators)."""
+    return sum(isinstance(n, ast.Attribute) and n.attr == "jit" and isinstance(n.value, ast.Name)
+               and n.value.id in ("jax", "nnx")
+               for n in ast.walk(ast.parse(f.read_text(), str(f))))
+
+
+def test_the_model_is_jitted_in_programs_only():
+    """Every compiled program of the model comes from programs.py (one builder per kind:
+    step_program, decode_program, verify_programs, generate_loop, each for every layout);
+    a new jax.jit elsewhere must be one of the small non-model programs listed above."""
+    mods = _modules()
+    got = {m: n for m, f in mods.items() if m.startswith("dsv4_jax") and m != "dsv4_jax.programs"
+           and (n := _jax_jits(f))}
+    assert got == OTHER_JITS
+    src = (ROOT / "dsv4_jax" / "programs.py").read_text()
+    builders = [n.name for n in ast.parse(src).body
+                if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+                and "jax.jit" in ast.get_source_segment(src, n)]
+    assert builders == ["step_program", "decode_program", "verify_programs", "generate_loop"]

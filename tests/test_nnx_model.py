@@ -2,6 +2,8 @@
 program Engine runs over the split state) the functional decode step, bit for bit; it
 round-trips its parameters and its state's shardings come from the parameter
 description."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,9 @@ from flax import nnx
 from dsv4_jax import sharding as SH
 from dsv4_jax import config, distributed as DI, model, params as P
 from dsv4_jax.cache import CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step
-from dsv4_jax.nnx_model import DeepSeekV4, step_program
+from dsv4_jax.decode import step as flat_step
+from dsv4_jax.nnx_model import DeepSeekV4
+from dsv4_jax.programs import Layout, step_program
 from dsv4_jax.quant import Numerics
 
 CFG = config.tiny()
@@ -41,8 +44,9 @@ def test_nnx_model_equals_functional_forward():
 
 
 def test_module_decode_step_equals_the_functional_step():
-    """step_program (jit over nnx.split state, cache donated) against decode.compiled_step
-    on the flat tree: the same logits and cache, bit for bit, in the decode form too."""
+    """programs.step_program (jit over nnx.split state, cache donated) against jit of
+    decode.step on the flat tree: the same logits and cache, bit for bit, in the decode
+    form too."""
     merged = P.merge_x_proj(PARAMS, CFG)
     cs = CacheSpec.for_numerics(NM, max_requests=2, num_blocks=4, max_blocks=2)
     rng = np.random.default_rng(503)
@@ -52,12 +56,14 @@ def test_module_decode_step_equals_the_functional_step():
     args = (tok, jnp.arange(2), jnp.asarray([0, 0]), jnp.asarray([1, 1]), jnp.asarray(table))
     m = DeepSeekV4.from_params(CFG, merged)
     graphdef, state = nnx.split(m)
-    got, gc = step_program(graphdef, cs, NM)(state, init_cache(CFG, cs), *args)
-    want, wc = compiled_step(CFG, cs, NM)(merged, init_cache(CFG, cs), *args)
+    got, gc = step_program(Layout(CFG), graphdef, cs, NM)(state, init_cache(CFG, cs), *args)
+    want, wc = jax.jit(functools.partial(flat_step, cfg=CFG, cs=cs, nm=NM))(
+        merged, init_cache(CFG, cs), *args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(wc)):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    assert step_program(graphdef, cs, NM) is step_program(nnx.split(m)[0], cs, NM)  # shared
+    assert (step_program(Layout(CFG), graphdef, cs, NM)                  # shared
+            is step_program(Layout(CFG), nnx.split(m)[0], cs, NM))
 
 
 def test_state_shardings_follow_the_parameter_description():

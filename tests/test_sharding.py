@@ -96,7 +96,8 @@ def worker(out_path):
     import jax.numpy as jnp
     from dsv4_jax import config, distributed as DI, sharding as SH, layers as L, model as M, params as P
     from dsv4_jax.cache import CacheSpec, init_cache
-    from dsv4_jax.decode import compiled_step
+    from dsv4_jax.decode import step as flat_step
+    from dsv4_jax.programs import Layout, split, step_program
     from dsv4_jax.quant import Numerics
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -129,7 +130,11 @@ def worker(out_path):
         w1 = sp["layers.2.ffn.experts.w1"].packed
         res["shard_rows"][n] = [int(w1.addressable_shards[0].data.shape[0]),
                                 int(sp["layers.2.attn.wq_b"].w.addressable_shards[0].data.shape[0])]
-        res["forward"][n] = _rel(DI.sharded_forward(cfg, nm, mesh)(sp, tokens), ref)
+        def fwd(p, t, mesh=mesh):
+            with DI.expert_parallel(cfg, mesh):
+                return M.forward(p, t, cfg, nm)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        res["forward"][n] = _rel(jax.jit(fwd, out_shardings=rep)(sp, tokens), ref)
         print(f"forward {n} devices: rel {res['forward'][n]:.2e}", flush=True)
 
     # ---- decode: two requests, N_STEPS single-token steps from position 0
@@ -157,13 +162,14 @@ def worker(out_path):
         return max(_rel(np.where(np.isfinite(y), x, 0), np.where(np.isfinite(y), y, 0))
                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
-    ref_step = compiled_step(cfg, cs, nm)
+    ref_step = jax.jit(lambda *a: flat_step(*a, cfg=cfg, cs=cs, nm=nm), donate_argnums=(1,))
     ref_lg, ref_cache, _, _ = run(ref_step, params, init_cache(cfg, cs))
     for n in DECODE_MESHES:
         mesh = meshes[n]
-        step = DI.sharded_step(cfg, cs, nm, mesh)
-        res.setdefault("data_groups", {})[n] = step.groups
         sp = SH.shard_params(params, cfg, mesh)
+        graphdef, sp = split(cfg, sp)     # the module state, as the runner holds it
+        step = step_program(Layout.of(cfg, params, mesh), graphdef, cs, nm)
+        res.setdefault("data_groups", {})[n] = getattr(step, "groups", 1)
         cache0 = SH.shard_cache(init_cache(cfg, cs), cfg, cs, mesh)
         lg, cache, sizes, donated = run(step, sp, cache0)
         res["decode"][n] = [_rel(lg[t], ref_lg[t]) for t in range(N_STEPS)]
@@ -433,14 +439,15 @@ import runpy, sys
 from benchmarks import decode_bench as d
 from dsv4_jax import config
 from dsv4_jax.cache import CacheSpec
-from dsv4_jax.distributed import make_mesh, sharded_step
+from dsv4_jax.distributed import make_mesh
+from dsv4_jax.programs import Layout, step_program
 from dsv4_jax.quant import Numerics
 c = config.tiny()
 one, two = d.floor_bytes(c, 2, 300), d.floor_bytes(c, 2, 300, make_mesh(2, expert=2))
 print("FLOORS", one["total"], two["total"])
 try:  # the matmul kernels under tensor parallelism: refused
-    sharded_step(c, CacheSpec(max_requests=2, num_blocks=4, max_blocks=2),
-                 Numerics(matmul="pallas"), make_mesh(2, expert=1))
+    step_program(Layout(c, mesh=make_mesh(2, expert=1)), None,
+                 CacheSpec(max_requests=2, num_blocks=4, max_blocks=2), Numerics(matmul="pallas"))
 except ValueError as e:
     print("TPGUARD", e)
 sys.argv = ["x", "decode", "--preset", "tiny", "--layers", "3", "--batch", "2", "--context",
@@ -484,8 +491,10 @@ import json, sys
 import numpy as np
 from dsv4_jax import config, distributed as DI, sharding as SH, params as P
 from dsv4_jax.cache import CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step
+from dsv4_jax.decode import step as flat_step
+from dsv4_jax.programs import Layout, split, step_program
 from dsv4_jax.quant import Numerics
+import jax
 # SWA, CSA and HCA layers, a hash and a routed MoE layer
 cfg = config.tiny().replace(num_hidden_layers=3, compress_ratios=(0, 4, 128, 0),
                             num_hash_layers=1)
@@ -513,10 +522,11 @@ def run(step, params, cache):
         out.append(np.asarray(lg))
     return np.stack(out), cache
 
-a, ca = run(compiled_step(cfg, cs, nm), params, init_cache(cfg, cs))
-b, cb = run(DI.sharded_step(cfg, cs, nm, mesh), SH.shard_params(params, cfg, mesh),
+a, ca = run(jax.jit(lambda *a: flat_step(*a, cfg=cfg, cs=cs, nm=nm)), params,
+            init_cache(cfg, cs))
+graphdef, state = split(cfg, SH.shard_params(params, cfg, mesh))
+b, cb = run(step_program(Layout.of(cfg, params, mesh), graphdef, cs, nm), state,
             SH.shard_cache(init_cache(cfg, cs), cfg, cs, mesh))
-import jax
 from dsv4_jax.quant import unpack_e2m1
 
 def values(path, a):
@@ -534,7 +544,7 @@ diff = [jax.tree_util.keystr(k) for (k, x), y in zip(jax.tree_util.tree_flatten_
 errs = []
 for m in (DI.make_mesh(2, data=2, expert=1), DI.make_mesh(2, expert=1, model=2)):
     try:
-        DI.sharded_step(cfg, cs, nm, m)
+        step_program(Layout(cfg, mesh=m), graphdef, cs, nm)
         errs.append("")
     except ValueError as e:
         errs.append(str(e))

@@ -15,7 +15,7 @@ import pytest
 
 from dsv4_jax import config, layers as L, model, params as P
 from dsv4_jax.cache import CacheSpec, init_cache
-from dsv4_jax.decode import compiled_step
+from dsv4_jax.programs import Layout, split, step_program
 from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics, WeightRows, f32_dot_bf16
 
@@ -212,13 +212,15 @@ def test_decode_step_multiplies_x_once_per_csa_block(tiny):
     one fewer per ROW_MERGES pair in every layer (wq_a + wkv, shared w1 + w3)."""
     cfg, params, merged = tiny
     cs = CacheSpec.for_numerics(SIM, max_requests=2, num_blocks=6, max_blocks=3)
-    step = compiled_step(cfg, cs, SIM)
     cache = init_cache(cfg, cs)
     args = (jnp.zeros((2, 1), jnp.int32), jnp.arange(2, dtype=jnp.int32),
             jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32),
             jnp.zeros((2, 3), jnp.int32))
-    n = {name: _count_dots(step.lower(p, cache, *args).compile().as_text())
-         for name, p in (("apart", params), ("merged", merged))}
+    n = {}
+    for name, p in (("apart", params), ("merged", merged)):
+        graphdef, state = split(cfg, p)
+        step = step_program(Layout(cfg), graphdef, cs, SIM)
+        n[name] = _count_dots(step.lower(state, cache, *args).compile().as_text())
     assert n["apart"] - n["merged"] == (4 * len(_csa_layers(cfg))
                                         + len(P.ROW_MERGES) * cfg.num_hidden_layers), n
 
