@@ -212,10 +212,10 @@ def main(argv=None):
     print(f"step {ms:.3f} ms (host enqueue {1e3 * float(np.median(td[2:])):.3f} ms); "
           f"pipelined {pipe:.3f} ms")
     if a.profile:
-        state = {"cache": cache}
+        held = {"cache": cache}
 
         def run():
-            lg, state["cache"] = compiled(params, state["cache"], *args)
+            lg, held["cache"] = compiled(state, held["cache"], *args)
             lg.block_until_ready()
         profile_kernels(run, 10, hlo, a.top)
     if a.hlo_out:
