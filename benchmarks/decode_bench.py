@@ -186,7 +186,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
         t0 = time.perf_counter()
         args = (state, cache, toks, slots, poss[0], one, table)
         if pipeline is not None:
-            texts = step.compile(*args)
+            step, texts = step.compile(*args)
         else:
             step = step.lower(*args).compile()
             texts = [step.as_text()]
@@ -217,7 +217,7 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
                                sharding=lay.state_sharding())
         t0 = time.perf_counter()
         if pipeline is not None:
-            texts = prog.compile(state, cache, st)
+            prog, texts = prog.compile(state, cache, st)
         else:
             prog = prog.lower(state, cache, st).compile()
             texts = [prog.as_text()]

@@ -44,7 +44,7 @@ from . import speculative as SP
 from .cache import CacheSpec
 from .config import Config
 from .quant import Numerics
-from .serve.sampling import ROW_KEYS, _sample_rows
+from .serve.sampling import ROW_KEYS, draw_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ def prefill_fn(params, cache, kv, rpos, tokens, slot, pos, nvalid, block_table, 
     """One prefill chunk of one request (tokens [1, C] at pos [1], nvalid [1] real, slot
     [1]) with its rows committed into the drafter's rings kv [S, R, W, K] / rpos [R, W]
     (a chunk at position 0 first empties the slot's rings) -> (cache, kv, rpos, the
-    sampled outputs at its last row: serve.sampling._sample_rows)."""
+    sampled outputs at its last row: serve.sampling.draw_rows)."""
     ids = cfg.dspark_target_layer_ids
     X = M.embed(params, tokens, cfg, nm)
     X, cache, hs = D.step_layers(params, cache, X, tokens, slot, pos, nvalid, block_table,
@@ -132,7 +132,7 @@ def prefill_fn(params, cache, kv, rpos, tokens, slot, pos, nvalid, block_table, 
                      jnp.arange(C)[None, :] < nvalid[:, None], cfg, nm)
     kv = kv.at[:, slot].set(ring["kv"].astype(kv.dtype))
     rpos = rpos.at[slot].set(ring["pos"])
-    return cache, kv, rpos, _sample_rows(logits, rows, draws, n_top=n_top)
+    return cache, kv, rpos, draw_rows(logits, rows, draws, n_top=n_top)
 
 
 def step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, n_top: int):

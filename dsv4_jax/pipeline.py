@@ -153,18 +153,17 @@ class PipelineStep:
             new.append(c)
         return X, new
 
-    def compile(self, params, caches, tokens, slots, pos, nvalid, table) -> list[str]:
-        """Compile every stage ahead of time for these arguments' shapes (later calls run
-        the compiled stages) -> each stage's optimised HLO text."""
-        X, texts = None, []
+    def compile(self, params, caches, tokens, slots, pos, nvalid, table):
+        """Every stage compiled ahead of time for these arguments' shapes -> (a
+        PipelineStep of the compiled stages, each stage's optimised HLO text). This one is
+        left as it is (programs.py memoises it)."""
+        X, exes = None, []
         for s in range(self.pipe.n):
             args = _placed((params[s], caches[s], X, tokens, slots, pos, nvalid, table),
                            self.pipe.sharding(s))
-            fn = self.progs[s]
-            self.progs[s] = fn.lower(*args).compile()
-            texts.append(self.progs[s].as_text())
-            X = jax.eval_shape(fn, *args)[0]
-        return texts
+            exes.append(self.progs[s].lower(*args).compile())
+            X = jax.eval_shape(self.progs[s], *args)[0]
+        return PipelineStep(self.pipe, exes), [e.as_text() for e in exes]
 
 
 class PipelineStream:
@@ -194,23 +193,20 @@ class PipelineStream:
         c, st = self.last((params[-1], X), caches[-1], st)
         return new + [c], st
 
-    def compile(self, params, caches, st) -> list[str]:
-        """As PipelineStep.compile, for the stream step."""
+    def compile(self, params, caches, st):
+        """As PipelineStep.compile, for the stream step: -> (a compiled PipelineStream,
+        texts)."""
         R = st["tok"].shape[0]
         slots = jax.ShapeDtypeStruct((R,), jnp.int32)
-        X, texts = None, []
-        for s in range(self.pipe.n):
-            if s < self.pipe.n - 1:
-                args = _placed((params[s], caches[s], X, st["tok"], slots, st["pos"],
-                                st["nvalid"], st["table"]), self.pipe.sharding(s))
-                fn = self.progs[s]
-                self.progs[s] = exe = fn.lower(*args).compile()
-                X = jax.eval_shape(fn, *args)[0]
-            else:
-                args = _placed(((params[s], X), caches[s], st), self.pipe.sharding(s))
-                self.last = exe = self.last.lower(*args).compile()
-            texts.append(exe.as_text())
-        return texts
+        X, exes = None, []
+        for s in range(self.pipe.n - 1):
+            args = _placed((params[s], caches[s], X, st["tok"], slots, st["pos"],
+                            st["nvalid"], st["table"]), self.pipe.sharding(s))
+            exes.append(self.progs[s].lower(*args).compile())
+            X = jax.eval_shape(self.progs[s], *args)[0]
+        last = self.last.lower(*_placed(((params[-1], X), caches[-1], st),
+                                         self.pipe.sharding(self.pipe.n - 1))).compile()
+        return PipelineStream(self.pipe, exes, last), [e.as_text() for e in exes + [last]]
 
 
 def _placed(tree, sharding):

@@ -17,7 +17,7 @@ pure functions (decode.step, the sharded / tensor / staged forms, the speculativ
         (state, cache, st) -> (cache, st')
     verify_programs(lay, graphdef, cs, nm, sampler, spec)   # MTP Speculation(k) or DSpark()
         -> (prefill, step), speculative.py / dspark_runner.py signatures
-    generate_loop(lay, graphdef, cs, nm, cap)          # Engine.generate's fused while loop
+    generate_loop(lay, graphdef, cs, nm, cap)          # Engine.generate's fused loop (one device)
 
 `state` is the module state of nnx.split(DeepSeekV4.from_params(cfg, params)) (a list of
 stage trees for a pipeline: pipeline.split_params); `split(cfg, params)` makes the pair.
@@ -40,7 +40,7 @@ from .decode import STEP_COMPILER_OPTIONS, stream_step_fn
 from .nnx_model import DeepSeekV4, apply_step
 from .param_specs import x_proj_is_merged
 from .quant import Numerics
-from .serve.sampling import _sample_rows, sample_rows
+from .serve.sampling import draw_rows, sample_rows
 from . import distributed as dist
 from . import dspark_runner as DR
 from . import pipeline as PL
@@ -164,7 +164,7 @@ def step_program(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, n_top: int 
 
     def run(state, cache, tokens, slots, pos, nvalid, table, rows, draws):
         logits, cache = stp(state, cache, tokens, slots, pos, nvalid, table)
-        return cache, _sample_rows(logits, rows, draws, n_top=n_top)
+        return cache, draw_rows(logits, rows, draws, n_top=n_top)
     return _jit(lay, run, cs, 7, "cr", (1,))
 
 
@@ -287,14 +287,9 @@ def generate_loop(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, cap: int):
     """jit(while_loop over decode steps) on the module state: (state, cache, tok0 [R],
     active [R] bool, pos0 [R], table [R, MAXB], key, max_new int32, stops [S] int32,
     sampler) -> (tokens [R, cap], counts [R], cache), the cache donated; one compilation
-    per sampler kind, output width cap and stop-list length S. One device or a mesh (a
-    pipeline's stages are separate programs: no loop spans them)."""
-    if lay.kind == "pipeline":
-        raise ValueError("the fused generate loop runs on one device or a mesh, not a "
-                         "pipeline layout")
+    per sampler kind, output width cap and stop-list length S. One device only."""
+    if lay.kind != "single":
+        raise ValueError(f"the fused generate loop runs on one device, not the {lay.kind} "
+                         "layout (Engine.generate there goes through the stream)")
     run = _loop_fn(_step_fn(lay, graphdef, cs, nm), cs.max_requests, cap)
-    if lay.mesh is None:
-        return jax.jit(run, donate_argnums=(1,), **OPTS)
-    # the arguments come placed (the runner's state and cache): only the outputs are pinned
-    rep, (_, csh) = lay.replicated(), _shardings(lay, cs)
-    return jax.jit(run, donate_argnums=(1,), out_shardings=(rep, rep, csh), **OPTS)
+    return jax.jit(run, donate_argnums=(1,), **OPTS)

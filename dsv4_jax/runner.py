@@ -42,7 +42,7 @@ from .nnx_model import DeepSeekV4
 from .programs import Layout, decode_program, step_program, verify_programs
 from .params import merge_x_proj as merge_decode_form
 from .quant import Numerics
-from .serve.sampling import ROW_KEYS, TOP_LOGPROBS, RowSampler, SamplingRows, _sample_rows
+from .serve.sampling import ROW_KEYS, TOP_LOGPROBS, RowSampler, SamplingRows, sample_rows
 from .speculative import Speculation
 from . import distributed as dist
 from . import pipeline as PL
@@ -293,7 +293,7 @@ class ModelRunner:
             def run(rows, draws, *a):
                 logits, h, self.cache, self.mtp_cache = pre(self.state, self.cache,
                                                             self.mtp_cache, *a)
-                return _sample_jit(logits, rows, draws), h
+                return sample_rows(logits, rows, draws, n_top=TOP_LOGPROBS), h
         else:
             prog = step_program(self.layout, self.graphdef, self.cs, self.nm, TOP_LOGPROBS)
 
@@ -483,7 +483,6 @@ def _start_dspark_row(st, slot, tok1, pos, draw, rows1):
     return dict(st, anchor=st["anchor"].at[slot].set(tok1[0]))
 
 
-_sample_jit = jax.jit(functools.partial(_sample_rows, n_top=TOP_LOGPROBS))
 
 
 def _read_plain(st):

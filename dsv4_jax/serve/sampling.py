@@ -138,7 +138,7 @@ def filter_logits(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B):
     return jnp.where(probs >= min_p_B[:, None] * probs.max(-1, keepdims=True), lg, -jnp.inf)
 
 
-def _sample_rows(logits_BV, rows, steps_B, *, n_top: int):
+def draw_rows(logits_BV, rows, steps_B, *, n_top: int):
     """-> (tokens [B] int32, logprob of each token [B] f32, top ids [B, n_top] int32, top
     logprobs [B, n_top] f32). Row b draws with key fold_in(key(seed[b]), steps[b]): a
     request's draws depend on its seed and its token index only, not on its batch."""
@@ -156,7 +156,7 @@ def _sample_rows(logits_BV, rows, steps_B, *, n_top: int):
 
 
 # One program per logits shape [B, V]: the decode step's [R, V] and a prefill's [1, V].
-sample_rows = jax.jit(_sample_rows, static_argnames=("n_top",))
+sample_rows = jax.jit(draw_rows, static_argnames=("n_top",))
 
 ROW_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
@@ -171,7 +171,7 @@ class RowSampler:
 
     def draw(self, logits_RV, st):
         """-> (tokens [R], the state's updated entries)."""
-        tok, lp, ti, tl = _sample_rows(logits_RV, {k: st[k] for k in ROW_KEYS}, st["draw"],
+        tok, lp, ti, tl = draw_rows(logits_RV, {k: st[k] for k in ROW_KEYS}, st["draw"],
                                        n_top=self.n_top)
         return tok, {"lp": lp, "top_ids": ti, "top_lp": tl,
                      "draw": st["draw"] + (st["nvalid"] > 0)}
