@@ -270,8 +270,9 @@ def main(argv=None):
             # the server's inter-token latency compares with
             batch = prompts[:min(args.concurrency, args.max_requests)]
             for _ in range(2):   # the first run compiles
-                n = sum(1 for _ in eng.stream(batch, **kw)) - 2
-            out["stream_step_ms"] = 1e3 * eng.timing.decode_s / max(n, 1)
+                for _ in eng.stream(batch, **kw):
+                    pass
+            out["stream_step_ms"] = 1e3 * eng.timing.decode_s / max(eng.timing.decode_steps, 1)
         t0 = time.perf_counter()
         srv = build(eng, tok, name, seed=args.seed,
                     config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries,

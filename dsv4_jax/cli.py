@@ -422,32 +422,6 @@ def _stream_text(eng, prompts, tok, kw) -> tuple[list[list[int]], float]:
     return outs, first_at
 
 
-def _generate_waves(eng, prompts, kw, seed: int, slots: int):
-    """Engine.generate over waves of `slots` prompts (wave w seeded seed + its first
-    prompt's index, as Engine.generate seeds its own waves) -> (tokens per prompt, the
-    timing of all waves: first token of the first, compile, decode and tokens summed,
-    speculative acceptance over all requests)."""
-    outs, timings, per, steps = [], [], [], []
-    for w in range(0, len(prompts), slots):
-        outs += eng.generate(prompts[w:w + slots], seed=seed + w, **kw)
-        timings.append(eng.timing)
-        acc = getattr(eng, "acceptance", None)
-        if kw.get("speculative_tokens") and acc is not None:
-            per += acc["per_request"]
-            steps += acc["steps"]
-    tm = G.Timing(prefill_s=sum(t.prefill_s for t in timings),
-                  first_token_s=timings[0].first_token_s,
-                  compile_s=sum(t.compile_s for t in timings),
-                  decode_s=sum(t.decode_s for t in timings),
-                  new_tokens=sum(t.new_tokens for t in timings))
-    acc = None
-    if per:
-        emitted = sum(p * s for p, s in zip(per, steps) if s)
-        acc = {"per_request": per, "overall": emitted / sum(steps) if sum(steps) else
-               float("nan"), "steps": steps}
-    return outs, tm, acc
-
-
 def cmd_generate(args):
     _check_model_flags(args)
     _check_sampling_flags(args)
@@ -456,9 +430,6 @@ def cmd_generate(args):
     tok = _tokenizer(args, cfg)
     prompts = [tok.encode(t) if t.startswith(chat.BOS) else [tok.bos_id] + tok.encode(t)
                for t in texts]
-    if args.stream and len(prompts) > args.max_requests:
-        raise UsageError(f"--stream runs every prompt at once: {len(prompts)} prompts need "
-                         f"--max-requests {len(prompts)} (have {args.max_requests})")
     k = args.speculative_tokens
     _check_speculation(args, cfg)
     extra = cfg.dspark_block_size if k == "dspark" else k   # drafts a step may write past
@@ -487,7 +458,8 @@ def cmd_generate(args):
         tm = eng.timing
         acc = eng.acceptance if k else None
     else:
-        outs, tm, acc = _generate_waves(eng, prompts, kw, args.seed, args.max_requests)
+        outs = eng.generate(prompts, seed=args.seed, **kw)
+        tm, acc = eng.timing, eng.acceptance if k else None
         ttft = tm.first_token_s
     total = time.perf_counter() - t0
     if not args.stream:

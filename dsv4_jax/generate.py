@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .cache import CacheSpec, CapacityExceeded, PoolExhausted
+from .cache import CacheSpec, CapacityExceeded, PoolExhausted, blocks_needed
 from .config import Config
-from .decode import init_stream_state, put_state, read_tokens
 from .quant import Numerics
 from .programs import generate_loop
 from .runner import ModelRunner
+from .serve.sampling import SamplingParams, SamplingRows, sample_rows
+from .serve.scheduler import Request, Scheduler, SchedulerConfig
 from . import speculative as SP
 from . import pipeline as PL
 
@@ -124,18 +125,36 @@ for _cls, _data, _meta in ((Greedy, (), ()), (Temperature, ("temperature",), ())
     jax.tree_util.register_dataclass(_cls, data_fields=list(_data), meta_fields=list(_meta))
 
 
+def sampling_params(sampler, *, max_tokens: int, stop_ids: Sequence[int] = ()) -> SamplingParams:
+    """A sampler of this module as one request's per-row settings (serve.sampling: its
+    filters keep the tokens this sampler keeps; Greedy: temperature 0, the argmax)."""
+    kind = type(sampler)
+    if kind not in (Greedy, Temperature, TopK, TopP, MinP):
+        raise ValueError(f"sampler must be one of Greedy, Temperature, TopK, TopP, MinP; "
+                         f"got {sampler!r}")
+    return SamplingParams(temperature=float(getattr(sampler, "temperature", 0.0)),
+                          top_k=int(sampler.k) if kind is TopK else 0,
+                          top_p=float(sampler.p) if kind is TopP else 1.0,
+                          min_p=float(sampler.p) if kind is MinP else 0.0,
+                          max_tokens=max_tokens, stop_token_ids=tuple(int(t) for t in stop_ids))
+
+
 # ---------------------------------------------------------------------------------------
 # Engine
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Timing:
     """Wall-clock of the last generation. `compile_s` is kept out of `decode_s`, so
-    tokens_per_s is the steady decode rate (new_tokens counts tokens decoded in decode_s)."""
+    tokens_per_s is the steady decode rate (new_tokens counts tokens decoded in decode_s).
+    The stream: first_token_s = prefill_s until its first token, compile_s then until
+    the first decode step's tokens are read (that step compiles on first use), decode_s
+    the rest."""
     prefill_s: float = 0.0  # includes prefill compilation on first use
     first_token_s: float = 0.0
     compile_s: float = 0.0
     decode_s: float = 0.0
     new_tokens: int = 0
+    decode_steps: int = 0   # the steps run in decode_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -170,7 +189,6 @@ class Engine:
         self.chunk = prefill_chunk
         self.mesh, self.pipeline = mesh, pipeline
         self.progress = progress
-        self.last_stream_state = None  # the device state after the last stream step
         self.acceptance = None  # speculative decoding: mean tokens per step (speculative.py)
         self._loops = {}  # compiled while_loop programs by (sampler, width, stop count)
         self.timing = Timing()
@@ -231,10 +249,14 @@ class Engine:
             self.bm.advance(s, 1)
         return logits
 
-    def admit_all(self, prompts, extra: int):
+    def check_fits(self, prompts, extra: int, *, queued: bool = False) -> None:
+        """Clear errors before any work: token ids, empty prompts, a prompt + `extra` new
+        tokens past a request's capacity or past the cache pool. queued: the prompts may
+        wait for free slots (each must fit the pool alone); otherwise they run at once
+        (as many as the request slots, their blocks all free together)."""
         for p in prompts:
             self.check_tokens(p)
-        if len(prompts) > self.cs.max_requests:
+        if not queued and len(prompts) > self.cs.max_requests:
             raise ValueError(f"{len(prompts)} prompts but the cache has "
                              f"{self.cs.max_requests} request slots (CacheSpec.max_requests)")
         for p in prompts:
@@ -244,149 +266,105 @@ class Engine:
                 raise CapacityExceeded(
                     f"prompt of {len(p)} tokens + {extra} new tokens exceeds the cache "
                     f"capacity of {self.cs.capacity} tokens per request")
+        need = [blocks_needed(self.cfg, len(p) + extra) for p in prompts]
+        pool = self.cs.num_blocks // getattr(self.bm, "groups", 1)
+        if need and (max(need) > pool if queued else sum(need) > len(self.bm.free)):
+            raise PoolExhausted(
+                f"{'a request' if queued else f'{len(prompts)} requests'} of prompt + "
+                f"{extra} new tokens need{'s' * queued} {max(need) if queued else sum(need)} "
+                f"cache blocks, and the pool has {pool if queued else len(self.bm.free)} "
+                f"(CacheSpec.num_blocks); lower max_new_tokens or grow the pool")
+
+    def admit_all(self, prompts, extra: int):
+        """Request slots for `prompts` (check_fits first), each with its prompt's blocks."""
+        self.check_fits(prompts, extra)
         return [self.bm.admit(len(p)) for p in prompts]
 
     def release_all(self):
         for s in np.flatnonzero(self.bm.active):
             self.bm.release(int(s))
 
-    # ---- streaming -------------------------------------------------------------------
-    def _launch(self, prog, st, run_slots: list[int], first=None, key=None):
-        """Enqueue one stream step for `run_slots` -> (new state, device tokens [R]).
-        st None: a fresh state fed with `first` (host tokens by slot). Otherwise only the
-        host-side changes go in: which slots run, the block table when a block was added
-        (fresh arrays: their step pays a CUDA-graph update; other steps move nothing).
-        Allocates the blocks the step fills first (all or nothing: PoolExhausted)."""
-        R = self.cs.max_requests
-        self.bm.ensure_many({s: int(self.bm.length[s]) + 1 for s in run_slots})
-        nvalid = np.zeros(R, np.int32)
-        nvalid[run_slots] = 1
-        if st is None:
-            toks = np.zeros(R, np.int32)
-            for s, t in first.items():
-                toks[s] = t
-            st = init_stream_state(toks, self.bm.length.astype(np.int32), nvalid,
-                                   self.bm.table, key, sharding=self.runner.state_sharding)
-            # load the token reader before the step's first run: XLA drops every loaded
-            # program's CUDA graphs when a new one loads, and the step would re-record its
-            # graphs at its second run
-            read_tokens(st)
-            self._st_host = (nvalid, self.bm.table.copy())
-        else:
-            nv0, tb0 = self._st_host
-            if not np.array_equal(nv0, nvalid):
-                st = dict(st, nvalid=put_state(nvalid, self.runner.state_sharding))
-            if not np.array_equal(tb0, self.bm.table):
-                st = dict(st, table=put_state(self.bm.table, self.runner.state_sharding))
-            self._st_host = (nvalid, self.bm.table.copy())
-        self.cache, st = prog(self.state, self.cache, st)
-        self.last_stream_state = st   # for inspection (e.g. in a notebook)
-        nxt = read_tokens(st)   # into pinned host memory, when the step ends
-        for s in run_slots:
-            self.bm.advance(s, 1)
-        if self.runner.interpreted:
-            jax.block_until_ready(nxt)
-        return st, nxt
-
+    # ---- streaming: the serving scheduler over the runner ----------------------------
     def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = (),
-               speculative_tokens: int = 0) -> Iterator[list[tuple[int, int]]]:
-        """Yields, per decode step, [(request_index, token)] for requests still running.
-        Stop tokens (EOS + stop_ids) end a request and are yielded.
+               speculative_tokens: int | str = 0) -> Iterator[list[tuple[int, int]]]:
+        """Yields, per step, [(request_index, token), ...] of the tokens that step gave
+        (the first token of a request whose prefill ended, then one per decode step; with
+        speculation 1 .. k+1). Stop tokens (EOS + stop_ids) end a request and are
+        yielded. Request i samples with `sampler`'s settings and seed + i
+        (sampling_params), the draws of Engine.generate and of a served request.
 
-        Each step samples in the same program and keeps its state on the device (tokens,
-        positions: decode.stream_step_fn), so no buffer moves between steps. Pipelined:
-        step n+1 is enqueued before step n's tokens are read back, so the host's launch
-        work overlaps the GPU's. A request that stops at step n therefore runs one extra
-        step, whose token is dropped; the yielded tokens are the same as without
-        pipelining.
+        The driver of `dsv4 serve`'s Scheduler (serve/scheduler.py) over this engine's
+        ModelRunner: more prompts than request slots wait for a free one; prompt chunks
+        interleave with the decode steps of the requests already running; blocks are
+        allocated as requests grow (the youngest is recomputed when the pool runs out).
+        Each step samples in its program and keeps its state on the device, and step n+1
+        is enqueued before step n's tokens are read: a request that stops at step n runs
+        one step more, whose token is dropped.
 
         speculative_tokens k > 0: the MTP block drafts k tokens a step and one program
-        verifies them (speculative.py); a step yields 1 .. k+1 tokens per request.
-        speculative_tokens "dspark": the DSpark drafter's block (dspark_stream.py)."""
+        verifies them (speculative.py); "dspark": the DSpark drafter's block
+        (dspark_runner.py). Sets `acceptance` (mean tokens a decode step, per request and
+        overall) and `timing`. Closing the iterator early ends every request."""
         _check_max_new(max_new_tokens)
-        if speculative_tokens == "dspark":
-            from . import dspark_stream
-            yield from dspark_stream.stream(self, prompts, max_new_tokens=max_new_tokens,
-                                            sampler=sampler, seed=seed, stop_ids=stop_ids)
-            return
-        if speculative_tokens:
-            yield from SP.stream(self, prompts, max_new_tokens=max_new_tokens, sampler=sampler,
-                                 seed=seed, stop_ids=stop_ids, k=speculative_tokens)
-            return
-        stops = {self.cfg.eos_token_id, *stop_ids}
-        slots = self.admit_all(prompts, max_new_tokens)
-        key = jax.random.key(seed)
-        sample = jax.jit(sampler.get_next_tokens)
-        prog = self.runner.stream_program(sampler)
+        self.check_fits(prompts, max_new_tokens, queued=True)
+        sp = sampling_params(sampler, max_tokens=max_new_tokens, stop_ids=stop_ids)
+        params = [dataclasses.replace(sp, seed=seed + i) for i in range(len(prompts))]
+        # every admitted prompt's chunks in the first steps: the batch decodes together
+        sched = Scheduler(self, None, SchedulerConfig(
+            prefill_chunks_per_step=self.cs.max_requests, max_waiting=max(len(prompts), 1),
+            speculative_tokens=speculative_tokens))
+        got: list[tuple[int, int]] = []
+
+        def sink(i):
+            return lambda o: got.extend((i, t) for t in o.token_ids)
+        reqs = [sched.submit(Request(p, params[i], sink(i), rid=f"prompt-{i}"))
+                for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        tm = self.timing = Timing()
+        t_dec = None   # when the first decode step's token was read
         try:
-            t0 = time.perf_counter()
-            last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
-            first = np.asarray(sample(jnp.stack(last), jax.random.fold_in(key, 0)))
-            self.timing = Timing(prefill_s=time.perf_counter() - t0)
-            self.timing.first_token_s = self.timing.prefill_s
-            yield [(i, int(first[i])) for i in range(len(prompts))]
-            alive = [i for i in range(len(prompts)) if int(first[i]) not in stops]
-            feed = {slots[i]: int(first[i]) for i in alive}
-            st = None   # the device state, once the first step is launched
-            n_out, inflight = 1, []  # inflight: (requests, device tokens) not yet read
-            t1 = time.perf_counter()
-            while True:
-                launched = False
-                if alive and n_out + len(inflight) < max_new_tokens:
-                    try:
-                        st, nxt = self._launch(prog, st, [slots[i] for i in alive], feed, key)
-                        inflight.append((list(alive), nxt))
-                        launched = True
-                    except PoolExhausted:
-                        if not inflight:  # nothing speculative to settle: a real shortage
-                            raise
-                if not inflight:
-                    break
-                if launched and len(inflight) == 1:
-                    continue  # keep one step in flight ahead of the one being read
-                ids, nxt = inflight.pop(0)
-                toks = np.asarray(nxt)  # waits for that step only
-                n_out += 1
-                out = [(i, int(toks[slots[i]])) for i in ids if i in alive]
-                if n_out == 2:  # the first decode step carries compilation: not timed
-                    self.timing.compile_s = time.perf_counter() - t1
-                    t1 = time.perf_counter()
-                else:
-                    self.timing.new_tokens += len(out)
+            while sched.has_work():
+                sched.step()
+                if not got:
+                    continue
+                now = time.perf_counter()
+                if not tm.first_token_s:
+                    tm.first_token_s = tm.prefill_s = now - t0
+                if t_dec is not None:
+                    tm.new_tokens += len(got)
+                    tm.decode_steps += 1
+                elif any(r.decode_steps for r in reqs):   # it carried the compilation
+                    t_dec = now
+                    tm.compile_s = now - t0 - tm.prefill_s
+                out, got[:] = list(got), []
                 yield out
-                alive = [i for i in alive if int(toks[slots[i]]) not in stops]
-            self.timing.decode_s = time.perf_counter() - t1
+            if t_dec is not None:
+                tm.decode_s = time.perf_counter() - t_dec
+            if speculative_tokens:
+                self.acceptance = SP.acceptance_report(
+                    [r.decode_steps for r in reqs], [len(r.out_ids) - 1 for r in reqs])
         finally:
-            for s in slots:
-                self.bm.release(s)
+            sched.abort_all()   # a consumer that stopped early, or a failed step
+
+    @property
+    def last_stream_state(self):
+        """The runner's device decode state after the last step (for inspection)."""
+        return self.runner.dstate
 
     # ---- fully jitted loop -------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                  sampler=Greedy(), seed: int = 0, stop_ids: Sequence[int] = (),
-                 jit_loop: bool = True, speculative_tokens: int = 0) -> list[list[int]]:
+                 jit_loop: bool = True, speculative_tokens: int | str = 0) -> list[list[int]]:
         """Generated tokens per prompt (including the stop token that ended it, if any).
-        More prompts than request slots run in waves (wave w seeded seed + its first
-        prompt's index; `timing` and `acceptance` cover them all). speculative_tokens
-        k > 0: MTP drafts verified k at a time (through stream)."""
+        Request i samples with `sampler`'s settings and seed + i, as in `stream`, whose
+        tokens these are. On one device without speculation (jit_loop) the decode steps
+        run as one fused while-loop program (faster than the stream at equal batch);
+        more prompts than request slots then run in waves (`timing` sums them).
+        Otherwise (a mesh, a pipeline, speculative_tokens k > 0 or "dspark",
+        jit_loop=False) it collects `stream`."""
         R = self.cs.max_requests
         _check_max_new(max_new_tokens)
-        if len(prompts) > R:   # waves; timing and acceptance over all of them
-            out, waves, acc = [], [], []
-            for i in range(0, len(prompts), R):
-                out += self.generate(prompts[i:i + R], max_new_tokens=max_new_tokens,
-                                     sampler=sampler, seed=seed + i, stop_ids=stop_ids,
-                                     jit_loop=jit_loop, speculative_tokens=speculative_tokens)
-                waves.append(self.timing)
-                acc.append(self.acceptance)
-            self.timing = Timing(prefill_s=sum(t.prefill_s for t in waves),
-                                 first_token_s=waves[0].first_token_s,
-                                 compile_s=sum(t.compile_s for t in waves),
-                                 decode_s=sum(t.decode_s for t in waves),
-                                 new_tokens=sum(t.new_tokens for t in waves))
-            if speculative_tokens:
-                self.acceptance = SP.merge_acceptance(acc)
-            return out
         if (speculative_tokens or not jit_loop or self.mesh is not None
                 or self.pipeline is not None):
             res = [[] for _ in prompts]
@@ -396,26 +374,44 @@ class Engine:
                 for i, t in stepv:
                     res[i].append(t)
             return res
+        if len(prompts) > R:   # waves; timing over all of them
+            self.check_fits(prompts, max_new_tokens, queued=True)
+            out, waves = [], []
+            for i in range(0, len(prompts), R):
+                out += self.generate(prompts[i:i + R], max_new_tokens=max_new_tokens,
+                                     sampler=sampler, seed=seed + i, stop_ids=stop_ids)
+                waves.append(self.timing)
+            self.timing = Timing(prefill_s=sum(t.prefill_s for t in waves),
+                                 first_token_s=waves[0].first_token_s,
+                                 compile_s=sum(t.compile_s for t in waves),
+                                 decode_s=sum(t.decode_s for t in waves),
+                                 new_tokens=sum(t.new_tokens for t in waves),
+                                 decode_steps=sum(t.decode_steps for t in waves))
+            return out
+        sp = sampling_params(sampler, max_tokens=max_new_tokens, stop_ids=stop_ids)
         slots = self.admit_all(prompts, max_new_tokens)
         try:
             t0 = time.perf_counter()
+            rows = SamplingRows.empty(R)
+            for i, s in enumerate(slots):
+                rows.set(s, sp, seed + i)
             last = [self.prefill(s, p) for s, p in zip(slots, prompts)]
             for s in slots:  # every block the whole generation will fill, before the loop
                 self.bm.ensure(s, int(self.bm.length[s]) + max_new_tokens)
-            key = jax.random.key(seed)
-            first = sampler.get_next_tokens(jnp.stack(last), jax.random.fold_in(key, 0))
+            first = sample_rows(jnp.stack(last), rows.take(slots),
+                                jnp.zeros(len(slots), jnp.int32), n_top=1)[0]
             first.block_until_ready()
             t1 = time.perf_counter()
             tok0 = jnp.zeros(R, jnp.int32).at[jnp.asarray(slots)].set(first)
             active = jnp.zeros(R, bool).at[jnp.asarray(slots)].set(True)
-            args = (self.state, self.cache, tok0, active, jnp.asarray(self.bm.length, jnp.int32),
-                    jnp.asarray(self.bm.table), key)
-            # the sampler's kind (and top-k's k), the output width and the stop list's
-            # length (both bucketed) key the program; the values are arguments
+            # the output width and the stop list's length (both bucketed) key the program;
+            # lengths, stop ids and the rows' sampling settings are arguments
             cap, stops = loop_bucket(max_new_tokens), loop_stops({self.cfg.eos_token_id,
                                                                    *stop_ids})
-            largs = (*args, jnp.int32(max_new_tokens), stops, sampler)
-            lkey = (jax.tree.structure(sampler), cap, stops.shape[0])
+            largs = (self.state, self.cache, tok0, active, jnp.asarray(self.bm.length, jnp.int32),
+                     jnp.asarray(self.bm.table), rows.take(np.arange(R)),
+                     jnp.int32(max_new_tokens), stops)
+            lkey = (cap, stops.shape[0])
             if lkey not in self._loops:
                 self._loops[lkey] = generate_loop(self.runner.layout, self.graphdef, self.cs,
                                                   self.nm, cap).lower(*largs).compile()
@@ -424,7 +420,8 @@ class Engine:
             out, n_gen = np.asarray(out), np.asarray(n_gen)
             t3 = time.perf_counter()
             self.timing = Timing(prefill_s=t1 - t0, first_token_s=t1 - t0, compile_s=t2 - t1,
-                                 decode_s=t3 - t2, new_tokens=int(n_gen[slots].sum()) - len(slots))
+                                 decode_s=t3 - t2, new_tokens=int(n_gen[slots].sum()) - len(slots),
+                                 decode_steps=int(n_gen[slots].max()) - 1)
             return [out[s, :n_gen[s]].tolist() for s in slots]
         finally:
             for s in slots:

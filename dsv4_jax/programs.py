@@ -40,7 +40,7 @@ from .decode import STEP_COMPILER_OPTIONS, stream_step_fn
 from .nnx_model import DeepSeekV4, apply_step
 from .param_specs import x_proj_is_merged
 from .quant import Numerics
-from .serve.sampling import draw_rows, sample_rows
+from .serve.sampling import draw_rows, draw_tokens, sample_rows
 from . import distributed as dist
 from . import dspark_runner as DR
 from . import pipeline as PL
@@ -162,10 +162,10 @@ def step_program(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, n_top: int 
         groups = dist.data_groups(cs, lay.mesh) if lay.kind == "mesh" else 1
         return prog if groups == 1 else DataParallelStep(prog, cs, groups)
 
-    def run(state, cache, tokens, slots, pos, nvalid, table, rows, draws):
+    def sampled_step(state, cache, tokens, slots, pos, nvalid, table, rows, draws):
         logits, cache = stp(state, cache, tokens, slots, pos, nvalid, table)
         return cache, draw_rows(logits, rows, draws, n_top=n_top)
-    return _jit(lay, run, cs, 7, "cr", (1,))
+    return _jit(lay, sampled_step, cs, 7, "cr", (1,))
 
 
 class DataParallelStep:
@@ -253,12 +253,13 @@ def verify_programs(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, sampler,
 # 4. Engine.generate's fused loop
 # ---------------------------------------------------------------------------------------
 def _loop_fn(apply, R: int, cap: int):
-    """run(p, cache, tok0, active, pos0, table, key, max_new, stops, sampler) -> (tokens
-    [R, cap], generated counts [R], cache): a while_loop over decode steps apply(p, cache,
-    tokens, slots, pos, nvalid, table) -> (logits, cache), each sampled with `sampler` (a
-    pytree: its settings traced); a request stops on a token of stops [S] int32 (padded with
-    -1) or at max_new (int32 scalar, <= cap) tokens."""
-    def run(p, cache, tok0, active, pos0, table, key, max_new, stops, sampler):
+    """run(p, cache, tok0, active, pos0, table, rows, max_new, stops) -> (tokens [R, cap],
+    generated counts [R], cache): a while_loop over decode steps apply(p, cache, tokens,
+    slots, pos, nvalid, table) -> (logits, cache), each sampled per row with its settings
+    rows {name: [R]} (serve.sampling.draw_tokens; the token after i generated ones is draw
+    i, as in the serving scheduler); a request stops on a token of stops [S] int32 (padded
+    with -1) or at max_new (int32 scalar, <= cap) tokens."""
+    def run(p, cache, tok0, active, pos0, table, rows, max_new, stops):
         out = jnp.zeros((R, cap), jnp.int32).at[:, 0].set(tok0)
         n_gen = jnp.where(active, 1, 0)
         running = active & ~jnp.isin(tok0, stops)
@@ -270,7 +271,7 @@ def _loop_fn(apply, R: int, cap: int):
             cache, tok, pos, running, out, i, n_gen = c
             logits, cache = apply(p, cache, tok[:, None], jnp.arange(R), pos,
                                   running.astype(jnp.int32), table)
-            nxt = sampler.get_next_tokens(logits, jax.random.fold_in(key, i))
+            nxt = draw_tokens(logits, rows, jnp.full(R, i, jnp.int32))
             out = out.at[:, i].set(jnp.where(running, nxt, 0))
             n_gen = n_gen + running
             pos = pos + running
@@ -285,9 +286,10 @@ def _loop_fn(apply, R: int, cap: int):
 @functools.lru_cache(maxsize=None)
 def generate_loop(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, cap: int):
     """jit(while_loop over decode steps) on the module state: (state, cache, tok0 [R],
-    active [R] bool, pos0 [R], table [R, MAXB], key, max_new int32, stops [S] int32,
-    sampler) -> (tokens [R, cap], counts [R], cache), the cache donated; one compilation
-    per sampler kind, output width cap and stop-list length S. One device only."""
+    active [R] bool, pos0 [R], table [R, MAXB], rows {name: [R]} (serve.sampling.ROW_KEYS),
+    max_new int32, stops [S] int32) -> (tokens [R, cap], counts [R], cache), the cache
+    donated; one compilation per output width cap and stop-list length S. One device
+    only."""
     if lay.kind != "single":
         raise ValueError(f"the fused generate loop runs on one device, not the {lay.kind} "
                          "layout (Engine.generate there goes through the stream)")

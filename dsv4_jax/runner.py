@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -409,6 +408,11 @@ class ModelRunner:
             self.dstate = self._init_dstate()
             self._host = {"table": self.bm.table.copy(),
                           "run": np.zeros(self.cs.max_requests, np.int32)}
+            # the token reader loads before the decode step first runs: XLA drops every
+            # loaded program's CUDA graphs when a new one loads, and the step would
+            # re-record its graphs at its second run
+            jax.block_until_ready((_read_plain if self.speculation is None else
+                                   _read_spec)(self.dstate))
         return self.dstate
 
     def advance(self, slot: int, n: int) -> None:

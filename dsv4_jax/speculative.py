@@ -514,7 +514,7 @@ def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: dict, mesh):
 
 
 # ---------------------------------------------------------------------------------------
-# Engine.stream / Engine.generate with speculation
+# The host side (the serving scheduler drives the runner's speculative mode)
 # ---------------------------------------------------------------------------------------
 def _prefill(eng, prog, slot: int, prompt, h0):
     """Engine.prefill with the MTP block: chunk by chunk -> (last logits [V], last main
@@ -535,132 +535,9 @@ def _prefill(eng, prog, slot: int, prompt, h0):
     return logits[0], h[0]
 
 
-def stream(eng, prompts, *, max_new_tokens: int, sampler, seed: int, stop_ids, k: int):
-    """Engine.stream with k MTP drafts per step: yields, per step, [(request_index, token),
-    ...] with 1 .. k+1 tokens per running request. Sets eng.acceptance (mean tokens per
-    step, per request and overall) and eng.timing.
-    Pipelined as Engine.stream: step i+1 is enqueued before step i's emitted tokens are
-    read (through pinned host memory), so the host's launch work overlaps the GPU's. The
-    host thus learns one step late that a request ended: that request runs one step more,
-    whose tokens are dropped, and each request keeps blocks for two steps of k + 1 tokens
-    (given back when it ends)."""
-    import time
-    eng.runner.check_speculation(k)   # max_new_tokens: checked by Engine.stream
-    cfg, cs = eng.cfg, eng.cs
-    R = cs.max_requests
-    T = k + 1
-    stops = {cfg.eos_token_id, *stop_ids}
-    slots = eng.admit_all(prompts, max_new_tokens + k)
-    key = jax.random.key(seed)
-    sample = jax.jit(sampler.get_next_tokens)
-    prefill, step = eng.runner.spec_programs(sampler, k)
-    read = D.host_reader("out", "n_out")
-    eng.runner.ensure_mtp_cache()
-    try:
-        t0 = time.perf_counter()
-        # placed as the prefill returns it, or its second call compiles again
-        h0 = D.put_state(np.zeros((1, cfg.hc_mult, cfg.hidden_size), eng.nm.jdtype),
-                         eng.runner.state_sharding)
-        res = [_prefill(eng, prefill, s, p, h0) for s, p in zip(slots, prompts)]
-        first = np.asarray(sample(jnp.stack([r[0] for r in res]), jax.random.fold_in(key, 0)))
-        eng.timing = type(eng.timing)(prefill_s=time.perf_counter() - t0)  # generate.Timing
-        eng.timing.first_token_s = eng.timing.prefill_s
-        yield [(i, int(first[i])) for i in range(len(prompts))]
-        n_out = [1] * len(prompts)
-        alive = [i for i in range(len(prompts)) if int(first[i]) not in stops]
-        steps, emitted = [0] * len(prompts), [0] * len(prompts)
-        tok_R = np.zeros(R, np.int32)
-        h_R = np.zeros((R, cfg.hc_mult, cfg.hidden_size), np.asarray(h0).dtype)
-        for i, s in enumerate(slots):
-            tok_R[s], h_R[s] = first[i], np.asarray(res[i][1])
-        st, host, pending = None, None, None
-        done = set()    # requests ended, as the host has seen
-        alive = [i for i in alive if n_out[i] < max_new_tokens]
-        t1 = time.perf_counter()
-        while alive or pending is not None:
-            launched = None
-            if alive:
-                run_slots = [slots[i] for i in alive]
-                # a slot may reach its length as read, + T for each step not yet read
-                # (the one in flight and this one); writes past the capacity are dropped
-                ahead = T * (2 if pending is not None else 1)
-                eng.bm.ensure_many({s: min(int(eng.bm.length[s]) + ahead, cs.capacity)
-                                    for s in run_slots})
-                run = np.zeros(R, np.int32)
-                run[run_slots] = 1
-                first_step = st is None
-                if first_step:
-                    st = init_spec_state(k, cfg, tok_R, h_R, eng.bm.length, run, eng.bm.table,
-                                         key, sharding=eng.runner.state_sharding)
-                    # the reader loads before the step first runs: loading a program later
-                    # drops the step's recorded CUDA graphs (decode.read_tokens)
-                    np.asarray(read(st)[1])
-                else:
-                    if not np.array_equal(host[0], run):
-                        st = dict(st, run=D.put_state(run, eng.runner.state_sharding))
-                    if not np.array_equal(host[1], eng.bm.table):
-                        st = dict(st, table=D.put_state(eng.bm.table, eng.runner.state_sharding))
-                host = (run, eng.bm.table.copy())
-                eng.cache, eng.mtp_cache, st = step(eng.state, eng.cache, eng.mtp_cache, st)
-                eng.last_stream_state = st
-                launched = (read(st), list(alive), first_step)
-                if first_step:   # the first step carries compilation: not timed
-                    np.asarray(launched[0][1])
-                    eng.timing.compile_s = time.perf_counter() - t1
-                    t1 = time.perf_counter()
-            if pending is not None:
-                (out, n), ran, untimed = pending
-                out, n = np.asarray(out), np.asarray(n)   # the step's one read-back
-                got = []
-                for i in ran:
-                    if i in done:
-                        continue   # ended: this step ran before the host knew
-                    s = slots[i]
-                    steps[i] += 1
-                    emitted[i] += int(n[s])
-                    eng.bm.advance(s, int(n[s]))
-                    if emit_row(i, out[s, :n[s]], n_out, max_new_tokens, stops, got):
-                        done.add(i)
-                if not untimed:
-                    eng.timing.new_tokens += len(got)
-                alive = [i for i in alive if i not in done]
-                yield got
-            pending = launched
-        eng.timing.decode_s = time.perf_counter() - t1
-        eng.acceptance = acceptance_report(steps, emitted)
-    finally:
-        for s in slots:
-            eng.bm.release(s)
-
-
-def emit_row(i, toks, n_out, max_new_tokens, stops, got) -> bool:
-    """Request i's tokens of one step into `got` as (i, token), up to max_new_tokens and
-    through its first stop id (n_out[i] counts them; a stop sets it to max_new_tokens)
-    -> whether the request ended."""
-    for t in toks:
-        if n_out[i] >= max_new_tokens:
-            break
-        got.append((i, int(t)))
-        n_out[i] += 1
-        if int(t) in stops:
-            n_out[i] = max_new_tokens   # stopped
-            break
-    return n_out[i] >= max_new_tokens
-
-
 def acceptance_report(steps, emitted) -> dict:
     """Mean tokens emitted per step (accepted drafts + 1), per request and overall."""
     per = [e / s if s else float("nan") for s, e in zip(steps, emitted)]
     tot = sum(steps)
     return {"per_request": per, "overall": sum(emitted) / tot if tot else float("nan"),
             "steps": list(steps)}
-
-
-def merge_acceptance(reports) -> dict:
-    """acceptance_report over several runs (Engine.generate's waves) as one."""
-    steps = [n for r in reports for n in r["steps"]]
-    per = [x for r in reports for x in r["per_request"]]
-    emitted = [x * n if n else 0 for x, n in zip(per, steps)]
-    tot = sum(steps)
-    return {"per_request": per, "overall": sum(emitted) / tot if tot else float("nan"),
-            "steps": steps}

@@ -156,8 +156,10 @@ def test_engine_rejects_bad_input(tiny):
     eng = engine(cfg, params, F32)
     with pytest.raises(CapacityExceeded, match="exceeds the cache capacity"):
         eng.generate([[1] * 500], max_new_tokens=30)
-    with pytest.raises(ValueError, match="request slots"):
-        list(eng.stream([[1, 2]] * 3))
+    with pytest.raises(ValueError, match="request slots"):   # the fused loop runs them at once
+        eng.admit_all([[1, 2]] * 3, 2)
+    with pytest.raises(CapacityExceeded, match="exceeds the cache capacity"):
+        next(eng.stream([[1, 2]], max_new_tokens=eng.cs.capacity))
     with pytest.raises(ValueError, match="token ids"):
         eng.generate([[1, cfg.vocab_size + 5]], max_new_tokens=2)
     assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
@@ -208,31 +210,27 @@ def test_generate_jitted_loop_equals_streaming_and_stops(tiny):
 
 
 @pytest.mark.slow  # ~70 s
-def test_stream_settles_inflight_step_before_pool_exhausted(tiny):
-    """A pool with exactly the blocks the real steps need: the pipelined stream's extra
-    step past a stop would need one more block; it must not turn into PoolExhausted."""
+def test_stream_in_a_pool_of_exactly_its_blocks(tiny):
+    """A pool with exactly the blocks prompt + max_new_tokens need: the pipelined stream's
+    extra step past a stop needs no block beyond them, and a request stopped early or run
+    to its length gives the tokens of a large pool; one block less is refused before any
+    work, nothing held."""
     cfg, params = tiny
     rng = np.random.default_rng(106)
     n = next(n for n in range(64, 1024) if blocks_needed(cfg, n + 1) > blocks_needed(cfg, n))
     big = engine(cfg, params, F32)
-    for _ in range(8):  # a prompt whose first two greedy tokens differ and are not EOS
-        prompt = rng.integers(0, cfg.vocab_size, n - 1).tolist()
-        ref = big.generate([prompt], max_new_tokens=4)[0]
-        # len >= 3: ref[1] did not end the request (an EOS there ends it without the
-        # shortage, as CI once drew), so the run without the stop must feed ref[1]
-        if len(ref) >= 3 and ref[1] != ref[0]:
-            break
-    else:
-        pytest.skip("greedy repeats its first token or stops early for every drawn prompt")
-    # prefill n - 1 tokens, the step feeding ref[0] -> n tokens; the next needs a new block
+    prompt = rng.integers(0, cfg.vocab_size, n - 4).tolist()   # + 4 new: n, a 5th: a block
+    ref = big.generate([prompt], max_new_tokens=4)[0]
     cs = CacheSpec.for_numerics(F32, max_requests=1, num_blocks=blocks_needed(cfg, n),
                                 max_blocks=8)
     tight = Engine(cfg, params, numerics=F32, cache_spec=cs, prefill_chunk=64)
-    got = [t for step in tight.stream([prompt], max_new_tokens=4, stop_ids=[ref[1]])
-           for _, t in step]
-    assert got == ref[:2]
-    with pytest.raises(PoolExhausted):  # without the stop the shortage is real
-        list(tight.stream([prompt], max_new_tokens=4))
+    stop = ref[min(1, len(ref) - 1)]
+    for stops in ([stop], []):
+        got = [t for step in tight.stream([prompt], max_new_tokens=4, stop_ids=stops)
+               for _, t in step]
+        assert got == (ref[:ref.index(stop) + 1] if stops else ref), stops
+    with pytest.raises(PoolExhausted, match="pool"):
+        next(tight.stream([prompt], max_new_tokens=5))
     assert not tight.bm.active.any() and len(tight.bm.free) == cs.num_blocks
 
 
@@ -300,6 +298,30 @@ def test_sampled_stream_across_a_block_equals_the_jitted_loop(tiny):
         for i, p in enumerate(prompts):
             ran = len(ref[i]) if len(ref[i]) == N else len(ref[i]) + 1  # + the extra step
             assert int(st["pos"][i]) == len(p) + ran - 1, (stops, i)
+    assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
+
+
+def test_stream_queues_prompts_beyond_the_slots_and_equals_the_waves(tiny):
+    """Three sampled prompts on two request slots: the stream queues the third until a
+    slot frees, and gives the tokens of the fused loop's two waves (request i draws with
+    seed + i in both). A stream closed early ends its requests and gives everything
+    back."""
+    cfg, params = tiny
+    eng = engine(cfg, params, F32)
+    rng = np.random.default_rng(111)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (7, 30, 12)]
+    sampler, seed = TopP(p=0.8, temperature=1.3), int(rng.integers(1 << 20))
+    want = eng.generate(prompts, max_new_tokens=6, sampler=sampler, seed=seed)
+    got = [[] for _ in prompts]
+    for step_ in eng.stream(prompts, max_new_tokens=6, sampler=sampler, seed=seed):
+        for i, t in step_:
+            got[i].append(t)
+    assert got == want
+    assert len({tuple(x) for x in want}) == 3   # the seeds differ per request
+    it = eng.stream(prompts, max_new_tokens=6, sampler=sampler, seed=seed)
+    next(it)
+    assert eng.bm.active.any()
+    it.close()
     assert not eng.bm.active.any() and len(eng.bm.free) == eng.cs.num_blocks
 
 

@@ -2,7 +2,6 @@
 cut to three layers (SWA, CSA, HCA; hash and routed MoE; the MTP block) with a 16-token
 window, random weights drawn from seeded keys. The reference is always the non-speculative engine (or the whole-sequence
 forward for the MTP block)."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from dsv4_jax import config, decode as D, model as M, params as P, speculative a
 from dsv4_jax.cache import CacheSpec
 from dsv4_jax.generate import Engine, Greedy, MinP, Temperature, TopK, TopP
 from dsv4_jax.quant import Numerics
+from dsv4_jax.serve.sampling import TOP_LOGPROBS, RowSampler
 
 F32 = Numerics(act_quant=False, dtype="float32")
 W = 16   # window: the verify rows wrap the ring within a few steps
@@ -96,7 +96,6 @@ def test_sampler_logits_draw_what_the_sampler_draws(sampler):
 def _emitted(rule, p_logits, q, key, N):
     """N independent speculative steps with fixed target rows p (V small) and draft
     distributions q [k, V]: -> (out [N, k+1], n [N])."""
-    k = q.shape[0]
 
     def one(kk):
         kd, ka = jax.random.split(kk)
@@ -171,7 +170,7 @@ def test_greedy_speculative_generation_equals_plain(tiny, eng):
         acc = eng.acceptance
         assert len(acc["per_request"]) == 3 and 1 <= acc["overall"] <= 3
         assert all(3 * s >= len(g) - 1 for s, g in zip(acc["steps"], got)), acc
-        prefill, step = eng.runner.spec_programs(Greedy(), 2)
+        prefill, step = eng.runner.spec_programs(RowSampler(TOP_LOGPROBS), 2)
         assert step._cache_size() == 1 and prefill._cache_size() == 1
     # streamed: the same tokens, 1 .. k+1 per request and step
     streamed = [[] for _ in prompts]

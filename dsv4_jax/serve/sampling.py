@@ -138,17 +138,34 @@ def filter_logits(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B):
     return jnp.where(probs >= min_p_B[:, None] * probs.max(-1, keepdims=True), lg, -jnp.inf)
 
 
+def draw_tokens(logits_BV, rows, steps_B):
+    """-> tokens [B] int32. Row b draws with key fold_in(key(seed[b]), steps[b]): a
+    request's draws depend on its seed and its token index only, not on its batch. The
+    filters (two sorts of [B, V]) run only when a sampled row has one, and the draw only
+    when a row samples: a greedy batch costs its argmax (the skipped work would leave
+    every row's token unchanged)."""
+    t = rows["temperature"]
+    sampled = t > 0
+    filtered = sampled & ((rows["top_k"] > 0) | (rows["top_p"] < 1) | (rows["min_p"] > 0))
+    greedy = jnp.argmax(logits_BV, -1).astype(jnp.int32)
+
+    def draw(_):
+        def scaled(_):
+            return logits_BV.astype(jnp.float32) / jnp.where(sampled, t, 1.0)[:, None]
+        lg = jax.lax.cond(jnp.any(filtered),
+                          lambda _: filter_logits(logits_BV, t, rows["top_k"], rows["top_p"],
+                                                  rows["min_p"]), scaled, None)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows["seed"],
+                                                                                steps_B)
+        drawn = jax.vmap(jax.random.categorical)(keys, lg)
+        return jnp.where(sampled, drawn, greedy).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy, None)
+
+
 def draw_rows(logits_BV, rows, steps_B, *, n_top: int):
-    """-> (tokens [B] int32, logprob of each token [B] f32, top ids [B, n_top] int32, top
-    logprobs [B, n_top] f32). Row b draws with key fold_in(key(seed[b]), steps[b]): a
-    request's draws depend on its seed and its token index only, not on its batch."""
-    lg = filter_logits(logits_BV, rows["temperature"], rows["top_k"], rows["top_p"],
-                       rows["min_p"])
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows["seed"],
-                                                                            steps_B)
-    drawn = jax.vmap(jax.random.categorical)(keys, lg)
-    greedy = jnp.argmax(logits_BV, -1)
-    tok = jnp.where(rows["temperature"] > 0, drawn, greedy).astype(jnp.int32)
+    """-> (tokens [B] int32 (draw_tokens), logprob of each token [B] f32, top ids
+    [B, n_top] int32, top logprobs [B, n_top] f32)."""
+    tok = draw_tokens(logits_BV, rows, steps_B)
     logp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), -1)   # the model's own
     tok_lp = jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, n_top)

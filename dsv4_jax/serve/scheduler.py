@@ -34,7 +34,6 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
 
 from ..cache import BLOCK_TOKENS, PoolExhausted, blocks_needed
 from ..runner import DSpark, PrefillChunk, RowStart, Speculation, StepBatch
@@ -167,7 +166,9 @@ class Scheduler:
         else:
             self.T = k + 1   # tokens a decode step may write per request
             self.runner.set_mode(Speculation(k) if k else None)
-        self.eos_ids = frozenset([tokenizer.eos_id])
+        # no tokenizer (Engine.stream: token ids only): no text, no stop strings
+        self.eos_ids = frozenset([tokenizer.eos_id if tokenizer is not None
+                                  else engine.cfg.eos_token_id])
         self.observer = observer
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -184,6 +185,9 @@ class Scheduler:
     def check(self, prompt, params: SamplingParams) -> None:
         """RequestError if the request could never run (before it is queued)."""
         n, cap = len(prompt), self.cs.capacity
+        if params.stop and self.tok is None:
+            raise RequestError("stop strings need a tokenizer (this scheduler has none); "
+                               "give stop_token_ids", param="stop")
         if n == 0:
             raise RequestError("the prompt is empty", param="prompt")
         bad = [t for t in prompt if not 0 <= t < self.eng.cfg.vocab_size]
@@ -422,7 +426,7 @@ class Scheduler:
             p = req.params
             req.stop_ids = frozenset(p.stop_token_ids) | (
                 frozenset() if p.ignore_eos else self.eos_ids)
-            if req.text is None:
+            if req.text is None and self.tok is not None:
                 req.text = IncrementalText(self.tok.decode, p.stop)
             self.running[slot] = req
             if self.observer is not None and not req.preemptions:
@@ -478,14 +482,15 @@ class Scheduler:
         if self.observer is not None:
             self.observer.on_token(req, now, first)
         req.t_last = now
+        text = req.text
         if tok in req.stop_ids:   # a stop id's own text is not part of the output
-            o.text, o.finish_reason = req.text.finish(), "stop"
+            o.text, o.finish_reason = text.finish() if text else "", "stop"
         else:
-            o.text, hit = req.text.push([tok])
+            o.text, hit = text.push([tok]) if text else ("", False)
             if hit:
                 o.finish_reason = "stop"
             elif len(req.out_ids) >= p.max_tokens:
-                o.text += req.text.finish()
+                o.text += text.finish() if text else ""
                 o.finish_reason = "length"
         if o.finish_reason is not None:
             self._release(req)
@@ -511,6 +516,19 @@ class Scheduler:
         req.sink(Output(finish_reason=reason, prompt_tokens=len(req.prompt),
                         completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens,
                         decode_steps=req.decode_steps, error=error))
+
+    def abort_all(self) -> None:
+        """End every request (finish_reason "abort") and give back its slot and blocks,
+        without reading the step in flight (a driver that stops early, or a step that
+        failed)."""
+        self.pending = None
+        with self._lock:
+            self.waiting.extend(self.inbox)
+            self.inbox.clear()
+        for req in list(self.waiting) + list(self.running.values()):
+            if not req.done:
+                self._finish(req, "abort")
+        self.waiting.clear()
 
     # ---- helpers ---------------------------------------------------------------------
     def run_until_done(self, max_steps: int = 100_000) -> None:
