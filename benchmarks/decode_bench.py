@@ -167,8 +167,8 @@ def bench(cfg, params, B: int, ctx: int, kernels: str, steps: int = 20, seed: in
     if mesh is not None:
         cache = shard_cache(cache, cfg, cs, mesh)
     if pipeline is not None:
-        cache = [jax.device_put({f"L{i}": cache[f"L{i}"] for i in pipeline.layers(s)},
-                                pipeline.devices[s]) for s in range(pipeline.n)]
+        cache = [jax.device_put(cache.part(pipeline.layers(s)), pipeline.devices[s])
+                 for s in range(pipeline.n)]
     toks = jax.random.randint(jax.random.key(seed + 1), (B, 1), 0, cfg.vocab_size, jnp.int32)
     slots, one = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, jnp.int32)
     poss = [jnp.full(B, ctx + i, jnp.int32) for i in range(2 * steps + 1)]

@@ -1,11 +1,21 @@
-"""Inference state as pytrees (byte layout: docs/KV_CACHE.md) and the host-side block
-manager.
+"""Inference state as pytrees (byte layout: docs/KV_CACHE.md), every read and write of it
+by the model (the cache addressing), and the host-side block manager.
 
-The cache is a dict {"L<i>": per-layer dict of arrays}. Shapes are static:
-R = max_requests slots, NB = pool blocks, MAXB = blocks per request; one logical block is
-128 tokens = 128 // ratio compressed entries. With act_quant on, KV is stored FP8 (nope) +
-e8m0 scales + bf16 rope and indexer keys in `index_format`; with it off, rows are stored
-unquantised in the activation dtype ("raw").
+The cache is typed: `Cache(layers)`, a tuple of `LayerCache` dataclasses indexed by layer
+id (`cache[i]`), each with the fields its layer kind has (sliding-window layers: win /
+win_pos; HCA adds cmp / cst; CSA adds idx too) and None for the others, which is no leaf.
+A tuple of layers rather than one stacked array because the kinds differ in fields and
+shapes; a Cache rather than a bare tuple because it carries `first`, the id of its first
+layer (static), so that a pipeline stage holds only its own layers (`Cache.part`) and
+still addresses them by global id. The MTP block's cache is one LayerCache of its own
+(`init_layer_cache(cfg, cs, num_hidden_layers)`). The storage fields of entries (win,
+cmp: `kv_fields`; idx: `idx_fields`) stay dicts keyed by field: their keys depend on the
+storage format, as a quantised weight's fields depend on its type.
+
+Shapes are static: R = max_requests slots, NB = pool blocks, MAXB = blocks per request;
+one logical block is 128 tokens = 128 // ratio compressed entries. With act_quant on, KV
+is stored FP8 (nope) + e8m0 scales + bf16 rope and indexer keys in `index_format`; with
+it off, rows are stored unquantised in the activation dtype ("raw").
 """
 from __future__ import annotations
 
@@ -119,6 +129,78 @@ def decode_idx(cs: CacheSpec, f):
 # ---------------------------------------------------------------------------------------
 # Cache pytree
 # ---------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer's cache arrays (leaves: arrays, or ShapeDtypeStructs / shardings / logical
+    axes in trees shaped like it). Fields a layer kind lacks are None, which adds no leaf.
+      win      kv_fields [R, W, ...]   the window ring: the row of position p in slot p % W
+      win_pos  [R, W] int32            the position each ring slot holds (-1: empty)
+      cmp      kv_fields [NB, epb, ...] compressed entries, paged (ratio > 0: CSA, HCA)
+      idx      idx_fields [NB, epb, ...] the indexer's keys of those entries (ratio 4: CSA)
+      cst      [R, r, width] f32       the compressor state (ratio > 0; cmp_state_parts)
+    win, win_pos and cst are per request slot; cmp and idx are per pool block."""
+    win: dict
+    win_pos: jax.Array
+    cmp: dict | None = None
+    idx: dict | None = None
+    cst: jax.Array | None = None
+
+    def replace(self, **kw) -> "LayerCache":
+        return dataclasses.replace(self, **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Cache:
+    """The cache of consecutive layers first .. first + len(layers) - 1: `cache[i]` is
+    layer i's LayerCache. The whole model's cache has first = 0; a pipeline stage holds
+    only its own layers (`part`), addressed by the same global layer ids. `first` is
+    static (part of the tree structure, not a leaf)."""
+    layers: tuple[LayerCache, ...]
+    first: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def ids(self) -> range:
+        return range(self.first, self.first + len(self.layers))
+
+    def __getitem__(self, i: int) -> LayerCache:
+        if i not in self.ids:
+            raise KeyError(f"layer {i} is not in this cache (layers {self.ids.start} .. "
+                           f"{self.ids.stop - 1})")
+        return self.layers[i - self.first]
+
+    def replace_layers(self, new: dict) -> "Cache":
+        """The cache with layer i's entry new[i] for each i in new."""
+        if not set(new) <= set(self.ids):
+            raise KeyError(f"layers {sorted(set(new) - set(self.ids))} are not in this cache")
+        return dataclasses.replace(
+            self, layers=tuple(new.get(i, lc) for i, lc in zip(self.ids, self.layers)))
+
+    def part(self, ids: range) -> "Cache":
+        """The layers `ids` (consecutive, all in this cache) as a cache of their own."""
+        if ids.step != 1 or not len(ids) or ids.start not in self.ids or ids[-1] not in self.ids:
+            raise KeyError(f"layers {ids} are not consecutive layers of this cache")
+        return Cache(self.layers[ids.start - self.first:ids.stop - self.first], ids.start)
+
+
+# The fields of a layer that belong to a request slot (prefix snapshots copy them).
+SLOT_FIELDS = ("win", "win_pos", "cst")
+
+
+def slot_state(cache: Cache) -> Cache:
+    """The per-slot fields of every layer (win, win_pos, cst; the pools become None)."""
+    return dataclasses.replace(cache, layers=tuple(
+        LayerCache(**{f: getattr(lc, f) for f in SLOT_FIELDS}) for lc in cache.layers))
+
+
+def with_slot_state(cache: Cache, state: Cache) -> Cache:
+    """The cache with its per-slot fields from `state` (a tree like slot_state(cache))."""
+    return dataclasses.replace(cache, layers=tuple(
+        lc.replace(**{f: getattr(s, f) for f in SLOT_FIELDS})
+        for lc, s in zip(cache.layers, state.layers)))
+
+
 # Compressor tail state: one f32 array per compressed layer, `cst` [R, r, width] (r = the
 # layer's ratio: one row per token of a compression block), holding the named parts below
 # side by side along the last axis, in this order (c = head_dim, ci = index_head_dim):
@@ -170,71 +252,208 @@ def join_cmp_state(parts: dict, cfg: Config, ratio: int):
     return jnp.concatenate([parts[n] for n in names], -1)
 
 
-def compressor_state(cache: dict, cfg: Config, layer: int) -> dict:
+def compressor_state(cache: Cache, cfg: Config, layer: int) -> dict:
     """The named parts of layer `layer`'s compressor state in a cache tree (init_cache):
     {"st_a": [R, r, .], "st_z": ..., ...} (see cmp_state_parts); for inspection."""
     ratio = cfg.layer_ratio(layer)
     if ratio == 0:
         raise ValueError(f"layer {layer} is a sliding-window layer: no compressor state")
-    return split_cmp_state(cache[f"L{layer}"]["cst"], cfg, ratio)
+    return split_cmp_state(cache[layer].cst, cfg, ratio)
 
 
-def layer_structs(cfg: Config, cs: CacheSpec, layer: int) -> dict:
+def layer_structs(cfg: Config, cs: CacheSpec, layer: int) -> LayerCache:
     R, NB, W = cs.max_requests, cs.num_blocks, cfg.sliding_window
     S = jax.ShapeDtypeStruct
-    d: dict = {"win": kv_fields(cs, (R, W)), "win_pos": S((R, W), jnp.int32)}
+    lc = LayerCache(win=kv_fields(cs, (R, W)), win_pos=S((R, W), jnp.int32))
     r = cfg.layer_ratio(layer)
     if r > 0:
-        d["cmp"] = kv_fields(cs, (NB, BLOCK_TOKENS // r))
-        if r == 4:
-            d["idx"] = idx_fields(cs, (NB, BLOCK_TOKENS // r))
-        d["cst"] = S((R, r, sum(w for _, w in cmp_state_parts(cfg, r))), jnp.float32)
-    return d
+        lc = lc.replace(cmp=kv_fields(cs, (NB, BLOCK_TOKENS // r)),
+                        idx=idx_fields(cs, (NB, BLOCK_TOKENS // r)) if r == 4 else None,
+                        cst=S((R, r, sum(w for _, w in cmp_state_parts(cfg, r))), jnp.float32))
+    return lc
 
 
-def cache_structs(cfg: Config, cs: CacheSpec) -> dict:
-    return {f"L{i}": layer_structs(cfg, cs, i) for i in range(cfg.num_hidden_layers)}
+def cache_structs(cfg: Config, cs: CacheSpec) -> Cache:
+    return Cache(tuple(layer_structs(cfg, cs, i) for i in range(cfg.num_hidden_layers)))
 
 
-def init_cache(cfg: Config, cs: CacheSpec) -> dict:
-    return _init_arrays(cfg, cache_structs(cfg, cs))
+def init_cache(cfg: Config, cs: CacheSpec) -> Cache:
+    return Cache(tuple(_init_layer(cfg, s) for s in cache_structs(cfg, cs).layers))
 
 
-def init_layer_cache(cfg: Config, cs: CacheSpec, layer: int) -> dict:
+def init_layer_cache(cfg: Config, cs: CacheSpec, layer: int) -> LayerCache:
     """One layer's cache arrays, e.g. the MTP block's (layer == num_hidden_layers), which
     the speculative decoder keeps beside the main cache."""
-    return _init_arrays(cfg, layer_structs(cfg, cs, layer))
+    return _init_layer(cfg, layer_structs(cfg, cs, layer))
 
 
-def _init_arrays(cfg: Config, structs: dict) -> dict:
-    def make(path, s):
-        name = path[-1].key
-        if name == "win_pos":
-            return jnp.full(s.shape, -1, s.dtype)
-        if name == "cst":   # [R, r, width]: each part's initial value along the last axis
-            row = np.concatenate([np.full(w, _CMP_STATE_INIT.get(n, 0.0), np.float32)
-                                  for n, w in cmp_state_parts(cfg, s.shape[1])])
-            return jnp.broadcast_to(jnp.asarray(row), s.shape)
-        return jnp.zeros(s.shape, s.dtype)
-    return jax.tree_util.tree_map_with_path(make, structs)
+def _init_layer(cfg: Config, s: LayerCache) -> LayerCache:
+    zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
+    lc = LayerCache(win=zeros(s.win), win_pos=jnp.full(s.win_pos.shape, -1, s.win_pos.dtype),
+                    cmp=zeros(s.cmp), idx=zeros(s.idx))
+    if s.cst is not None:   # [R, r, width]: each part's initial value along the last axis
+        row = np.concatenate([np.full(w, _CMP_STATE_INIT.get(n, 0.0), np.float32)
+                              for n, w in cmp_state_parts(cfg, s.cst.shape[1])])
+        lc = lc.replace(cst=jnp.broadcast_to(jnp.asarray(row), s.cst.shape))
+    return lc
 
 
 def cache_bytes(cfg: Config, cs: CacheSpec) -> dict:
     """Memory: per request slot (window + compressor state), per pool block (all layers),
     and totals, in bytes."""
+    nbytes = lambda t: sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+                           for s in jax.tree.leaves(t))
     per_req = pool = 0
     for i in range(cfg.num_hidden_layers):
-        for path, s in jax.tree_util.tree_flatten_with_path(layer_structs(cfg, cs, i))[0]:
-            n = int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-            name = jax.tree_util.keystr(path)
-            if "cmp" in name or "'idx'" in name:
-                pool += n
-            else:
-                per_req += n
+        lc = layer_structs(cfg, cs, i)
+        per_req += nbytes([lc.win, lc.win_pos, lc.cst])
+        pool += nbytes([lc.cmp, lc.idx])
     per_req //= cs.max_requests
     per_block = pool // cs.num_blocks
     return {"per_request_bytes": per_req, "per_block_bytes": per_block,
             "pool_bytes": pool, "total_bytes": per_req * cs.max_requests + pool}
+
+
+# ---------------------------------------------------------------------------------------
+# Cache addressing: every read and write of a layer's cache by the model goes through
+# these (ring slots, pool addresses, entry gathers, compressor state, the verify's
+# snapshot and restore). Out-of-range indices of a write are dropped.
+# ---------------------------------------------------------------------------------------
+def take_rows(tree, slots):
+    """Rows `slots` of every leaf (leading axis)."""
+    return jax.tree.map(lambda a: a[slots], tree)
+
+
+def scatter(tree, idx, new):
+    """tree leaves [N0, N1, ...]; idx a tuple of index arrays (out of range -> dropped)."""
+    return jax.tree.map(lambda a, n: a.at[idx].set(n.astype(a.dtype), mode="drop"), tree, new)
+
+
+def read_window(lc: LayerCache, slots, pos, cs: CacheSpec, dtype):
+    """The batch rows' window rings before the step: (rows [B, W, K] decoded to dtype,
+    their positions [B, W], -1 where empty or stale: a slot's ring holds its previous
+    request's rows at positions >= pos until they are overwritten)."""
+    ring = decode_kv(cs, take_rows(lc.win, slots), dtype)
+    ring_pos = take_rows(lc.win_pos, slots)
+    return ring, jnp.where(ring_pos < pos[:, None], ring_pos, -1)
+
+
+def write_window(lc: LayerCache, cs: CacheSpec, slots, tok_pos, valid, end, kv, W: int
+                 ) -> LayerCache:
+    """The chunk's last W valid rows kv [B, T, K] (at tok_pos [B, T], rows ending before
+    end [B]) into the rings of slots [B], slot p % W for position p (unique slots)."""
+    B, T = tok_pos.shape
+    keep = valid & (tok_pos >= (end - W)[:, None])
+    rslot = jnp.where(keep, tok_pos % W, W)
+    srow = jnp.broadcast_to(slots[:, None], (B, T))
+    return lc.replace(win=scatter(lc.win, (srow, rslot), encode_kv(cs, kv)),
+                      win_pos=lc.win_pos.at[srow, rslot].set(tok_pos, mode="drop"))
+
+
+def pool_addr(eidx, ok, bt_rows, epb, nb_total):
+    """Pool (block, slot) of compressed entries eidx [B, n] of the requests whose block
+    table rows are bt_rows [B, MAXB]; entries not ok, in no block yet or past the table
+    -> block nb_total (out of range: a write drops them)."""
+    blk = jnp.take_along_axis(bt_rows, jnp.clip(eidx // epb, 0, bt_rows.shape[1] - 1), 1)
+    ok = ok & (blk >= 0) & (eidx // epb < bt_rows.shape[1])
+    return jnp.where(ok, blk, nb_total), eidx % epb
+
+
+def gather_entries(pool, bt_rows, epb):
+    """All entry slots of each request: pool leaves [NB, epb, ...] -> [B, MAXB*epb, ...]."""
+    blk = jnp.maximum(bt_rows, 0)  # unused blocks read block 0, masked by visibility
+    return jax.tree.map(lambda a: a[blk].reshape(blk.shape[0], -1, *a.shape[2:]), pool)
+
+
+def write_entries(lc: LayerCache, cs: CacheSpec, addr, ent) -> LayerCache:
+    """Compressed entries ent [B, n, K] to the pool at addr (pool_addr)."""
+    return lc.replace(cmp=scatter(lc.cmp, addr, encode_kv(cs, ent)))
+
+
+def read_entries(lc: LayerCache, cs: CacheSpec, bt_rows, epb, dtype):
+    """Every entry slot of each request, decoded: [B, MAXB*epb, K]."""
+    return decode_kv(cs, gather_entries(lc.cmp, bt_rows, epb), dtype)
+
+
+def write_index_keys(lc: LayerCache, cs: CacheSpec, addr, keys) -> LayerCache:
+    """Indexer keys [B, n, 128] f32 to the key pool at addr (pool_addr)."""
+    return lc.replace(idx=scatter(lc.idx, addr, encode_idx(cs, keys)))
+
+
+def read_index_keys(lc: LayerCache, cs: CacheSpec, bt_rows, epb):
+    """Every indexer key slot of each request, decoded: [B, MAXB*epb, 128] f32."""
+    return decode_idx(cs, gather_entries(lc.idx, bt_rows, epb))
+
+
+def read_state(lc: LayerCache, slots, cfg: Config, ratio: int) -> dict:
+    """The batch rows' compressor state: lc.cst [R, r, width] -> {name: [B, r, part]}."""
+    return split_cmp_state(lc.cst[slots], cfg, ratio)
+
+
+def write_state(lc: LayerCache, slots, st: dict, cfg: Config, ratio: int) -> LayerCache:
+    """Store the batch rows' new compressor state (all parts as one write)."""
+    return lc.replace(cst=lc.cst.at[slots].set(join_cmp_state(st, cfg, ratio)))
+
+
+# The speculative verify writes T rows of every slot (batch row b = slot b) and then
+# undoes the rows past each request's accepted ones: before the step it copies what the
+# rows may overwrite (verify_snapshot), after it writes the copies back for the rejected
+# rows (restore_rejected). The compressor state is recomputed instead (speculative.rollback).
+def _ring_slots(pos, T, W):
+    return (pos[:, None] + jnp.arange(T)[None, :]) % W                       # [B, T]
+
+
+def _completed_entries(pos, nvalid, T, ratio):
+    """Entry completed by row j (token pos + j), if any: (entry index [B, T], done [B, T])."""
+    t = pos[:, None] + jnp.arange(T)[None, :]
+    done = ((t + 1) % ratio == 0) & (jnp.arange(T)[None, :] < nvalid[:, None])
+    return (t + 1) // ratio - 1, done
+
+
+def _completed_addr(pos, nvalid, T, ratio, bt_rows, cs: CacheSpec, rows_ok=None):
+    eidx, done = _completed_entries(pos, nvalid, T, ratio)
+    if rows_ok is not None:
+        done = done & rows_ok
+    return pool_addr(eidx, done & (eidx >= 0), bt_rows, BLOCK_TOKENS // ratio, cs.num_blocks)
+
+
+def verify_snapshot(lc: LayerCache, pos, nvalid, bt_rows, T: int, ratio: int, cfg: Config,
+                    cs: CacheSpec) -> LayerCache:
+    """What the T verify rows of one layer may overwrite, read before the step, as a
+    LayerCache of [B, T, ...] rows: the ring rows and positions at slots (pos + j) % W, and
+    the pool entries (cmp, idx) the rows complete. cst is left None: the caller keeps the
+    state before the step (the rollback recomputes from it)."""
+    B = pos.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rs = _ring_slots(pos, T, cfg.sliding_window)
+    snap = LayerCache(win=jax.tree.map(lambda a: a[rows, rs], lc.win),
+                      win_pos=lc.win_pos[rows, rs])
+    if ratio > 0:
+        blk, sl = _completed_addr(pos, nvalid, T, ratio, bt_rows, cs)
+        get = lambda a: a[jnp.minimum(blk, cs.num_blocks - 1), sl]
+        snap = snap.replace(cmp=jax.tree.map(get, lc.cmp),
+                            idx=jax.tree.map(get, lc.idx) if ratio == 4 else None)
+    return snap
+
+
+def restore_rejected(lc: LayerCache, snap: LayerCache, pos, nvalid, keep, bt_rows, ratio: int,
+                     cfg: Config, cs: CacheSpec) -> LayerCache:
+    """The ring slots and completed pool entries written by the verify rows j >= keep[b]
+    (of nvalid[b] written) get their verify_snapshot copies back."""
+    W = cfg.sliding_window
+    B, T = snap.win_pos.shape
+    j = jnp.arange(T)[None, :]
+    rejected = (j >= keep[:, None]) & (j < nvalid[:, None])                 # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rs = jnp.where(rejected, _ring_slots(pos, T, W), W)                     # W: dropped
+    lc = lc.replace(win=scatter(lc.win, (rows, rs), snap.win),
+                    win_pos=lc.win_pos.at[rows, rs].set(snap.win_pos, mode="drop"))
+    if ratio > 0:
+        addr = _completed_addr(pos, nvalid, T, ratio, bt_rows, cs, rejected)
+        lc = lc.replace(cmp=scatter(lc.cmp, addr, snap.cmp))
+        if ratio == 4:
+            lc = lc.replace(idx=scatter(lc.idx, addr, snap.idx))
+    return lc
 
 
 # ---------------------------------------------------------------------------------------

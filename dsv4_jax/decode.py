@@ -17,27 +17,14 @@ from pallas_kernels.indexer_decode import topk_keys
 from pallas_kernels.kv_scatter import append_window, flush_compressed
 from pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
-from .cache import (BLOCK_TOKENS, CacheSpec, decode_idx, decode_kv, encode_idx, encode_kv,
-                    join_cmp_state, split_cmp_state)
+from . import cache as C
+from .cache import BLOCK_TOKENS, Cache, CacheSpec, LayerCache
 from .config import Config
 from .quant import EXACT_COMPILER_OPTIONS, Numerics
 from . import layers as L
 from . import model as M
 
 F32 = jnp.float32
-
-
-def _rows(tree, slots):
-    return jax.tree.map(lambda a: a[slots], tree)
-
-
-def _set_rows(tree, slots, new):
-    return jax.tree.map(lambda a, n: a.at[slots].set(n.astype(a.dtype)), tree, new)
-
-
-def _scatter(tree, idx, new):
-    """tree leaves [N0, N1, ...]; idx a tuple of index arrays (out of range -> dropped)."""
-    return jax.tree.map(lambda a, n: a.at[idx].set(n.astype(a.dtype), mode="drop"), tree, new)
 
 
 def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, c, freqs,
@@ -111,23 +98,10 @@ def compressor_chunk(p, x, tok_pos, pos, nvalid, st_a, st_z, pv_a, pv_z, ratio, 
     return entries, eidx, complete, (new_st_a, new_st_z, new_pv_a, new_pv_z)
 
 
-def _pool_addr(eidx, complete, bt_rows, epb, nb_total):
-    """Pool (block, slot) of entries; incomplete ones -> out of range (dropped)."""
-    blk = jnp.take_along_axis(bt_rows, jnp.clip(eidx // epb, 0, bt_rows.shape[1] - 1), 1)
-    ok = complete & (blk >= 0) & (eidx // epb < bt_rows.shape[1])
-    return jnp.where(ok, blk, nb_total), eidx % epb
-
-
-def _gather_entries(pool, bt_rows, epb):
-    """All entry slots of each request: pool leaves [NB, epb, ...] -> [B, MAXB*epb, ...]."""
-    blk = jnp.maximum(bt_rows, 0)  # unused blocks read block 0, masked by visibility
-    return jax.tree.map(lambda a: a[blk].reshape(blk.shape[0], -1, *a.shape[2:]), pool)
-
-
 def _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg, nm, which,
                        cs: CacheSpec):
     """Run the main ("") or indexer ("i") compressor over the chunk and put its new state in
-    st (the batch rows' named state parts, split_cmp_state: "st_a" [B, r, coff*c], ...).
+    st (the batch rows' named state parts, cache.read_state: "st_a" [B, r, coff*c], ...).
     Returns (entries [B, nb, c], entry index [B, nb], complete [B, nb]). The entries only go
     to the cache: an FP8 cache quantises main entries itself (the simulation's values), so
     they skip the simulation (no amax kernels, no second rounding)."""
@@ -140,16 +114,6 @@ def _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg, nm, w
                                             sim=cs.kv_format != "fp8")
     st.update({k: v for k, v in zip(n, new) if v is not None})
     return ent, eidx, comp
-
-
-def _read_state(lc, slots, cfg, ratio):
-    """The batch rows' compressor state: lc["cst"] [R, r, width] -> {name: [B, r, part]}."""
-    return split_cmp_state(lc["cst"][slots], cfg, ratio)
-
-
-def _write_state(lc, slots, st, cfg, ratio):
-    """Store the batch rows' new compressor state (all parts as one write)."""
-    lc["cst"] = lc["cst"].at[slots].set(join_cmp_state(st, cfg, ratio))
 
 
 # The read-only kernels behind one jit each: the layers' identical calls then share one
@@ -184,15 +148,15 @@ _DUMMY_POOL = (np.eye(1, 448, dtype=jnp.float8_e4m3fn)[None],   # nope [1, 1, 44
 KERNEL_ROWS = 4
 
 
-def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg: Config,
-                      cs: CacheSpec, nm: Numerics, ratio: int, freqs, cqq=None):
+def _kernel_attention(ap, lc: LayerCache, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows,
+                      cfg: Config, cs: CacheSpec, nm: Numerics, ratio: int, freqs, cqq=None):
     """T <= KERNEL_ROWS rows of every request (batch row b = slot b; decode T = 1, a
     speculative verify T = k + 1) through the Pallas kernels: quantise-scatter of the window
     rows and of the completed compressed entry / indexer key, the lightning indexer top-k
     of every row, and sparse attention reading the FP8 cache directly. Row j attends after
     rows 0..j are in the window ring and before row j+1 is: its ring then holds exactly its
     window (row j+1 overwrites the slot of position t+j+1-W, which row j still sees).
-    -> o [B, T, H, K] f32."""
+    -> (o [B, T, H, K] f32, new layer cache)."""
     interp = cs.kernels == "interpret"   # the Mosaic GPU interpreter (CPU tests)
     B, T = x.shape[:2]
     # rows past nvalid (an idle slot, a short MTP catch-up) write nothing and read at row
@@ -201,57 +165,58 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
     if 0 < ratio < T:
         raise ValueError(f"the kernel path takes at most ratio = {ratio} rows a request, got {T}")
 
-    def append(j):
-        w = lc["win"]
+    def append(lc, j):
+        w = lc.win
         win = append_window({"win_nope": w["nope"], "win_scale": w["scale"],
-                             "win_rope": w["rope"], "win_pos": lc["win_pos"]},
+                             "win_rope": w["rope"], "win_pos": lc.win_pos},
                             kv[:, j].astype(jnp.bfloat16), jnp.where(valid[:, j], tok_pos[:, j], -1),
                             interpret=interp)
-        lc["win"] = {"nope": win["win_nope"], "scale": win["win_scale"], "rope": win["win_rope"]}
-        lc["win_pos"] = win["win_pos"]
+        return lc.replace(win={"nope": win["win_nope"], "scale": win["win_scale"],
+                               "rope": win["win_rope"]}, win_pos=win["win_pos"])
 
-    append(0)
+    lc = append(lc, 0)
     slots = jnp.arange(B)
     hca = None   # HCA layers: the id list's length (the kernel derives the ids)
     idx = None
     if ratio > 0:
-        st = _read_state(lc, slots, cfg, ratio)
+        st = C.read_state(lc, slots, cfg, ratio)
         ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
                                              cfg, nm, "", cs)
-        pool = {"cmp_nope": lc["cmp"]["nope"], "cmp_scale": lc["cmp"]["scale"],
-                "cmp_rope": lc["cmp"]["rope"]}
+        pool = {"cmp_nope": lc.cmp["nope"], "cmp_scale": lc.cmp["scale"],
+                "cmp_rope": lc.cmp["rope"]}
         idx_pool, key = None, None
         if ratio == 4:
             kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
                                           nm, "i", cs)
-            idx_pool, key = dict(lc["idx"]), kI[:, 0].astype(F32)
-        _write_state(lc, slots, st, cfg, ratio)
+            idx_pool, key = dict(lc.idx), kI[:, 0].astype(F32)
+        lc = C.write_state(lc, slots, st, cfg, ratio)
         # the chunk's first block is the only one T <= ratio rows can complete
         pool, idx_pool = flush_compressed(pool, idx_pool, ent[:, 0].astype(jnp.bfloat16), key,
                                           comp[:, 0].astype(jnp.int32), eidx[:, 0], bt_rows,
                                           fmt=cs.index_format, interpret=interp)
-        lc["cmp"] = {"nope": pool["cmp_nope"], "scale": pool["cmp_scale"], "rope": pool["cmp_rope"]}
+        lc = lc.replace(cmp={"nope": pool["cmp_nope"], "scale": pool["cmp_scale"],
+                             "rope": pool["cmp_rope"]})
         if ratio == 4:
-            lc["idx"] = {k: idx_pool[k] for k in lc["idx"]}
+            lc = lc.replace(idx={k: idx_pool[k] for k in lc.idx})
             ip = L.block_params(ap, "indexer.")
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)
             pad = 64 - cfg.index_n_heads  # the kernel works on 64 heads; zero weight is exact
             qI = jnp.pad(qI.reshape(B * T, *qI.shape[2:]), ((0, 0), (0, pad), (0, 0)))
             wI = jnp.pad(wI.reshape(B * T, -1), ((0, 0), (0, pad)))
             bt = bt_rows if T == 1 else jnp.repeat(bt_rows, T, 0)           # [B*T, MAXB]
-            idx = _indexer_topk_jit(qI, wI, lc["idx"], bt, t_rows.reshape(-1),
+            idx = _indexer_topk_jit(qI, wI, lc.idx, bt, t_rows.reshape(-1),
                                     fmt=cs.index_format, topk=cfg.index_topk,
                                     interpret=interp).reshape(B, T, -1)
         else:   # HCA: every visible entry; the kernel derives the ids from t (hca_indices)
             hca = bt_rows.shape[1] * (BLOCK_TOKENS // ratio)
-        cmp = (lc["cmp"]["nope"], lc["cmp"]["scale"], lc["cmp"]["rope"])
+        cmp = (lc.cmp["nope"], lc.cmp["scale"], lc.cmp["rope"])
     else:  # window only: an empty compressed list over a one-row dummy pool, never read
         cmp = _DUMMY_POOL
     outs = []
     for j in range(T):
         if j:
-            append(j)
-        win = (lc["win"]["nope"], lc["win"]["scale"], lc["win"]["rope"], lc["win_pos"])
+            lc = append(lc, j)
+        win = (lc.win["nope"], lc.win["scale"], lc.win["rope"], lc.win_pos)
         ids = (np.full((B, 64), -1, np.int32) if ratio == 0 else
                None if idx is None else idx[:, j])
         outs.append(_sparse_attention_jit(q[:, j], win, cmp, bt_rows, ids, t_rows[:, j],
@@ -260,11 +225,11 @@ def _kernel_attention(ap, lc, x, q, kv, cq, tok_pos, valid, pos, nvalid, bt_rows
                                           # ids first
                                           ids_prefix=ratio > 0, hca_entries=hca,
                                           interpret=interp))
-    return jnp.stack(outs, 1).astype(F32)
+    return jnp.stack(outs, 1).astype(F32), lc
 
 
-def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg: Config,
-                     cs: CacheSpec, nm: Numerics, ratio: int, xq=None):
+def attention_cached(ap, lc: LayerCache, x, tok_pos, valid, slots, pos, nvalid, bt_rows,
+                     cfg: Config, cs: CacheSpec, nm: Numerics, ratio: int, xq=None):
     """Attention for a chunk with the paged cache. Returns (out [B, T, D], new layer cache).
     xq: x's padded FP8 simulation (layers.norm_act), if made."""
     B, T, _ = x.shape
@@ -274,14 +239,13 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     # the kernel path quantises it in append_window): simulated below where it is read
     fp8 = cs.kv_format == "fp8"
     q, kv_raw, cq, cqq = L.q_and_kv(ap, x, tok_pos, freqs, cfg, nm, xq=xq, sim_kv=not fp8)
-    lc = dict(lc)
     # the kernels: decode (T = 1) and a speculative verify's rows, all request slots at once;
     # prefill chunks take the path below (the sparse prefill attention kernel for long ones)
     if cs.kernels != "off" and (T == 1 or (T <= KERNEL_ROWS and B == cs.max_requests)):
         if B != cs.max_requests:
             raise ValueError("the kernel decode path runs all request slots (B == max_requests)")
-        o = _kernel_attention(ap, lc, x, q, kv_raw, cq, tok_pos, valid, pos, nvalid, bt_rows, cfg,
-                              cs, nm, ratio, freqs, cqq)
+        o, lc = _kernel_attention(ap, lc, x, q, kv_raw, cq, tok_pos, valid, pos, nvalid, bt_rows,
+                                  cfg, cs, nm, ratio, freqs, cqq)
         return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
     kv = L.kv_quant_sim(kv_raw, cfg, nm) if fp8 else kv_raw
     # long chunks with the kernels on: the sparse prefill attention (each row's window band
@@ -289,34 +253,26 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     sparse = (cs.kernels != "off" and 0 < nm.sparse_prefill_rows <= T
               and cfg.head_dim == 512)   # (the kernel's head width)
     # ---- window: ring contents before this step + the chunk's own rows
-    ring = decode_kv(cs, _rows(lc["win"], slots), nm.jdtype)  # [B, W, K]
-    ring_pos = _rows(lc["win_pos"], slots)
-    ring_pos = jnp.where(ring_pos < pos[:, None], ring_pos, -1)  # stale slots of a new request
+    ring, ring_pos = C.read_window(lc, slots, pos, cs, nm.jdtype)  # [B, W, K], [B, W]
     if not sparse:
         new_pos = jnp.where(valid, tok_pos, -1)
         kpos = jnp.concatenate([ring_pos, new_pos], 1)  # [B, W+T]
         keys = jnp.concatenate([ring, kv], 1)
         p_t = tok_pos[:, :, None]
         mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= p_t) & (kpos[:, None, :] > p_t - W)
-    # write the chunk's last W valid rows into the ring (unique slots)
-    end = pos + nvalid
-    keep = valid & (tok_pos >= (end - W)[:, None])
-    rslot = jnp.where(keep, tok_pos % W, W)
-    srow = jnp.broadcast_to(slots[:, None], (B, T))
-    lc["win"] = _scatter(lc["win"], (srow, rslot), encode_kv(cs, kv_raw))
-    lc["win_pos"] = lc["win_pos"].at[srow, rslot].set(tok_pos, mode="drop")
+    lc = C.write_window(lc, cs, slots, tok_pos, valid, pos + nvalid, kv_raw, W)
     # sparse: the entries each row attends (window-only layers: none, over one dummy row)
     ents, ids = jnp.zeros((B, 1, cfg.head_dim), nm.jdtype), None
     ncmp = jnp.zeros((B, T), jnp.int32)
     if ratio > 0:
         epb = BLOCK_TOKENS // ratio
         NB = cs.num_blocks
-        st = _read_state(lc, slots, cfg, ratio)
+        st = C.read_state(lc, slots, cfg, ratio)
         ent, eidx, comp = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs,
                                              cfg, nm, "", cs)
-        blk, sl = _pool_addr(eidx, comp, bt_rows, epb, NB)
-        lc["cmp"] = _scatter(lc["cmp"], (blk, sl), encode_kv(cs, ent))
-        cents = decode_kv(cs, _gather_entries(lc["cmp"], bt_rows, epb), nm.jdtype)  # [B, NE, K]
+        addr = C.pool_addr(eidx, comp, bt_rows, epb, NB)
+        lc = C.write_entries(lc, cs, addr, ent)
+        cents = C.read_entries(lc, cs, bt_rows, epb, nm.jdtype)        # [B, NE, K]
         NE = cents.shape[1]
         nvis = jnp.minimum((tok_pos + 1) // ratio, NE)                 # [B, T]
         visible = jnp.arange(NE)[None, None, :] < nvis[:, :, None]
@@ -324,8 +280,8 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
             ip = L.block_params(ap, "indexer.")
             kI, _, _ = _compressor_update(ap, st, x, tok_pos, pos, nvalid, ratio, freqs, cfg,
                                           nm, "i", cs)
-            lc["idx"] = _scatter(lc["idx"], (blk, sl), encode_idx(cs, kI.astype(F32)))
-            keysI = decode_idx(cs, _gather_entries(lc["idx"], bt_rows, epb)).astype(nm.jdtype)
+            lc = C.write_index_keys(lc, cs, addr, kI.astype(F32))
+            keysI = C.read_index_keys(lc, cs, bt_rows, epb).astype(nm.jdtype)
             qI, wI = L.indexer_query(ip, x, cq, tok_pos, freqs, cfg, nm, cqq)
             if sparse:   # the top-k ids, scored in query blocks (no [T, n] array)
                 ids = L.indexer.topk_ids_blocked(qI, wI, keysI, nvis, cfg.index_topk)
@@ -333,7 +289,7 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
             else:
                 scores = L.indexer_scores(qI, wI, keysI)
                 visible, _ = L.topk_mask(scores, visible, cfg.index_topk)
-        _write_state(lc, slots, st, cfg, ratio)
+        lc = C.write_state(lc, slots, st, cfg, ratio)
         if sparse:   # padding rows attend no entries (their outputs are never used)
             ents, ncmp = cents, jnp.where(valid, nvis, 0)
         else:
@@ -347,36 +303,50 @@ def attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg
     return L.attn_output(ap, o, tok_pos, freqs, cfg, nm), lc
 
 
-def step_layers(params, cache, X, tokens, slots, pos, nvalid, block_table, layers,
+def layer_loop(params, cache: Cache, X, tokens, layers, cfg: Config, nm: Numerics, attend,
+               block=M.block, capture: tuple[int, ...] = ()):
+    """The cached layers' loop (every cached step: decode, prefill, verify, the tensor
+    layout): blocks `layers` (ids in `cache`) on the residual X [B, T, N, D], layer i's
+    attention attend(i, ap, lc, x, xq) -> (out [B, T, D], new layer cache, aux) on
+    lc = cache[i]. block: model.block or one of its signature (the tensor layout's).
+    -> (X, the cache with those layers' new entries, {i: aux}, [X after layer i, for i in
+    capture])."""
+    new, auxes, captured = {}, {}, {}
+    for i in layers:
+        def attn(ap, x, i=i, xq=None):
+            out, lc, aux = attend(i, ap, cache[i], x, xq)
+            return out, (lc, aux)
+
+        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
+            X, (new[i], auxes[i]) = block(L.block_params(params, f"layers.{i}."), X, tokens, i,
+                                          cfg, nm, attn)
+        if i in capture:
+            captured[i] = X
+    return X, cache.replace_layers(new), auxes, [captured[i] for i in capture]
+
+
+def step_layers(params, cache: Cache, X, tokens, slots, pos, nvalid, block_table, layers,
                 cfg: Config, cs: CacheSpec, nm: Numerics, capture: tuple[int, ...] = ()):
     """Blocks `layers` (consecutive ids) of the cached step on the residual X [B, T, N, D]
-    -> (X, {f"L{i}": new cache of layer i}). `cache` needs only those layers' entries (a
-    pipeline stage holds just its own). capture (static): layer ids (of `layers`) whose
-    output residual is returned too, for a drafter that reads them (dspark.py) ->
-    (X, cache, [X after layer i, [B, T, N, D], for i in capture])."""
+    -> (X, cache with those layers' new entries). `cache` needs only those layers (a
+    pipeline stage holds just its own: Cache.part). capture (static): layer ids (of
+    `layers`) whose output residual is returned too, for a drafter that reads them
+    (dspark.py) -> (X, cache, [X after layer i, [B, T, N, D], for i in capture])."""
     B, T = tokens.shape
     tok_pos = pos[:, None] + jnp.arange(T)[None, :]
     valid = jnp.arange(T)[None, :] < nvalid[:, None]
     bt_rows = block_table[slots]
-    new_cache, captured = {}, {}
-    for i in layers:
-        bp = L.block_params(params, f"layers.{i}.")
-        ratio = cfg.layer_ratio(i)
-        holder = {}
 
-        def attn(ap, x, i=i, ratio=ratio, holder=holder, xq=None):
-            out, holder["lc"] = attention_cached(ap, cache[f"L{i}"], x, tok_pos, valid, slots,
-                                                 pos, nvalid, bt_rows, cfg, cs, nm, ratio, xq)
-            return out
+    def attend(i, ap, lc, x, xq):
+        out, lc = attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows, cfg,
+                                   cs, nm, cfg.layer_ratio(i), xq)
+        return out, lc, None
 
-        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
-            X = M.block(bp, X, tokens, i, cfg, nm, attn)
-        new_cache[f"L{i}"] = holder["lc"]
-        if i in capture:
-            captured[i] = X
+    X, cache, _, captured = layer_loop(params, cache, X, tokens, layers, cfg, nm, attend,
+                                       capture=capture)
     if capture:
-        return X, new_cache, [captured[i] for i in capture]
-    return X, new_cache
+        return X, cache, captured
+    return X, cache
 
 
 def step_head(params, X, nvalid, cfg: Config, nm: Numerics):

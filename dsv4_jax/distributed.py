@@ -433,15 +433,13 @@ def _tensor_moe(p, x, tokens, hash_layer, cfg, lcfg, nm, xq):
     return jax.lax.psum(out, TENSOR_AXIS).astype(nm.jdtype)
 
 
-def _tensor_block(bp, lc, X, tokens, layer, tok_pos, valid, slots, pos, nvalid, bt_rows,
-                  cfg, lcfg, cs, nm):
-    """model.block of the cached step on local weights: -> (X, new layer cache)."""
-    ratio = cfg.layer_ratio(layer)
+def _tensor_block(bp, X, tokens, layer, cfg, nm, attn_fn, *, lcfg):
+    """model.block on local weights (its signature, for decode.layer_loop): the attention's
+    partial output all-reduced, the MoE on this device's expert columns -> (X, aux)."""
     with jax.named_scope("attn"):
         _, post, C, x, xq = L.hc_site(X, bp["hc_attn_fn"], bp["hc_attn_scale"],
                                       bp["hc_attn_base"], bp["attn_norm.weight"], cfg, nm)
-        f, lc = D.attention_cached(L.block_params(bp, "attn."), lc, x, tok_pos, valid, slots,
-                                   pos, nvalid, bt_rows, lcfg, cs, nm, ratio, xq)
+        f, aux = attn_fn(L.block_params(bp, "attn."), x, xq=xq)
         X = L.hc_expand(jax.lax.psum(f, TENSOR_AXIS), X, post, C, nm.jdtype)
     with jax.named_scope("ffn"):
         _, post, C, x, xq = L.hc_site(X, bp["hc_ffn_fn"], bp["hc_ffn_scale"],
@@ -449,7 +447,7 @@ def _tensor_block(bp, lc, X, tokens, layer, tok_pos, valid, slots, pos, nvalid, 
         f = _tensor_moe(L.block_params(bp, "ffn."), x, tokens, cfg.is_hash_layer(layer), cfg,
                         lcfg, nm, xq)
         X = L.hc_expand(f, X, post, C, nm.jdtype)
-    return X, lc
+    return X, aux
 
 
 def tensor_step_local(params, cache, tokens, slots, pos, nvalid, block_table, *, cfg: Config,
@@ -462,12 +460,15 @@ def tensor_step_local(params, cache, tokens, slots, pos, nvalid, block_table, *,
     valid = jnp.arange(T)[None, :] < nvalid[:, None]
     bt_rows = block_table[slots]
     X = M.embed(params, tokens, cfg, nm)
-    new_cache = {}
-    for i in range(cfg.num_hidden_layers):
-        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
-            X, new_cache[f"L{i}"] = _tensor_block(
-                L.block_params(params, f"layers.{i}."), cache[f"L{i}"], X, tokens, i, tok_pos,
-                valid, slots, pos, nvalid, bt_rows, cfg, lcfg, cs, nm)
+
+    def attend(i, ap, lc, x, xq):
+        out, lc = D.attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid, bt_rows,
+                                     lcfg, cs, nm, cfg.layer_ratio(i), xq)
+        return out, lc, None
+
+    X, new_cache, _, _ = D.layer_loop(params, cache, X, tokens, range(cfg.num_hidden_layers),
+                                      cfg, nm, attend,
+                                      block=functools.partial(_tensor_block, lcfg=lcfg))
     logits = D.step_head(params, X, nvalid, cfg, nm)        # [B, V / n]: local vocab rows
     return jax.lax.all_gather(logits, TENSOR_AXIS, axis=1, tiled=True), new_cache
 

@@ -20,14 +20,17 @@ def embed(params, tokens, cfg: Config, nm: Numerics):
 
 
 def block(bp, X, tokens, layer: int, cfg: Config, nm: Numerics, attn_fn, debug=None):
-    """One transformer block on the hc residual X [B, T, N, D]. `attn_fn(bp, x)` computes
-    attention on the normed input (prefill or cached decode); `attn_fn(bp, x, xq=xq)` when
-    the norm also made x's padded FP8 simulation for the matmul kernels (L.norm_act)."""
+    """One transformer block on the hc residual X [B, T, N, D] -> (new X, aux).
+    `attn_fn(ap, x)` computes attention on the normed input (prefill or cached decode) and
+    returns (out [B, T, D], aux): aux is whatever else the attention made (the cached
+    step's new layer cache; None without a cache), handed back as is.
+    `attn_fn(ap, x, xq=xq)` when the norm also made x's padded FP8 simulation for the
+    matmul kernels (L.norm_act)."""
     with jax.named_scope("attn"):
         pre, post, C, x, xq = L.hc_site(X, bp["hc_attn_fn"], bp["hc_attn_scale"],
                                         bp["hc_attn_base"], bp["attn_norm.weight"], cfg, nm)
         ap = L.block_params(bp, "attn.")
-        f = attn_fn(ap, x) if xq is None else attn_fn(ap, x, xq=xq)
+        f, aux = attn_fn(ap, x) if xq is None else attn_fn(ap, x, xq=xq)
         X = L.hc_expand(f, X, post, C, nm.jdtype)
     if debug is not None:
         debug["hc_attn"] = (pre, post, C)
@@ -41,7 +44,7 @@ def block(bp, X, tokens, layer: int, cfg: Config, nm: Numerics, attn_fn, debug=N
     if debug is not None:
         debug["hc_ffn"] = (pre, post, C)
         debug.update(mdbg)
-    return X
+    return X, aux
 
 
 def head(params, X, cfg: Config, nm: Numerics, prefix=""):
@@ -60,10 +63,10 @@ def forward_hidden(params, tokens, cfg: Config, nm: Numerics = Numerics(), debug
         bp = L.block_params(params, f"layers.{i}.")
         ratio = cfg.layer_ratio(i)
         ldbg = {} if debug is not None else None
-        attn = lambda ap, x, r=ratio, d=ldbg, xq=None: L.attention_prefill(ap, x, cfg, nm, r, d,
-                                                                         xq=xq)
+        attn = lambda ap, x, r=ratio, d=ldbg, xq=None: (
+            L.attention_prefill(ap, x, cfg, nm, r, d, xq=xq), None)
         with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
-            X = block(bp, X, tokens, i, cfg, nm, attn, ldbg)
+            X, _ = block(bp, X, tokens, i, cfg, nm, attn, ldbg)
         if debug is not None:
             ldbg["X"] = X
             debug[i] = ldbg
@@ -96,7 +99,7 @@ def mtp_forward(params, X_main, next_tokens, cfg: Config, nm: Numerics = Numeric
     layer = cfg.num_hidden_layers + j
     ratio = cfg.layer_ratio(layer)
     bp = L.block_params(params, p)
-    attn = lambda ap, x, xq=None: L.attention_prefill(ap, x, cfg, nm, ratio, xq=xq)
+    attn = lambda ap, x, xq=None: (L.attention_prefill(ap, x, cfg, nm, ratio, xq=xq), None)
     with jax.named_scope(f"mtp{j}"):
-        X = block(bp, X, next_tokens, layer, cfg, nm, attn)
+        X, _ = block(bp, X, next_tokens, layer, cfg, nm, attn)
     return head(params, X, cfg, nm, prefix=p)

@@ -50,9 +50,9 @@ class Block(nnx.Module):
     def __call__(self, X, tokens, nm: Numerics = Numerics(), debug=None):
         """X [B, T, N, D] residual, tokens [B, T] (hash routing) -> new residual."""
         ratio = self.cfg.layer_ratio(self.layer)
-        attn = lambda ap, x, xq=None: L.attention_prefill(ap, x, self.cfg, nm, ratio, debug,
-                                                          xq=xq)
-        return M.block(self.flat(), X, tokens, self.layer, self.cfg, nm, attn, debug)
+        attn = lambda ap, x, xq=None: (L.attention_prefill(ap, x, self.cfg, nm, ratio, debug,
+                                                           xq=xq), None)
+        return M.block(self.flat(), X, tokens, self.layer, self.cfg, nm, attn, debug)[0]
 
 
 class DeepSeekV4(nnx.Module):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import CacheSpec, init_cache as full
+from .cache import Cache, CacheSpec, init_cache as full
 from .config import Config
 from .decode import step_head, step_layers
 from .quant import Numerics
@@ -51,13 +51,16 @@ class Pipeline:
     def layers(self, s: int) -> range:
         return range(self.bounds[s], self.bounds[s + 1])
 
-    def stage_of(self, key: str) -> int:
-        """The stage holding parameter `key` (or cache entry "L<i>")."""
-        if key.startswith(_FIRST):
+    def stage_of(self, key: str | int) -> int:
+        """The stage holding parameter `key` (or layer `key`'s cache, an int)."""
+        if isinstance(key, int):
+            i = key
+        elif key.startswith(_FIRST):
             return 0
-        if key.startswith(_LAST):
+        elif key.startswith(_LAST):
             return self.n - 1
-        i = int(key.split(".")[1]) if key.startswith("layers.") else int(key[1:])
+        else:
+            i = int(key.split(".")[1])
         return int(np.searchsorted(self.bounds, i, side="right")) - 1
 
     @classmethod
@@ -114,15 +117,12 @@ def split_params(params: dict, pipe: Pipeline) -> list[dict]:
     return [jax.device_put(p, pipe.devices[s]) for s, p in enumerate(parts)]
 
 
-def init_cache(cfg: Config, cs: CacheSpec, pipe: Pipeline) -> list[dict]:
-    """The empty cache, each layer's entries made on its stage's device."""
-    out = []
-    for s in range(pipe.n):
-        names = [f"L{i}" for i in pipe.layers(s)]
-        make = jax.jit(lambda: {k: v for k, v in full(cfg, cs).items() if k in names},
-                       out_shardings=pipe.sharding(s))
-        out.append(make())
-    return out
+def init_cache(cfg: Config, cs: CacheSpec, pipe: Pipeline) -> list[Cache]:
+    """The empty cache as one Cache per stage (its layers, Cache.part), each made on its
+    stage's device."""
+    make = lambda s: jax.jit(lambda: full(cfg, cs).part(pipe.layers(s)),
+                             out_shardings=pipe.sharding(s))()
+    return [make(s) for s in range(pipe.n)]
 
 
 def stage_fn(cfg: Config, cs: CacheSpec, nm: Numerics, pipe: Pipeline, s: int):

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from .cache import CacheSpec, cache_structs
+from .cache import Cache, CacheSpec, cache_structs
 from .config import Config
 from . import param_specs as PS
 
@@ -120,8 +120,9 @@ def param_shardings(cfg: Config, mesh: Mesh, rules=None, include_mtp: bool = Tru
 _FIELD_AXES = {"nope": "kv_nope", "scale": "kv_scale", "rope": "kv_rope", "kv": "kv_dim"}
 
 
-def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
-    """Logical axis names of every cache array: a tree shaped like cache.cache_structs.
+def cache_logical_axes(cfg: Config, cs: CacheSpec) -> Cache:
+    """Logical axis names of every cache array: a tree shaped like cache.cache_structs (a
+    tuple of names at each leaf), by LayerCache field:
       win.*    [R, W, ...]      requests, window, <field>
       win_pos  [R, W]           requests, window
       cmp.*    [NB, epb, ...]   pool_blocks, entries, <field>
@@ -129,8 +130,9 @@ def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
       cst      [R, r, width]    requests, cmp_rows, cmp_state (the compressor state's
                                 parts side by side: cache.cmp_state_parts)"""
     def axes(path, s):
-        keys = [p.key for p in path]  # ["L<i>", name] or ["L<i>", group, field]
-        name, field = keys[1], keys[2] if len(keys) > 2 else None
+        # path: (.layers, [i], .<name>) or (.layers, [i], .<name>, [<field>])
+        name = path[2].name
+        field = path[3].key if len(path) > 3 else None
         if name in ("win", "win_pos"):
             lead = ("requests", "window")
         elif name in ("cmp", "idx"):
@@ -142,7 +144,7 @@ def cache_logical_axes(cfg: Config, cs: CacheSpec) -> dict:
     return jax.tree_util.tree_map_with_path(axes, cache_structs(cfg, cs))
 
 
-def cache_shardings(cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
+def cache_shardings(cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> Cache:
     return jax.tree.map(
         lambda s, a: NamedSharding(mesh, logical_to_pspec(a, s.shape, mesh, rules)),
         cache_structs(cfg, cs), cache_logical_axes(cfg, cs),
@@ -168,7 +170,7 @@ def shard_params(params: dict, cfg: Config, mesh: Mesh, rules=None) -> dict:
     return {k: jax.tree.map(_put, v, sh[k]) for k, v in params.items()}
 
 
-def shard_cache(cache: dict, cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> dict:
+def shard_cache(cache: Cache, cfg: Config, cs: CacheSpec, mesh: Mesh, rules=None) -> Cache:
     """Place a cache tree (cache.init_cache(cfg, cs)) on the mesh by the rules."""
     return jax.tree.map(_put, cache, cache_shardings(cfg, cs, mesh, rules))
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import BLOCK_TOKENS, CacheSpec, init_layer_cache, layer_structs, split_cmp_state
+from . import cache as C
+from .cache import Cache, CacheSpec, LayerCache, init_layer_cache, layer_structs, split_cmp_state
 from .config import Config
 from .quant import Numerics
 from . import decode as D
@@ -71,7 +72,7 @@ def check_mtp(cfg: Config, params, spec: Speculation) -> None:
                          "has none (no `mtp.0.*` parameters); run with speculative tokens 0")
 
 
-def init_mtp_cache(cfg: Config, cs: CacheSpec) -> dict:
+def init_mtp_cache(cfg: Config, cs: CacheSpec) -> LayerCache:
     """The MTP block's own layer cache (window ring, plus pools when its ratio is > 0),
     laid out as a main layer's (docs/KV_CACHE.md) and addressed by the same block table."""
     return init_layer_cache(cfg, cs, cfg.num_hidden_layers)
@@ -185,8 +186,8 @@ def accept_rows(rows, logits, drafts, q, key_u, key_b):
 # ---------------------------------------------------------------------------------------
 # The MTP block against its cache
 # ---------------------------------------------------------------------------------------
-def mtp_layer(params, mcache, X_main, tokens, slots, pos, nvalid, block_table, cfg: Config,
-              cs: CacheSpec, nm: Numerics):
+def mtp_layer(params, mcache: LayerCache, X_main, tokens, slots, pos, nvalid, block_table,
+              cfg: Config, cs: CacheSpec, nm: Numerics):
     """The MTP block on T rows per batch row: X_main [B, T, N, D] (the main model's final
     residual at positions pos .. pos+T-1), tokens [B, T] (the token after each) ->
     (its output residual [B, T, N, D], new MTP cache). Row j predicts the token at
@@ -197,17 +198,11 @@ def mtp_layer(params, mcache, X_main, tokens, slots, pos, nvalid, block_table, c
     bt_rows = block_table[slots]
     n = cfg.num_hidden_layers
     ratio = cfg.layer_ratio(n)
-    holder = {}
-
-    def attn(ap, x, xq=None):
-        out, holder["lc"] = D.attention_cached(ap, mcache, x, tok_pos, valid, slots, pos,
-                                               nvalid, bt_rows, cfg, cs, nm, ratio, xq)
-        return out
-
+    attn = lambda ap, x, xq=None: D.attention_cached(ap, mcache, x, tok_pos, valid, slots, pos,
+                                                     nvalid, bt_rows, cfg, cs, nm, ratio, xq)
     with jax.named_scope("mtp0"):
         X = M.mtp_input(params, X_main, tokens, cfg, nm)
-        X = M.block(L.block_params(params, "mtp.0."), X, tokens, n, cfg, nm, attn)
-    return X, holder["lc"]
+        return M.block(L.block_params(params, "mtp.0."), X, tokens, n, cfg, nm, attn)
 
 
 def mtp_head(params, X, cfg: Config, nm: Numerics):
@@ -218,79 +213,30 @@ def mtp_head(params, X, cfg: Config, nm: Numerics):
 # ---------------------------------------------------------------------------------------
 # Verify with rollback
 # ---------------------------------------------------------------------------------------
-def _ring_slots(pos, T, W):
-    return (pos[:, None] + jnp.arange(T)[None, :]) % W                       # [B, T]
-
-
-def _completed_entries(pos, nvalid, T, ratio):
-    """Entry completed by row j (token pos + j), if any: (entry index [B, T], done [B, T])."""
-    t = pos[:, None] + jnp.arange(T)[None, :]
-    done = ((t + 1) % ratio == 0) & (jnp.arange(T)[None, :] < nvalid[:, None])
-    return (t + 1) // ratio - 1, done
-
-
-def _entry_addr(eidx, done, bt_rows, epb, nb_total):
-    blk = jnp.take_along_axis(bt_rows, jnp.clip(eidx // epb, 0, bt_rows.shape[1] - 1), 1)
-    ok = done & (blk >= 0) & (eidx >= 0) & (eidx // epb < bt_rows.shape[1])
-    return jnp.where(ok, blk, nb_total), eidx % epb                         # [B, T] each
-
-
-def snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg: Config, cs: CacheSpec):
-    """What the T verify rows of one layer may overwrite, read before the step: the ring
-    rows at slots (pos + j) % W and the pool entries the rows complete."""
-    W = cfg.sliding_window
-    B = pos.shape[0]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    rs = _ring_slots(pos, T, W)
-    snap = {"win": jax.tree.map(lambda a: a[rows, rs], lc["win"]),
-            "win_pos": lc["win_pos"][rows, rs]}
-    if ratio > 0:
-        eidx, done = _completed_entries(pos, nvalid, T, ratio)
-        blk, sl = _entry_addr(eidx, done, bt_rows, BLOCK_TOKENS // ratio, cs.num_blocks)
-        get = lambda a: a[jnp.minimum(blk, cs.num_blocks - 1), sl]
-        snap["cmp"] = jax.tree.map(get, lc["cmp"])
-        if ratio == 4:
-            snap["idx"] = jax.tree.map(get, lc["idx"])
-    return snap
-
-
-def rollback(lc, snap, st_old, ap, x, pos, nvalid, keep, bt_rows, ratio, cfg: Config,
-             cs: CacheSpec, nm: Numerics):
+def rollback(lc: LayerCache, snap: LayerCache, ap, x, pos, nvalid, keep, bt_rows, ratio,
+             cfg: Config, cs: CacheSpec, nm: Numerics) -> LayerCache:
     """Undo one layer's writes by the verify rows j >= keep[b] (of nvalid[b] written):
-    ring slots and completed pool entries get their snapshot back; the compressor state
-    is recomputed from the state before the step (st_old, parts by name) over the `keep`
-    accepted rows of x [B, T, D] (the layer's attention input). Exact: the cache ends as
-    if only the accepted rows had been stepped."""
-    W = cfg.sliding_window
+    ring slots and completed pool entries get their snapshot back (cache.restore_rejected);
+    the compressor state is recomputed from the state before the step (snap.cst) over the
+    `keep` accepted rows of x [B, T, D] (the layer's attention input). Exact: the cache
+    ends as if only the accepted rows had been stepped."""
     B, T = x.shape[:2]
-    j = jnp.arange(T)[None, :]
-    rejected = (j >= keep[:, None]) & (j < nvalid[:, None])                 # [B, T]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    rs = jnp.where(rejected, _ring_slots(pos, T, W), W)                     # W: dropped
-    lc = dict(lc)
-    lc["win"] = D._scatter(lc["win"], (rows, rs), snap["win"])
-    lc["win_pos"] = lc["win_pos"].at[rows, rs].set(snap["win_pos"], mode="drop")
+    lc = C.restore_rejected(lc, snap, pos, nvalid, keep, bt_rows, ratio, cfg, cs)
     if ratio > 0:
-        eidx, done = _completed_entries(pos, nvalid, T, ratio)
-        blk, sl = _entry_addr(eidx, done & rejected, bt_rows, BLOCK_TOKENS // ratio,
-                              cs.num_blocks)
-        lc["cmp"] = D._scatter(lc["cmp"], (blk, sl), snap["cmp"])
-        if ratio == 4:
-            lc["idx"] = D._scatter(lc["idx"], (blk, sl), snap["idx"])
         # the accepted rows' state: the compressor update again with nvalid = keep. Its
         # projections are the verify's own (same operands: XLA merges them); its entries
         # are unused (dead code).
         tok_pos = pos[:, None] + jnp.arange(T)[None, :]
         freqs = L.rope_freqs(cfg, ratio)
-        st = dict(st_old)
+        st = split_cmp_state(snap.cst, cfg, ratio)
         D._compressor_update(ap, st, x, tok_pos, pos, keep, ratio, freqs, cfg, nm, "", cs)
         if ratio == 4:
             D._compressor_update(ap, st, x, tok_pos, pos, keep, ratio, freqs, cfg, nm, "i", cs)
-        D._write_state(lc, jnp.arange(B), st, cfg, ratio)
+        lc = C.write_state(lc, jnp.arange(B), st, cfg, ratio)
     return lc
 
 
-def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
+def verify_layers(params, cache: Cache, tokens, pos, nvalid, block_table, cfg: Config,
                   cs: CacheSpec, nm: Numerics, attn_rows: int = 0,
                   capture: tuple[int, ...] = ()):
     """The main model on T rows of every request slot (batch row b = slot b): tokens
@@ -307,45 +253,37 @@ def verify_layers(params, cache, tokens, pos, nvalid, block_table, cfg: Config,
     tok_pos = pos[:, None] + jnp.arange(T)[None, :]
     valid = jnp.arange(T)[None, :] < nvalid[:, None]
     bt_rows = block_table[slots]
-    X = M.embed(params, tokens, cfg, nm)
-    new_cache, saved, captured = {}, {}, {}
-    for i in range(cfg.num_hidden_layers):
+
+    def attend(i, ap, lc, x, xq):
         ratio = cfg.layer_ratio(i)
-        lc = cache[f"L{i}"]
-        snap = snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg, cs)
+        snap = C.verify_snapshot(lc, pos, nvalid, bt_rows, T, ratio, cfg, cs)
         # the layer's writes (in place, by the kernels) then follow the snapshot's reads in
         # the program's order; without it XLA copies the ring and pools before each write
         snap, lc = jax.lax.optimization_barrier((snap, lc))
-        h = {"snap": snap, "st": split_cmp_state(lc["cst"], cfg, ratio) if ratio > 0 else None}
+        snap = snap.replace(cst=lc.cst)   # the state before the step, for the rollback
+        if attn_rows and T > attn_rows:
+            out, new = split_attention(ap, lc, x, pos, nvalid, bt_rows, attn_rows, cfg, cs, nm,
+                                       ratio)
+        else:
+            out, new = D.attention_cached(ap, lc, x, tok_pos, valid, slots, pos, nvalid,
+                                          bt_rows, cfg, cs, nm, ratio, xq)
+        return out, new, (snap, ap, x)
 
-        def attn(ap, x, lc=lc, ratio=ratio, h=h, xq=None):
-            if attn_rows and T > attn_rows:
-                out, h["lc"] = split_attention(ap, lc, x, pos, nvalid, bt_rows, attn_rows,
-                                               cfg, cs, nm, ratio)
-            else:
-                out, h["lc"] = D.attention_cached(ap, lc, x, tok_pos, valid, slots, pos,
-                                                  nvalid, bt_rows, cfg, cs, nm, ratio, xq)
-            h["ap"], h["x"] = ap, x
-            return out
-
-        with jax.named_scope(f"layer{i}_{cfg.layer_kind(i)}"):
-            X = M.block(L.block_params(params, f"layers.{i}."), X, tokens, i, cfg, nm, attn)
-        new_cache[f"L{i}"] = h["lc"]
-        saved[i] = h
-        if i in capture:
-            captured[i] = X
+    X = M.embed(params, tokens, cfg, nm)
+    layers = range(cfg.num_hidden_layers)
+    X, new_cache, saved, captured = D.layer_loop(params, cache, X, tokens, layers, cfg, nm,
+                                                 attend, capture=capture)
 
     def undo(cache, keep):
         out = {}
-        for i in range(cfg.num_hidden_layers):
-            h = saved[i]
+        for i in layers:
+            snap, ap, x = saved[i]
             with jax.named_scope(f"rollback{i}"):
-                out[f"L{i}"] = rollback(cache[f"L{i}"], h["snap"], h["st"], h["ap"], h["x"],
-                                        pos, nvalid, keep, bt_rows, cfg.layer_ratio(i), cfg,
-                                        cs, nm)
-        return out
+                out[i] = rollback(cache[i], snap, ap, x, pos, nvalid, keep, bt_rows,
+                                  cfg.layer_ratio(i), cfg, cs, nm)
+        return cache.replace_layers(out)
     if capture:
-        return X, new_cache, undo, [captured[i] for i in capture]
+        return X, new_cache, undo, captured
     return X, new_cache, undo
 
 
@@ -502,13 +440,13 @@ def spec_step_fn(cfg: Config, cs: CacheSpec, nm: Numerics, sampler, k: int):
     return run
 
 
-def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: dict, mesh):
+def mtp_cache_shardings(cfg: Config, cs: CacheSpec, cache_sh: Cache, mesh):
     """The MTP cache's shardings: those of a main layer of the same ratio (same arrays),
     else replicated."""
     r = cfg.layer_ratio(cfg.num_hidden_layers)
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_ratio(i) == r:
-            return cache_sh[f"L{i}"]
+            return cache_sh[i]
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.tree.map(lambda _: rep, layer_structs(cfg, cs, cfg.num_hidden_layers))
 

@@ -77,7 +77,7 @@ def test_index_format_flag():
         eng = cli._engine(args, cfg, params)
         assert eng.cs.index_format == want, argv
         if want != "raw":
-            assert set(eng.cache["L1"]["idx"]) == set(kvformat.index_key_fields(want))
+            assert set(eng.cache[1].idx) == set(kvformat.index_key_fields(want))
     assert run(["generate", "--prompt", "hi", "--index-format", "fp6"]) == 2
 
 

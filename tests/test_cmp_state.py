@@ -1,4 +1,4 @@
-"""The compressor state stored as one packed f32 array per compressed layer (cache "cst",
+"""The compressor state stored as one packed f32 array per compressed layer (LayerCache.cst,
 cache.cmp_state_parts): its layout, the accessor, the errors, and its contents after cached
 prefill + decode against the state computed independently from the whole-sequence
 forward (tiny preset, CPU)."""
@@ -23,12 +23,12 @@ def test_one_state_array_per_compressed_layer(preset):
     structs = cache_structs(cfg, cs)
     c, ci = cfg.head_dim, cfg.index_head_dim
     for i in range(cfg.num_hidden_layers):
-        r, lc = cfg.layer_ratio(i), structs[f"L{i}"]
+        r, lc = cfg.layer_ratio(i), structs[i]
         if r == 0:
-            assert "cst" not in lc
+            assert lc.cst is None
             continue
-        assert lc["cst"].dtype == jnp.float32
-        assert lc["cst"].shape == (3, r, 6 * c + 6 * ci if r == 4 else 2 * c)
+        assert lc.cst.dtype == jnp.float32
+        assert lc.cst.shape == (3, r, 6 * c + 6 * ci if r == 4 else 2 * c)
     # Flash: 21 CSA layers (8 state arrays before -> 1) and 20 HCA layers (2 -> 1)
     if preset == "flash":
         assert len(jax.tree.leaves(structs)) == 545 - 21 * 7 - 20 * 1
@@ -86,8 +86,8 @@ def _attention_inputs(params, tokens, cfg, nm):
 
         def attn(ap, x, i=i, r=r):
             xs[i] = x
-            return L.attention_prefill(ap, x, cfg, nm, r)
-        X = model.block(L.block_params(params, f"layers.{i}."), X, tokens, i, cfg, nm, attn)
+            return L.attention_prefill(ap, x, cfg, nm, r), None
+        X, _ = model.block(L.block_params(params, f"layers.{i}."), X, tokens, i, cfg, nm, attn)
     return model.head(params, X, cfg, nm), xs
 
 

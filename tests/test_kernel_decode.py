@@ -46,7 +46,7 @@ def test_kernel_decode_layers_match_pure_jax(backend, index_format, every_kind):
             programs[key] = jax.jit(lambda ap, lc, x, *a, r=key[1]: D.attention_cached(
                 ap, lc, x, *a, cfg, csk, nm, r))
         ap = L.block_params(params, f"layers.{i}.attn.")
-        return jax.block_until_ready(programs[key](ap, eng.cache[f"L{i}"], x, *args))
+        return jax.block_until_ready(programs[key](ap, eng.cache[i], x, *args))
 
     firsts = [cfg.compress_ratios.index(r) for r in sorted(set(cfg.compress_ratios[:-1]))]
     for i in firsts:   # one layer of each kind (another layer of a kind runs the same program)

@@ -312,8 +312,8 @@ def test_every_logical_axis_has_a_rule_or_is_replicated_on_purpose():
              for a in s.axes if a}
     for cs in (CacheSpec(), CacheSpec(kv_format="raw", index_format="raw")):
         tree = SH.cache_logical_axes(cfg, cs)
-        names |= {a for t in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
-                  for a in t if a}
+        names_leaf = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+        names |= {a for t in jax.tree.leaves(tree, is_leaf=names_leaf) for a in t if a}
     assert names <= set(SH.RULES) | SH.REPLICATED, names - set(SH.RULES) - SH.REPLICATED
     assert not set(SH.RULES) & SH.REPLICATED
 

@@ -128,7 +128,7 @@ def test_sparse_prefill_kernel_interpreted_in_the_layer(tiny, prefilled, ratio):
 
     def run(nm):
         f = jax.jit(lambda ap, lc, x: D.attention_cached(ap, lc, x, *a, cfg, csk, nm, ratio))
-        return jax.block_until_ready(f(ap, eng.cache[f"L{i}"], x))
+        return jax.block_until_ready(f(ap, eng.cache[i], x))
 
     (y0, c0), (y1, c1) = run(nm_dense), run(nm_sparse)
     for va, vb in zip(jax.tree.leaves(c0), jax.tree.leaves(c1)):

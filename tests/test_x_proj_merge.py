@@ -192,7 +192,7 @@ def test_kernel_decode_path_bit_identical(tiny):
     def attend(tree):
         ap = L.block_params(tree, f"layers.{i}.attn.")
         f = jax.jit(lambda lc, x, *a: D.attention_cached(ap, lc, x, *a, cfg, csk, nm, 4))
-        return jax.block_until_ready(f(eng.cache[f"L{i}"], x, *args))
+        return jax.block_until_ready(f(eng.cache[i], x, *args))
 
     (a, ca), (b, cb) = attend(params), attend(merged)
     np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))

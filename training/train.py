@@ -75,8 +75,8 @@ def mtp_forward(params, X_main, next_tokens, cfg: Config, nm: Numerics, debug: d
          + M.linear(h, params[p + "h_proj"], nm).astype(jnp.float32)).astype(nm.jdtype)
     layer = cfg.num_hidden_layers + j
     ratio = cfg.layer_ratio(layer)
-    attn = lambda ap, x, xq=None: L.attention_prefill(ap, x, cfg, nm, ratio, xq=xq)
-    X = M.block(L.block_params(params, p), X, next_tokens, layer, cfg, nm, attn, debug)
+    attn = lambda ap, x, xq=None: (L.attention_prefill(ap, x, cfg, nm, ratio, xq=xq), None)
+    X, _ = M.block(L.block_params(params, p), X, next_tokens, layer, cfg, nm, attn, debug)
     return M.head(params, X, cfg, nm, prefix=p)
 
 

@@ -29,14 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cache import BLOCK_TOKENS
-
-SLOT_STATE = ("win", "win_pos", "cst")   # a layer's per-slot cache entries
-
-
-def slot_state(cache: dict) -> dict:
-    """The per-slot parts of a cache tree: {"L<i>": {"win": ..., "win_pos", "cst"}}."""
-    return {l: {k: v for k, v in lc.items() if k in SLOT_STATE} for l, lc in cache.items()}
+from ..cache import BLOCK_TOKENS, slot_state, with_slot_state
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -49,7 +42,7 @@ def save_snapshot(snaps, cache, slot, idx):
 def load_snapshot(cache, snaps, slot, idx):
     """The cache with the slot's rows set from snaps[idx] (cache donated)."""
     new = jax.tree.map(lambda c, s: c.at[slot].set(s[idx]), slot_state(cache), snaps)
-    return {l: {**lc, **new[l]} for l, lc in cache.items()}
+    return with_slot_state(cache, new)
 
 
 def block_keys(prompt, n_blocks: int) -> list[bytes]:
