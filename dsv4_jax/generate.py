@@ -268,12 +268,13 @@ class Engine:
                     f"capacity of {self.cs.capacity} tokens per request")
         need = [blocks_needed(self.cfg, len(p) + extra) for p in prompts]
         pool = self.cs.num_blocks // getattr(self.bm, "groups", 1)
-        if need and (max(need) > pool if queued else sum(need) > len(self.bm.free)):
-            raise PoolExhausted(
-                f"{'a request' if queued else f'{len(prompts)} requests'} of prompt + "
-                f"{extra} new tokens need{'s' * queued} {max(need) if queued else sum(need)} "
-                f"cache blocks, and the pool has {pool if queued else len(self.bm.free)} "
-                f"(CacheSpec.num_blocks); lower max_new_tokens or grow the pool")
+        # queued: the largest request alone; at once: all of them in the free blocks
+        want, have = (max(need, default=0), pool) if queued else (sum(need), len(self.bm.free))
+        if want > have:
+            raise PoolExhausted(f"prompt + {extra} new tokens need {want} cache blocks "
+                                f"({'the largest request' if queued else 'all requests'}), "
+                                f"and the pool has {have} (CacheSpec.num_blocks); lower "
+                                f"max_new_tokens or grow the pool")
 
     def admit_all(self, prompts, extra: int):
         """Request slots for `prompts` (check_fits first), each with its prompt's blocks."""
@@ -318,12 +319,12 @@ class Engine:
 
         def sink(i):
             return lambda o: got.extend((i, t) for t in o.token_ids)
-        reqs = [sched.submit(Request(p, params[i], sink(i), rid=f"prompt-{i}"))
-                for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         tm = self.timing = Timing()
         t_dec = None   # when the first decode step's token was read
-        try:
+        try:   # (a refused submit leaves nothing queued behind either)
+            reqs = [sched.submit(Request(p, params[i], sink(i), rid=f"prompt-{i}"))
+                    for i, p in enumerate(prompts)]
             while sched.has_work():
                 sched.step()
                 if not got:
