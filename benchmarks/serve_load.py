@@ -1,6 +1,7 @@
 """Load test of `dsv4 serve`: a bounded number of streaming completions from a fixed number
 of concurrent clients (closed loop) -> requests/s, output tokens/s and the percentiles of
-time to first token and inter-token latency, as the clients see them over HTTP.
+time to first token, the gaps between streamed events (itl_s) and the time per output token
+(tpot_s), as the clients see them over HTTP.
 
     # against a running server
     python -m benchmarks.serve_load --url http://127.0.0.1:8000 --requests 64 --concurrency 16
@@ -40,11 +41,12 @@ def percentiles(xs, ps=(50, 90, 99)):
 
 
 def one_request(http, url, model, prompt, max_tokens):
-    """One streaming completion -> (ttft s, [inter-event gaps s], tokens)."""
+    """One streaming completion -> (ttft s, [inter-event gaps s], tokens, s per output
+    token after the first)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, last, gaps, tokens = None, None, [], 0
+    ttft, last, gaps, tokens, t_first = None, None, [], 0, None
     with http.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -59,11 +61,12 @@ def one_request(http, url, model, prompt, max_tokens):
                 continue
             now = time.perf_counter()
             if ttft is None:
-                ttft = now - t0
+                ttft, t_first = now - t0, now
             else:
                 gaps.append(now - last)
             last = now
-    return ttft, gaps, tokens
+    tpot = (last - t_first) / (tokens - 1) if tokens > 1 and t_first is not None else None
+    return ttft, gaps, tokens, tpot
 
 
 def run_load(url, model, prompts, max_tokens, concurrency, time_limit):
@@ -101,6 +104,7 @@ def run_load(url, model, prompts, max_tokens, concurrency, time_limit):
     return {"requests": len(res), "errors": len(errors), "wall_s": wall,
             "requests_per_s": len(res) / wall, "output_tokens_per_s": toks / wall,
             "ttft_s": percentiles(ttfts), "itl_s": percentiles(gaps),
+            "tpot_s": percentiles([r[3] for r in res if r[3] is not None]),
             "first_error": errors[0] if errors else None}
 
 
@@ -222,6 +226,9 @@ def main(argv=None):
     ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                     help="in-process: the server (and the fixed batch) draft K tokens a step "
                          "with the MTP block (needs --prefix-cache-entries 0)")
+    ap.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                    help="in-process server: plain decode steps a program (dsv4 serve "
+                         "--decode-steps)")
     ap.add_argument("--compare-fixed", action="store_true",
                     help="in-process: also time Engine.generate (fixed batches of "
                          "--max-requests, the fused decode loop) on the same prompts")
@@ -276,7 +283,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         srv = build(eng, tok, name, seed=args.seed,
                     config=SchedulerConfig(prefix_cache_entries=args.prefix_cache_entries,
-                                           speculative_tokens=args.speculative_tokens))
+                                           speculative_tokens=args.speculative_tokens,
+                                           decode_steps=args.decode_steps))
         out["warm_up_s"] = time.perf_counter() - t0
         with BackgroundServer(srv) as url:
             load = run_load if args.clients_in_process else run_load_elsewhere

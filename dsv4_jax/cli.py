@@ -562,6 +562,12 @@ def speculative_arg(v: str):
 def _check_speculation(args, cfg) -> None:
     """--speculative-tokens against the config and the layout, before any weight is read."""
     k = args.speculative_tokens
+    if getattr(args, "decode_steps", 1) > 1 and args.devices:
+        if args.layout == "pipeline":
+            raise UsageError("--decode-steps > 1 runs on one device or a mesh, not with "
+                             "--layout pipeline")
+        if args.layout == "auto":
+            args.layout = "mesh"   # the multi-step program runs on one device or a mesh
     if not k:
         return
     if k == "dspark":
@@ -630,7 +636,10 @@ def _bind(host: str, port: int) -> socket.socket:
 def cmd_serve(args):
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    _positive(args, "--prefill-chunks-per-step", "--max-waiting")
+    _positive(args, "--prefill-chunks-per-step", "--max-waiting", "--decode-steps")
+    if args.decode_steps > 1 and args.speculative_tokens:
+        raise UsageError("--decode-steps > 1 and --speculative-tokens do not combine (a "
+                         "speculative step already emits several tokens)")
     if args.prefix_cache_entries is None:   # on where it runs: one device, no speculation
         args.prefix_cache_entries = (0 if args.devices or args.speculative_tokens
                                      else 2 * args.max_requests)
@@ -665,7 +674,7 @@ def cmd_serve(args):
         srv = serve_run.build(eng, tok, name, SchedulerConfig(
             prefill_chunks_per_step=args.prefill_chunks_per_step,
             max_waiting=args.max_waiting, prefix_cache_entries=args.prefix_cache_entries,
-            speculative_tokens=args.speculative_tokens),
+            speculative_tokens=args.speculative_tokens, decode_steps=args.decode_steps),
             seed=args.seed, max_body_bytes=max_body)
         host, port = sock.getsockname()[:2]
 
@@ -765,6 +774,10 @@ def build_parser():
                     metavar="K", help="draft K tokens a step with the model's MTP block and "
                     "verify them in one step (1..3; 0 = off), or 'dspark' (the DSpark "
                     "drafter); needs --prefix-cache-entries 0; usage reports the acceptance")
+    sv.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                    help="plain decode steps one program runs before the host reads their "
+                         "tokens: the host's work per token drops N-fold, and each request's "
+                         "tokens stream N at a time")
     sv.add_argument("--max-request-size", default="16MiB",
                     help="request bodies above this get 413 (e.g. 4MiB, 1G, or bytes)")
     sv.add_argument("--log-level", default="info",

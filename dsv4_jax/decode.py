@@ -439,6 +439,34 @@ def stream_step_fn(step_fn, sampler):
     return run
 
 
+
+def multi_step_fn(stream_fn, steps: int):
+    """A stream step run(params, cache, st) -> (cache, st') (stream_step_fn with the
+    per-row sampler) -> the same run doing `steps` decode steps in one program (a
+    fori_loop), so the host reads once per `steps` tokens. A slot runs while it is in
+    st.nvalid and its draw index is below st.end [R] (its max_tokens: no write past what
+    the scheduler allocated); st'.out [R, steps] holds its tokens, st'.n_out [R] how many,
+    out_lp / out_top_ids / out_top_lp their log-probabilities."""
+    def run(params, cache, st):
+        run0 = st["nvalid"]
+
+        def body(i, c):
+            cache, st = c
+            live = jnp.where(st["draw"] < st["end"], run0, 0)
+            cache, st = stream_fn(params, cache, dict(st, nvalid=live))
+            on = live > 0
+            col = lambda name, v: st[name].at[:, i].set(
+                jnp.where(on.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0))
+            return cache, dict(st, out=col("out", st["tok"][:, 0]),
+                               n_out=st["n_out"] + on, out_lp=col("out_lp", st["lp"]),
+                               out_top_ids=col("out_top_ids", st["top_ids"]),
+                               out_top_lp=col("out_top_lp", st["top_lp"]))
+
+        st = dict(st, n_out=jnp.zeros_like(st["n_out"]))
+        cache, st = jax.lax.fori_loop(0, steps, body, (cache, st))
+        return cache, dict(st, nvalid=run0)
+    return run
+
 # The host reads a step's tokens through this copy (one small program): reading st.tok
 # itself is impossible once st is donated to the next step. The copy lands in pinned host
 # memory, not in a fresh device buffer: a device allocation made between two steps moves

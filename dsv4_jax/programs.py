@@ -15,6 +15,7 @@ pure functions (decode.step, the sharded / tensor / staged forms, the speculativ
         (..., table, rows {name: [B]}, draws [B]) -> (cache, serve.sampling outputs)
     decode_program(lay, graphdef, cs, nm, sampler)     # the stream step on a device state
         (state, cache, st) -> (cache, st')
+    decode_program(lay, graphdef, cs, nm, sampler, steps=N)   # N of them in one program
     verify_programs(lay, graphdef, cs, nm, sampler, spec)   # MTP Speculation(k) or DSpark()
         -> (prefill, step), speculative.py / dspark_runner.py signatures
     generate_loop(lay, graphdef, cs, nm, cap)          # Engine.generate's fused loop (one device)
@@ -36,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cache import CacheSpec
 from .config import Config
-from .decode import STEP_COMPILER_OPTIONS, stream_step_fn
+from .decode import STEP_COMPILER_OPTIONS, multi_step_fn, stream_step_fn
 from .nnx_model import DeepSeekV4, apply_step
 from .param_specs import x_proj_is_merged
 from .quant import Numerics
@@ -189,11 +190,19 @@ class DataParallelStep:
 # 2. The decode step on a device-resident state (decode.stream_step_fn)
 # ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def decode_program(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, sampler):
+def decode_program(lay: Layout, graphdef, cs: CacheSpec, nm: Numerics, sampler,
+                   steps: int = 1):
     """(state, cache, st) -> (cache, st'): one decode step of every running slot of st,
     the next tokens sampled in the program (sampler: a generate.py sampler or
     serve.sampling.RowSampler); the cache and st donated, so nothing moves between steps.
-    A pipeline samples on its last stage's device, where st lives."""
+    A pipeline samples on its last stage's device, where st lives. steps > 1 (RowSampler,
+    not a pipeline): that many steps in the program (decode.multi_step_fn)."""
+    if steps > 1:
+        if lay.kind == "pipeline" or not hasattr(sampler, "draw"):
+            raise ValueError("several decode steps a program run with the per-row sampler "
+                             "on one device or a mesh, not a pipeline layout")
+        fn = multi_step_fn(stream_step_fn(_step_fn(lay, graphdef, cs, nm), sampler), steps)
+        return _jit(lay, fn, cs, 1, "cr", (1, 2))
     if lay.kind == "pipeline":
         pipe = lay.pipeline
         fns = [PL.stage_fn(lay.cfg, cs, nm, pipe, s) for s in range(pipe.n)]

@@ -17,6 +17,9 @@ a steady decode step uploads nothing. Sampling runs inside the step program, and
 step's tokens (with their log-probabilities) come back through pinned host memory, so a
 driver enqueues step n+1 before it reads step n.
 
+With `set_mode(steps=N)` the plain decode step is N steps in one program
+(decode.multi_step_fn): each step emits up to N tokens per row, read once.
+
 Speculative decoding is a mode of the runner (`Speculation(k)`): the decode step is the
 MTP draft + verify program of speculative.py with the per-row sampler, and each step
 emits 1 .. k+1 tokens per row. `DSpark()`: the same with the DSpark drafter of
@@ -68,12 +71,14 @@ class PrefillChunk:
 class RowStart:
     """A slot that starts decoding at position `pos`: it feeds `token` first (the device
     token of an earlier step's final prefill chunk, StepResult.first_token, or a host
-    int: a token fed again), and its draws continue at index `draw`."""
+    int: a token fed again), and its draws continue at index `draw`; a multi-step
+    decode stops the row before draw index `end` (its max_tokens)."""
     slot: int
     token: object
     pos: int
     sampling: tuple
     draw: int = 1
+    end: int = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +99,7 @@ class StepResult:
     [R, T], top ids [R, T, K], top logprobs [R, T, K]) or None."""
     prefill: list
     decode: tuple | None
-    speculative: bool = False
+    several: bool = False   # decode holds [R, T] tokens with counts (speculative, multi-step)
 
     def first_token(self, i: int):
         """Prefill chunk i's sampled token, on the device ([1] int32): a RowStart's token."""
@@ -104,7 +109,7 @@ class StepResult:
         pre = [tuple(np.asarray(a)[0] for a in p) for p in self.prefill]
         if self.decode is None:
             return pre, None
-        if self.speculative:
+        if self.several:
             return pre, tuple(np.asarray(a) for a in self.decode)
         tok, lp, ti, tl = (np.asarray(a) for a in self.decode)
         return pre, (tok[:, None], np.ones(len(tok), np.int32), lp[:, None], ti[:, None],
@@ -135,7 +140,7 @@ class ModelRunner:
         self.mtp_cache = None     # the MTP block's cache (speculation), made on first use
         self.programs = {}        # compiled programs built on first use, by kind and form
         self.dstate = None        # the device decode state (execute), made on first use
-        self._mode = None         # (sampler, Speculation | None) of dstate
+        self._mode = None         # (sampler, Speculation | DSpark | None, steps) of dstate
         self._host = None         # what dstate's run / table rows hold, as uploaded
         self._h = {}              # speculative prefill: each slot's last main residual
         if pipeline is not None:
@@ -253,20 +258,34 @@ class ModelRunner:
                              "a pipeline layout")
         DR.check(self.cfg, self.model.mtp.get_value())
 
-    def set_mode(self, speculation: "Speculation | DSpark | None" = None) -> None:
-        """Decode plainly (None) or speculatively (MTP drafts or DSpark); drops the decode
-        state (call with no slot decoding)."""
+    def set_mode(self, speculation: "Speculation | DSpark | None" = None,
+                 steps: int = 1) -> None:
+        """Decode plainly (None), `steps` decode steps a program, or speculatively (MTP
+        drafts or DSpark); drops the decode state (call with no slot decoding)."""
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"decode steps a program must be an integer >= 1, got {steps!r}")
+        if steps > 1 and speculation is not None:
+            raise ValueError("several decode steps a program and speculative decoding do "
+                             "not combine (a speculative step already emits several tokens)")
+        if steps > 1 and self.pipeline is not None:
+            raise ValueError("several decode steps a program run on one device or a mesh, "
+                             "not a pipeline layout")
         if isinstance(speculation, DSpark):
             self.check_dspark()
         elif speculation is not None:
             self.check_speculation(speculation.k)
-        mode = (RowSampler(TOP_LOGPROBS), speculation)
+        mode = (RowSampler(TOP_LOGPROBS), speculation, steps)
         if mode != self._mode:
             self._mode, self.dstate, self._host = mode, None, None
 
     @property
     def speculation(self) -> "Speculation | DSpark | None":
         return None if self._mode is None else self._mode[1]
+
+    @property
+    def steps(self) -> int:
+        """Plain decode steps one decode program runs (set_mode)."""
+        return 1 if self._mode is None else self._mode[2]
 
     def _prefill_program(self):
         """(state, cache, [mcache,] tokens [1, C], slot / pos / nvalid [1], table, rows
@@ -310,7 +329,14 @@ class ModelRunner:
         if spec is None:
             st.update(tok=np.zeros((R, 1), np.int32), nvalid=np.zeros(R, np.int32),
                       lp=np.zeros(R, np.float32), top_ids=np.zeros((R, TOP_LOGPROBS), np.int32),
-                      top_lp=np.zeros((R, TOP_LOGPROBS), np.float32))
+                      top_lp=np.zeros((R, TOP_LOGPROBS), np.float32),
+                      end=np.zeros(R, np.int32))
+            if self.steps > 1:
+                N = self.steps
+                st.update(out=np.zeros((R, N), np.int32), n_out=np.zeros(R, np.int32),
+                          out_lp=np.zeros((R, N), np.float32),
+                          out_top_ids=np.zeros((R, N, TOP_LOGPROBS), np.int32),
+                          out_top_lp=np.zeros((R, N, TOP_LOGPROBS), np.float32))
         elif isinstance(spec, DSpark):
             st.update(DR.decode_state(cfg, R, self.nm, TOP_LOGPROBS))
         else:
@@ -331,7 +357,8 @@ class ModelRunner:
     def _decode_program(self):
         spec = self.speculation
         if spec is None:
-            return self.stream_program(RowSampler(TOP_LOGPROBS))
+            return decode_program(self.layout, self.graphdef, self.cs, self.nm,
+                                  RowSampler(TOP_LOGPROBS), self.steps)
         if isinstance(spec, DSpark):
             return self.dspark_programs()[1]
         _, step = self.spec_programs(RowSampler(TOP_LOGPROBS), spec.k)
@@ -345,8 +372,8 @@ class ModelRunner:
         """Enqueue one step: the prefill chunks, the rows that start decoding, then the
         decode step of `batch.run` -> its StepResult (device arrays, not waited for). The
         block table must already hold every block the step writes; bm.length advances
-        by what the step writes (a speculative row: by what the host has read, see
-        `advance`)."""
+        by what the step writes (a speculative or multi-step row: by what the host has
+        read, see `advance`)."""
         if self._mode is None:
             self.set_mode(None)
         spec = self.speculation
@@ -379,7 +406,7 @@ class ModelRunner:
                     tok = put_state(np.asarray([tok], np.int32), self.state_sharding)
                 args = (st, jnp.int32(s.slot), tok, jnp.int32(s.pos), jnp.int32(s.draw),
                         _one_row(s.sampling))
-                st = (_start_row(*args) if spec is None else
+                st = (_start_row(*args, jnp.int32(min(s.end, 2**31 - 1))) if spec is None else
                       _start_dspark_row(*args) if isinstance(spec, DSpark) else
                       _start_spec_row(*args, self._h[s.slot]))
             run = np.zeros(R, np.int32)
@@ -392,16 +419,16 @@ class ModelRunner:
             self._host = {"table": self.bm.table.copy(), "run": run}
             if batch.run:
                 self.cache, st = self._decode_program()(self.state, self.cache, st)
-                if spec is None:
+                if spec is None and self.steps == 1:
                     dec = _read_plain(st)
                     for s in batch.run:
                         self.bm.advance(s, 1)
                 else:
-                    dec = _read_spec(st)
+                    dec = _read_several(st, spec is None)
                 if self.interpreted:
                     jax.block_until_ready(dec)
             self.dstate = st
-        return StepResult(pre_out, dec, spec is not None)
+        return StepResult(pre_out, dec, spec is not None or self.steps > 1)
 
     def _ensure_dstate(self) -> dict:
         if self.dstate is None:
@@ -411,12 +438,14 @@ class ModelRunner:
             # the token reader loads before the decode step first runs: XLA drops every
             # loaded program's CUDA graphs when a new one loads, and the step would
             # re-record its graphs at its second run
-            jax.block_until_ready((_read_plain if self.speculation is None else
-                                   _read_spec)(self.dstate))
+            jax.block_until_ready(_read_plain(self.dstate) if self.speculation is None and
+                                  self.steps == 1 else
+                                  _read_several(self.dstate, self.speculation is None))
         return self.dstate
 
     def advance(self, slot: int, n: int) -> None:
-        """A speculative row emitted n tokens (read back): they are in its cache now."""
+        """A speculative or multi-step row emitted n tokens (read back): they are in its
+        cache now."""
         self.bm.advance(slot, n)
 
     def _h_prev(self, c: PrefillChunk):
@@ -463,10 +492,11 @@ def _set_rows(st, slot, pos, draw, rows1):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _start_row(st, slot, tok1, pos, draw, rows1):
-    """The plain decode state with `slot` starting at token tok1 [1] (device) at pos."""
+def _start_row(st, slot, tok1, pos, draw, rows1, end):
+    """The plain decode state with `slot` starting at token tok1 [1] (device) at pos; a
+    multi-step decode stops it before draw index `end`."""
     st = _set_rows(st, slot, pos, draw, rows1)
-    return dict(st, tok=st["tok"].at[slot, 0].set(tok1[0]))
+    return dict(st, tok=st["tok"].at[slot, 0].set(tok1[0]), end=st["end"].at[slot].set(end))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -495,6 +525,9 @@ def _read_plain(st):
     return host_reader("tok", "lp", "top_ids", "top_lp")(st)
 
 
-def _read_spec(st):
-    """-> (tokens [R, k+1], counts [R], logprobs [R, k+1], top ids / logprobs [R, k+1, K])."""
+def _read_several(st, multi_step: bool):
+    """-> (tokens [R, T], counts [R], logprobs [R, T], top ids / logprobs [R, T, K]) of a
+    speculative (T = k+1 or G+1) or multi-step (T = steps) decode state."""
+    if multi_step:
+        return host_reader("out", "n_out", "out_lp", "out_top_ids", "out_top_lp")(st)
     return host_reader("out", "n_out", "lp", "top_ids", "top_lp")(st)

@@ -15,7 +15,7 @@ from dsv4_jax.generate import Engine
 from dsv4_jax.quant import Numerics
 from dsv4_jax.serve import metrics as MX
 from dsv4_jax.serve.sampling import (TOP_LOGPROBS, SamplingParams, filter_logits, sample_rows)
-from dsv4_jax.serve.scheduler import Request, RequestError, Scheduler
+from dsv4_jax.serve.scheduler import Request, RequestError, Scheduler, SchedulerConfig
 from dsv4_jax.tokenizer import ByteTokenizer
 
 R, CHUNK = 4, 16
@@ -237,6 +237,69 @@ def test_blocks_grow_with_requests_and_preemption_recomputes(sched):
         assert tokens(o) == want[i], f"request {i}"
         assert o[-1].finish_reason == "length"
     assert sched.blocks_used() == 0 and sched.bm.active.sum() == 0
+
+
+def test_multi_step_decode_equals_single_steps(sched):
+    """decode_steps=3: three decode steps a program, read once: each read hands a request
+    its (up to 3) tokens as one Output; greedy requests give Engine's tokens, a seeded
+    sampled one the single-step scheduler's, a stop id inside a group ends the request
+    there, max_tokens (not a multiple of 3) is met exactly, and a pool too small for every
+    request preempts and recomputes with the same tokens."""
+    from dsv4_jax.cache import blocks_needed
+    eng = sched.eng
+    rng = np.random.default_rng(506)
+    prompts = prompts_of(rng, (5, 37, 20, 9, 50))
+    n_new = 10
+    sp_s = SamplingParams(temperature=1.0, top_p=.9, seed=77, max_tokens=n_new, ignore_eos=True)
+    single = collect(sched, prompts[0], sp_s)
+    sched.run_until_done()
+    want = eng.generate(prompts, max_new_tokens=n_new, jit_loop=False)
+    ref = want[1]
+    assert len(ref) == n_new
+    # the preemption case: prompts of one block growing into a second, 4 at a time in a
+    # pool of 6 blocks (the reference: 3 at a time, which fit)
+    long = prompts_of(rng, rng.integers(90, 116, 9))
+    n_long = 48
+    want_long = [w for i in range(0, 9, 3)
+                 for w in eng.generate(long[i:i + 3], max_new_tokens=n_long, stop_ids=())]
+    assert sum(blocks_needed(eng.cfg, len(p) + n_long) for p in long[:R]) > sched.cs.num_blocks
+    multi = Scheduler(eng, sched.tok, SchedulerConfig(decode_steps=3, prefill_chunks_per_step=4),
+                      seed=0)
+    try:
+        outs = [collect(multi, p, SamplingParams(temperature=0, max_tokens=n_new))
+                for p in prompts]
+        sampled = collect(multi, prompts[0], sp_s)
+        by_id = collect(multi, prompts[1], SamplingParams(temperature=0, max_tokens=n_new,
+                                                          stop_token_ids=(ref[5],)))
+        odd = collect(multi, prompts[1], SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True))
+        multi.run_until_done()
+        for i, o in enumerate(outs):
+            assert tokens(o) == want[i], f"request {i}"
+        assert tokens(sampled) == tokens(single)
+        assert tokens(by_id) == ref[:ref.index(ref[5]) + 1]
+        assert by_id[-1].finish_reason == "stop"
+        assert tokens(odd) == ref[:8] and odd[-1].finish_reason == "length"
+        # the prefill's token, then groups of up to 3 (a request's tokens of one read)
+        assert [len(o.token_ids) for o in odd] == [1, 3, 3, 1]
+        assert [o.completion_tokens for o in odd] == [1, 4, 7, 8]
+        pre0 = multi.preemptions
+        sp = SamplingParams(temperature=0, max_tokens=n_long, ignore_eos=True)
+        louts = [collect(multi, p, sp) for p in long]
+        multi.run_until_done()
+        assert multi.preemptions > pre0
+        for i, o in enumerate(louts):
+            assert tokens(o) == want_long[i], f"long request {i}"
+        assert multi.blocks_used() == 0 and multi.bm.active.sum() == 0
+    finally:
+        sched.runner.set_mode(None)
+
+
+def test_multi_step_config_is_checked():
+    with pytest.raises(ValueError, match="decode_steps"):
+        SchedulerConfig(decode_steps=0)
+    with pytest.raises(ValueError, match="do not combine"):
+        SchedulerConfig(decode_steps=2, speculative_tokens=1)
 
 
 def test_refused_before_queueing(sched):

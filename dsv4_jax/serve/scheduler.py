@@ -17,6 +17,12 @@ Each `step()`:
    detokenises them, checks stop ids, stop strings and max_tokens, and streams them.
 A request that stops is thus decoded one step past its stop; that token is dropped.
 
+With `decode_steps` N > 1 the decode step is N plain steps in one program, read once
+(vLLM's multi-step scheduling): the host's work per token drops N-fold, each request's N
+tokens stream as one event, and a request stopping inside the N runs on to the end of
+them (its extra tokens dropped). A request's tokens of one step reach its sink as one
+Output in every mode.
+
 With `speculative_tokens` k, the decode step drafts k tokens per request with the MTP
 block and verifies them (speculative.py), emitting 1 .. k+1 tokens a step; with
 "dspark", the DSpark drafter's block of G = dspark_block_size (dspark_runner.py), 1 .. G+1.
@@ -34,6 +40,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 
 from ..cache import BLOCK_TOKENS, PoolExhausted, blocks_needed
 from ..runner import DSpark, PrefillChunk, RowStart, Speculation, StepBatch
@@ -51,11 +58,19 @@ class SchedulerConfig:
     prefix_cache_entries: int = 0      # cached prompt prefixes (serve.prefix); 0: off
     speculative_tokens: int | str = 0  # MTP drafts verified per decode step, or "dspark"
                                        # (the DSpark drafter's block); 0: off
+    decode_steps: int = 1              # plain decode steps one program runs between two
+                                       # reads of their tokens (runner.set_mode(steps=))
 
     def __post_init__(self):
         if self.prefill_chunks_per_step < 1 or self.max_waiting < 1:
             raise ValueError(f"SchedulerConfig: prefill_chunks_per_step and max_waiting "
                              f"must be >= 1, got {self}")
+        if not isinstance(self.decode_steps, int) or self.decode_steps < 1:
+            raise ValueError(f"SchedulerConfig.decode_steps must be an integer >= 1, got "
+                             f"{self.decode_steps!r}")
+        if self.decode_steps > 1 and self.speculative_tokens:
+            raise ValueError("SchedulerConfig: decode_steps > 1 and speculative_tokens do "
+                             "not combine (a speculative step already emits several tokens)")
         if self.prefix_cache_entries < 0:
             raise ValueError(f"SchedulerConfig.prefix_cache_entries must be >= 0, got "
                              f"{self.prefix_cache_entries}")
@@ -163,9 +178,15 @@ class Scheduler:
         if k == "dspark":
             self.T = engine.cfg.dspark_block_size + 1   # tokens a decode step may write
             self.runner.set_mode(DSpark())
-        else:
+        elif k:
             self.T = k + 1   # tokens a decode step may write per request
-            self.runner.set_mode(Speculation(k) if k else None)
+            self.runner.set_mode(Speculation(k))
+        else:
+            self.T = config.decode_steps
+            self.runner.set_mode(None, steps=config.decode_steps)
+        # tokens a decode step surely emits (unless the request ends): a multi-step one
+        # emits all of its steps' up to max_tokens, a speculative one at least one
+        self.sure = config.decode_steps
         # no tokenizer (Engine.stream: token ids only): no text, no stop strings
         self.eos_ids = frozenset([tokenizer.eos_id if tokenizer is not None
                                   else engine.cfg.eos_token_id])
@@ -264,7 +285,8 @@ class Scheduler:
                 req.ready = None
             elif self._try_ensure(req.slot, len(req.feed) + self.T):
                 starts.append(RowStart(req.slot, req.ready, len(req.feed),
-                                       SamplingRows.row(req.params, req.seed), n_base + 1))
+                                       SamplingRows.row(req.params, req.seed), n_base + 1,
+                                       req.params.max_tokens))
                 req.ready, req.decoding = None, True
                 rows.append(req)
         replays = self._replay_rows([r for r in grown if not r.decoding], starts)
@@ -323,10 +345,10 @@ class Scheduler:
                          if r.decoding or r.replay_next is not None],
                         key=lambda r: r.t_arrival):
             while r.slot is not None and not r.done:
-                # tokens it surely has once what is in flight is read (a speculative
-                # step emits at least one, at most T): no step past max_tokens
-                if r.decoding and (len(r.out_ids) + r.first_unread + r.inflight_steps
-                                   >= r.params.max_tokens):
+                # tokens it surely has once what is in flight is read: no step past
+                # max_tokens
+                if r.decoding and (len(r.out_ids) + r.first_unread
+                                   + r.inflight_steps * self.sure >= r.params.max_tokens):
                     break
                 if self._try_ensure(r.slot, self._reach(r)):
                     out.append(r)
@@ -444,7 +466,7 @@ class Scheduler:
             if req.first_unread:
                 req.first_unread = False
                 if not req.done:
-                    self._accept(req, *pre[i])
+                    self._accept(req, *(np.asarray(a)[None] for a in pre[i]))
         if dec is None:
             return
         toks, counts, lp, top_ids, top_lp = dec
@@ -458,40 +480,43 @@ class Scheduler:
             if self.T > 1:
                 self.runner.advance(slot, n)
             req.decode_steps += 1
-            for j in range(n):
-                self._accept(req, toks[slot, j], lp[slot, j], top_ids[slot, j], top_lp[slot, j])
-                if req.done:
-                    break
+            self._accept(req, toks[slot, :n], lp[slot, :n], top_ids[slot, :n],
+                         top_lp[slot, :n])
 
-    def _accept(self, req: Request, tok, lp, top_ids, top_lp) -> None:
-        """A sampled token: its text, stop checks and the Output to the sink."""
+    def _accept(self, req: Request, toks, lps, top_ids, top_lps) -> None:
+        """A step's sampled tokens toks [n] (with their logprobs lps [n] and the likeliest
+        top_ids / top_lps [n, K]): their text, the stop checks, and one Output to the sink
+        (up to the first token that ends the request)."""
         now = time.perf_counter()
-        tok = int(tok)
-        first = req.t_first is None
-        if first:
-            req.t_first = now
-        req.out_ids.append(tok)
-        p = req.params
-        o = Output(token_ids=[tok], prompt_tokens=len(req.prompt),
-                   completion_tokens=len(req.out_ids), cached_tokens=req.cached_tokens,
-                   decode_steps=req.decode_steps)
-        if p.logprobs:
-            o.logprobs = [TokenLogprob(tok, float(lp), [(int(i), float(v)) for i, v in
-                                                        zip(top_ids[:p.top_logprobs],
-                                                            top_lp[:p.top_logprobs])])]
-        if self.observer is not None:
-            self.observer.on_token(req, now, first)
-        req.t_last = now
-        text = req.text
-        if tok in req.stop_ids:   # a stop id's own text is not part of the output
-            o.text, o.finish_reason = text.finish() if text else "", "stop"
-        else:
-            o.text, hit = text.push([tok]) if text else ("", False)
-            if hit:
-                o.finish_reason = "stop"
-            elif len(req.out_ids) >= p.max_tokens:
+        p, text = req.params, req.text
+        o = Output(prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens)
+        for j, tok in enumerate(toks.tolist()):
+            first = req.t_first is None
+            if first:
+                req.t_first = now
+            req.out_ids.append(tok)
+            o.token_ids.append(tok)
+            if p.logprobs:
+                o.logprobs.append(TokenLogprob(
+                    tok, float(lps[j]), list(zip(top_ids[j, :p.top_logprobs].tolist(),
+                                                 top_lps[j, :p.top_logprobs].tolist()))))
+            if self.observer is not None:
+                self.observer.on_token(req, now, first)
+            if tok in req.stop_ids:   # a stop id's own text is not part of the output
                 o.text += text.finish() if text else ""
-                o.finish_reason = "length"
+                o.finish_reason = "stop"
+            else:
+                piece, hit = text.push([tok]) if text else ("", False)
+                o.text += piece
+                if hit:
+                    o.finish_reason = "stop"
+                elif len(req.out_ids) >= p.max_tokens:
+                    o.text += text.finish() if text else ""
+                    o.finish_reason = "length"
+            if o.finish_reason is not None:
+                break
+        req.t_last = now
+        o.completion_tokens, o.decode_steps = len(req.out_ids), req.decode_steps
         if o.finish_reason is not None:
             self._release(req)
             self._report_finish(req, o.finish_reason)
