@@ -283,6 +283,17 @@ class ModelRunner:
         return None if self._mode is None else self._mode[1]
 
     @property
+    def several(self) -> bool:
+        """A decode step emits [R, T] tokens with counts (speculative or multi-step)."""
+        return self.speculation is not None or self.steps > 1
+
+    def _reader(self):
+        """The decode state's token reader of this mode."""
+        if not self.several:
+            return _read_plain
+        return functools.partial(_read_several, multi_step=self.speculation is None)
+
+    @property
     def steps(self) -> int:
         """Plain decode steps one decode program runs (set_mode)."""
         return 1 if self._mode is None else self._mode[2]
@@ -406,7 +417,7 @@ class ModelRunner:
                     tok = put_state(np.asarray([tok], np.int32), self.state_sharding)
                 args = (st, jnp.int32(s.slot), tok, jnp.int32(s.pos), jnp.int32(s.draw),
                         _one_row(s.sampling))
-                st = (_start_row(*args, jnp.int32(min(s.end, 2**31 - 1))) if spec is None else
+                st = (_start_row(*args, jnp.int32(s.end)) if spec is None else
                       _start_dspark_row(*args) if isinstance(spec, DSpark) else
                       _start_spec_row(*args, self._h[s.slot]))
             run = np.zeros(R, np.int32)
@@ -419,16 +430,14 @@ class ModelRunner:
             self._host = {"table": self.bm.table.copy(), "run": run}
             if batch.run:
                 self.cache, st = self._decode_program()(self.state, self.cache, st)
-                if spec is None and self.steps == 1:
-                    dec = _read_plain(st)
+                dec = self._reader()(st)
+                if not self.several:
                     for s in batch.run:
                         self.bm.advance(s, 1)
-                else:
-                    dec = _read_several(st, spec is None)
                 if self.interpreted:
                     jax.block_until_ready(dec)
             self.dstate = st
-        return StepResult(pre_out, dec, spec is not None or self.steps > 1)
+        return StepResult(pre_out, dec, self.several)
 
     def _ensure_dstate(self) -> dict:
         if self.dstate is None:
@@ -438,9 +447,7 @@ class ModelRunner:
             # the token reader loads before the decode step first runs: XLA drops every
             # loaded program's CUDA graphs when a new one loads, and the step would
             # re-record its graphs at its second run
-            jax.block_until_ready(_read_plain(self.dstate) if self.speculation is None and
-                                  self.steps == 1 else
-                                  _read_several(self.dstate, self.speculation is None))
+            jax.block_until_ready(self._reader()(self.dstate))
         return self.dstate
 
     def advance(self, slot: int, n: int) -> None:
